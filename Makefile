@@ -1,0 +1,34 @@
+# Two set-up commands: `make test` and `make serve`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION := 2.13.0
+
+.PHONY: test serve lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch is installed on its own first: a bare `torch` requirement could pull a
+# several-GB CUDA build, while torch==2.13.0 takes the CPU build on this disk.
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+
+bench: $(VENV)/.installed
+	$(BIN)/python bench/models.py
+
+serve:
+	@echo "make serve: the inference service is not built yet (see the service and deployment issues)." >&2
+	@exit 2
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,43 @@
+"""The interface every transition parametrization implements.
+
+A parametrization is a small module that owns its parameters and turns them into
+a matrix. It offers two equivalent views:
+
+* ``matrix()``: the dense matrix, built with level-3 BLAS. The forward pass of a
+  network materialises it once per call and uses plain matrix products.
+* ``apply(x)``: the factored, per-vector application of the papers (one reflector
+  or one packed rotation at a time). It is the reference for the dense path, the
+  graph that the factored ONNX export reproduces, and the cheap path when only a
+  few vectors are multiplied.
+
+``apply`` acts on row vectors: ``apply(x) == x @ matrix().T`` for x of shape
+[..., cols]; ``apply(x, transpose=True) == x @ matrix()``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Parametrization(nn.Module):
+    #: True when every value of the parameters gives an orthogonal matrix.
+    orthogonal: bool = True
+    #: True when the parameters are constrained ones (reflectors, angles, skew entries):
+    #: they form the "orthogonal" optimizer group with its own learning rate.
+    constrained: bool = True
+
+    def matrix(self) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def apply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def regularization(self) -> torch.Tensor:
+        """Penalty added to the loss (zero unless the parametrization defines one)."""
+        return self._zero()
+
+    def _zero(self) -> torch.Tensor:
+        ref = next(self.parameters(), None)
+        return torch.zeros((), dtype=ref.dtype if ref is not None else torch.get_default_dtype(),
+                           device=ref.device if ref is not None else None)

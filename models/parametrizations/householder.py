@@ -1,0 +1,72 @@
+"""Products of Householder reflectors (Spectral-RNN eq. 1-2, 8; oRNN).
+
+``HouseholderChain(n, m)`` is U = H_n(u_n) H_{n-1}(u_{n-1}) ... H_{n-m+1}(u_{n-m+1}),
+where H_k(u) reflects the last k coordinates: H_k(u) = I - 2 û û^T / ||û||^2 with
+û = (0_{n-k}, u), and H_k(0) = I (eq. 1). Reflector i (i = 0 .. m-1) is H_{n-i}; it
+has n - i free entries, so the chain holds m n - m (m - 1) / 2 parameters, the count
+the paper's parameter formula uses.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..validation import check_int
+from .base import Parametrization
+
+
+class HouseholderChain(Parametrization):
+    orthogonal = True
+
+    def __init__(self, size: int, reflectors: int | None = None, *, name: str = "m"):
+        super().__init__()
+        self.size = check_int("hidden_size", size, 1)
+        self.reflectors = check_int(name, size if reflectors is None else reflectors, 1, size)
+        n, m = self.size, self.reflectors
+        # Packed storage: reflector i owns rows i..n-1 of column i of Y (n x m).
+        rows = torch.cat([torch.arange(i, n) for i in range(m)])
+        cols = torch.cat([torch.full((n - i,), i) for i in range(m)])
+        self.register_buffer("flat_index", rows * m + cols, persistent=False)
+        self.vectors = nn.Parameter(torch.randn(rows.numel()) / n**0.5)
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}, reflectors={self.reflectors}"
+
+    def reflector_matrix(self) -> torch.Tensor:
+        """Y [n, m]: column i is û for reflector i (zeros above row i)."""
+        n, m = self.size, self.reflectors
+        y = self.vectors.new_zeros(n * m).scatter(0, self.flat_index, self.vectors)
+        return y.view(n, m)
+
+    def set_reflectors(self, y: torch.Tensor) -> None:
+        """Load Y [n, m] (entries above row i of column i are ignored)."""
+        with torch.no_grad():
+            self.vectors.copy_(y.reshape(-1)[self.flat_index].to(self.vectors))
+
+    def matrix(self) -> torch.Tensor:
+        # Compact WY form (Schreiber & Van Loan; Joffrain et al. 2006):
+        # H_0 H_1 ... H_{m-1} = I - Y T Y^T with T^{-1} = striu(Y^T Y) + diag(||y_i||^2 / 2).
+        # One Gram product and one triangular solve: level-3 BLAS throughout.
+        y = self.reflector_matrix()
+        gram = y.T @ y
+        half_norms = gram.diagonal() / 2
+        # A zero vector is the identity (eq. 1); its column of Y is zero, so any
+        # non-zero diagonal entry decouples it from T without changing the product.
+        half_norms = torch.where(half_norms > 0, half_norms, torch.ones_like(half_norms))
+        t_inv = torch.triu(gram, diagonal=1) + torch.diag(half_norms)
+        t_yt = torch.linalg.solve_triangular(t_inv, y.T, upper=True)
+        return torch.eye(self.size, dtype=y.dtype, device=y.device) - y @ t_yt
+
+    def apply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+        # Per-vector reference, one reflector at a time (eq. 8):
+        # H_k(u) h = h - 2 (û^T h / û^T û) û.
+        y = self.reflector_matrix()
+        scale = 2 / (y * y).sum(0)
+        scale = torch.where(torch.isfinite(scale), scale, torch.zeros_like(scale))
+        # x @ U^T applies the rightmost reflector first; x @ U the leftmost first.
+        order = range(self.reflectors) if transpose else reversed(range(self.reflectors))
+        for i in order:
+            u = y[:, i]
+            x = x - (scale[i] * (x @ u)).unsqueeze(-1) * u
+        return x

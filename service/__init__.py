@@ -1,0 +1,1 @@
+"""The inference service (FastAPI + onnxruntime). Never imports torch."""

@@ -1,0 +1,51 @@
+"""The ``orthornn`` console script.
+
+It lives in a torch-free package so the serving image can run it; each subcommand
+imports its stage only when it runs. Subcommands arrive with their stages (train,
+export, serve, predict, quickstart, bench); ``orthornn --help`` lists those present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _architectures(args: argparse.Namespace) -> int:
+    from models import ALIASES, ARCHITECTURES
+
+    aliases = {v: k for k, v in ALIASES.items()}
+    for name, spec in ARCHITECTURES.items():
+        label = name + (f" (alias {aliases[name]})" if name in aliases else "")
+        print(f"{label}\n    {spec.summary}\n    tasks: {', '.join(spec.tasks)}")
+        if spec.options:
+            opts = ", ".join(f"{k}={'auto' if v is None else v}" for k, v in spec.options.items())
+            print(f"    options: {opts}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="orthornn",
+        description="Train, export and serve orthogonal and spectrally-constrained RNNs.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    arch = sub.add_parser("architectures", help="list the architectures, their tasks and options")
+    arch.set_defaults(run=_architectures)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "run", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.run(args)
+    except ValueError as error:  # bad input: one line, no traceback
+        print(f"orthornn {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

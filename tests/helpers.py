@@ -1,0 +1,57 @@
+"""Independent references the tests compare against."""
+
+import torch
+
+
+def spectral_error(w: torch.Tensor) -> float:
+    """||W^T W - I||_2."""
+    eye = torch.eye(w.shape[1], dtype=w.dtype)
+    return torch.linalg.matrix_norm(w.T @ w - eye, ord=2).item()
+
+
+def householder_qr_vectors(a: torch.Tensor) -> torch.Tensor:
+    """Householder QR of a [n, k] with orthonormal columns (Spectral-RNN Prop. 1): Y [n, k]
+    with column i zero above row i such that (H(y_0) ... H(y_{k-1}))[:, :k] = a. Each
+    reflector maps the working column to +||x|| e_1 (v = x - ||x|| e_1, v = 0 when x is
+    already there), so R has a positive diagonal and equals I."""
+    n, k = a.shape
+    r = a.clone()
+    y = torch.zeros(n, k, dtype=a.dtype)
+    for i in range(k):
+        x = r[i:, i]
+        v = x.clone()
+        v[0] -= torch.linalg.vector_norm(x)
+        if torch.linalg.vector_norm(v) > 1e-12:
+            r[i:, :] -= 2 * torch.outer(v, v @ r[i:, :]) / (v @ v)
+            y[i:, i] = v
+    return y
+
+
+def givens_dense(n: int, pairs, angles) -> torch.Tensor:
+    """One packed rotation as an explicit dense matrix (DizzyRNN 4.1): (a, a) = (b, b) = cos,
+    (a, b) = sin, (b, a) = -sin."""
+    g = torch.eye(n, dtype=angles.dtype)
+    for (a, b), t in zip(pairs, angles, strict=True):
+        g[a, a] = g[b, b] = torch.cos(t)
+        g[a, b] = torch.sin(t)
+        g[b, a] = -torch.sin(t)
+    return g
+
+
+def loop_rnn(model, x, h0=None):
+    """A plain step-by-step RNN using model.recurrent_weight() and the layer's modules,
+    written independently of models.ops: the reference for the fast scan."""
+    layer = model.layer
+    w = model.recurrent_weight()
+    inputs = model.embedding(x) if model.embedding is not None else x
+    h = torch.zeros(x.shape[0], w.shape[0], dtype=w.dtype) if h0 is None else h0
+    states = []
+    for t in range(inputs.shape[1]):
+        z = inputs[:, t] @ layer.input.weight.T + layer.input.bias + h @ w.T
+        new = layer.activation(z)
+        if layer.gates is not None:
+            a, b2 = layer.gates()
+            new = a * new + b2 * h
+        h = new
+        states.append(h)
+    return torch.stack(states, 1), h
