@@ -84,11 +84,15 @@ class SequenceModel(_Network):
         return self.layer(inputs, h0, lengths, factored=factored)
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None,
-                h0: torch.Tensor | None = None) -> torch.Tensor:
+                h0: torch.Tensor | None = None, return_state: bool = False):
+        """Task outputs; with ``return_state``, (outputs, last state) so a caller (the
+        language-model trainer, a generator) can carry the state to the next call."""
         states, last = self.encode(x, h0, lengths)
         if self.task in ("classify", "regress"):
-            return self.head(last[:, : self.hidden_size])
-        return self.head(states)
+            out = self.head(last[:, : self.hidden_size])
+        else:
+            out = self.head(states)
+        return (out, last) if return_state else out
 
     # -- input checks: a ValueError naming the argument, never an opaque shape error --
     def _check_input(self, x) -> tuple[int, int]:

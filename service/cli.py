@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     arch = sub.add_parser("architectures", help="list the architectures, their tasks and options")
     arch.set_defaults(run=_architectures)
+    from training.cli import add_plot_parser, add_train_parser
+
+    add_train_parser(sub)
+    add_plot_parser(sub)
     return parser
 
 
@@ -45,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # bad input: one line, no traceback
         print(f"orthornn {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"orthornn {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,209 @@
+"""Task data: shapes, label ranges, determinism and baselines, against the task
+definitions of the papers."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from training.corpus import EOS, UNK, build_vocabulary, tokenize
+from training.data import EpochSampler, TokenStream
+from training.tasks import (
+    adding_batch,
+    copy_baseline,
+    copy_batch,
+    fold_series,
+    make_task,
+    step_width,
+    ucr_datasets,
+)
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_adding_batch_structure():
+    b = adding_batch(500, 30, gen())
+    assert b.x.shape == (500, 30, 2) and b.y.shape == (500, 1)
+    markers = b.x[..., 1]
+    assert torch.all(markers.sum(1) == 2)
+    assert torch.all(markers[:, :15].sum(1) == 1) and torch.all(markers[:, 15:].sum(1) == 1)
+    assert torch.all((b.x[..., 0] >= 0) & (b.x[..., 0] < 1))
+    torch.testing.assert_close(b.y[:, 0], (b.x[..., 0] * markers).sum(1))
+    again = adding_batch(500, 30, gen())
+    assert torch.equal(again.x, b.x)  # determinism under a seed
+    assert not torch.equal(adding_batch(500, 30, gen(1)).x, b.x)
+
+
+def test_adding_baseline_is_the_mse_of_predicting_one():
+    task = make_task("adding", seq_len=20)
+    b = adding_batch(200_000, 20, gen(3))
+    assert (b.y - 1).square().mean().item() == pytest.approx(task.baseline, abs=2e-3)
+    assert task.baseline == pytest.approx(0.167, abs=1e-3)
+
+
+def test_copy_batch_structure_and_baseline():
+    lag = 25
+    b = copy_batch(300, lag, gen())
+    steps = lag + 20
+    assert b.x.shape == (300, steps, 10) and b.y.shape == (300, steps)
+    symbols = b.x.argmax(-1)
+    assert torch.all((symbols[:, :10] >= 1) & (symbols[:, :10] <= 8))
+    assert torch.all(symbols[:, steps - 11] == 9)  # the marker, ten steps before the end
+    blanks = torch.ones(steps, dtype=torch.bool)
+    blanks[:10] = False
+    blanks[steps - 11] = False
+    assert torch.all(symbols[:, blanks] == 0)
+    assert torch.equal(b.y[:, -10:], symbols[:, :10])
+    assert torch.all(b.y[:, :-10] == 0)
+    # the baseline strategy: certain blanks, then uniform over the 8 symbols
+    probs = torch.zeros(300, steps, 10)
+    probs[:, :-10, 0] = 1
+    probs[:, -10:, 1:9] = 1 / 8
+    ce = -torch.log(probs.gather(-1, b.y.unsqueeze(-1)).clamp_min(1e-30)).mean().item()
+    assert ce == pytest.approx(copy_baseline(lag))
+    assert copy_baseline(lag) == pytest.approx(10 * math.log(8) / (lag + 20))
+
+
+@pytest.mark.parametrize("name", ["digits", "permuted-digits"])
+def test_digits(name):
+    task = make_task(name)
+    sizes = [len(task.train), len(task.val), len(task.test)]
+    assert sum(sizes) == 1797 and sizes[0] > sizes[1] > 0
+    for split in (task.train, task.val, task.test):
+        assert split.x.shape[1:] == (64, 1)
+        assert split.y.min() >= 0 and split.y.max() <= 9
+        assert split.x.min() >= 0 and split.x.max() <= 1
+    assert task.kind == "classify" and task.num_outputs == 10 and task.metric == "accuracy"
+    again = make_task(name)
+    assert torch.equal(again.test.x, task.test.x)  # a fixed split
+
+
+def test_permuted_digits_is_a_fixed_pixel_permutation_of_digits():
+    plain, perm = make_task("digits"), make_task("permuted-digits")
+    assert torch.equal(plain.test.y, perm.test.y)
+    a, b = plain.test.x[..., 0], perm.test.x[..., 0]
+    assert not torch.equal(a, b)
+    order = [int(torch.nonzero((a[:, [j]] == b).all(0))[0]) for j in range(64)
+             if (a[:, [j]] == b).all(0).sum() == 1]
+    assert len(order) > 40  # most pixels identified; the mapping is one fixed permutation
+
+
+def test_mnist1d():
+    task = make_task("mnist1d")
+    assert task.train.x.shape == (3500, 40, 1) and task.test.x.shape == (1000, 40, 1)
+    assert set(task.train.y.tolist()) == set(range(10))
+
+
+@pytest.mark.parametrize("name,steps,width,n_test", [("GunPoint", 15, 10, 150),
+                                                     ("ArrowHead", 251, 1, 175)])
+def test_ucr_folds_series_like_the_spectral_rnn_appendix(name, steps, width, n_test):
+    assert name in ucr_datasets()
+    task = make_task("ucr", dataset=name)
+    assert task.train.x.shape[1:] == (steps, width)
+    assert len(task.test) == n_test
+    total = len(task.train) + len(task.val)
+    assert len(task.val) == round(0.2 * total)
+    flat = make_task("ucr", dataset=name, point_by_point=True)
+    assert flat.train.x.shape[1:] == (steps * width, 1)
+    torch.testing.assert_close(flat.test.x.reshape(n_test, -1), task.test.x.reshape(n_test, -1))
+
+
+def test_step_width_and_multivariate_folding():
+    assert step_width(150) == 10 and step_width(251) == 1 and step_width(100) == 10
+    x = np.arange(2 * 3 * 6, dtype=np.float32).reshape(2, 3, 6)  # [N, channels, L]
+    folded = fold_series(x, point_by_point=False)  # n_i = 2: 3 steps of 3 x 2 values
+    assert folded.shape == (2, 3, 6)
+    assert folded[0, 1].tolist() == [2, 3, 8, 9, 14, 15]
+
+
+def test_ucr_unknown_dataset_lists_bundled():
+    with pytest.raises(ValueError, match=r"bundled with sktime: .*GunPoint"):
+        make_task("ucr", dataset="Wafer")
+
+
+def test_lm_corpus_and_vocabulary():
+    task = make_task("lm", vocab_size=500, bptt=20)
+    assert task.vocabulary[:2] == [UNK, EOS] and len(task.vocabulary) == 500
+    assert task.input_size == task.num_outputs == 500
+    assert len(task.train) > 400_000  # real text: wiki articles and news
+    ids = torch.tensor(task.train)
+    assert ids.min() >= 0 and ids.max() < 500
+    assert task.val.inputs.shape[1] > 1000 and task.test.inputs.shape[1] > 1000
+    assert tokenize("The 3 cats' owner's 1,000 dogs.") == ["the", "N", "cats", "owner's", "N",
+                                                          "dogs", EOS]
+
+
+def test_lm_user_corpus(tmp_path):
+    text = "\n\n".join(f"paragraph {i} about the cat and the dog and the bird number {i}"
+                       for i in range(40))
+    path = tmp_path / "corpus.txt"
+    path.write_text(text)
+    task = make_task("lm", corpus=str(path), vocab_size=20, bptt=5)
+    assert task.vocabulary[2] == "the"  # the most frequent word
+    with pytest.raises(ValueError, match="corpus must be a readable text file"):
+        make_task("lm", corpus=str(tmp_path / "missing.txt"))
+
+
+def test_vocabulary_ranking():
+    assert build_vocabulary(["b", "a", "b", "c", "a", "b"], 4) == [UNK, EOS, "b", "a"]
+
+
+def test_token_stream_windows_carry_across_steps():
+    stream = TokenStream(torch.arange(101), columns=4, bptt=10)
+    x0, y0, fresh0 = stream.window(0)
+    x1, _, fresh1 = stream.window(1)
+    assert fresh0 and not fresh1
+    assert x0.shape == (4, 10) and torch.equal(y0, x0 + 1)
+    assert torch.equal(x1[:, 0], x0[:, -1] + 1)  # each column continues its own stream
+
+
+def test_epoch_sampler_covers_each_epoch():
+    task = make_task("digits")
+    sampler = EpochSampler(task.train, 100, seed=0)
+    seen = torch.cat([sampler.batch(i).y for i in range(sampler.per_epoch)])
+    assert len(seen) == 100 * (len(task.train) // 100)
+
+
+# -- a user's data ---------------------------------------------------------------------
+
+def _npz(tmp_path, **arrays):
+    path = tmp_path / "data.npz"
+    np.savez(path, **arrays)
+    return str(path)
+
+
+def test_user_npz_with_lengths(tmp_path):
+    x = np.random.rand(50, 7, 3).astype(np.float32)
+    lengths = np.random.randint(1, 8, 50)
+    path = _npz(tmp_path, x=x, y=np.arange(50) % 3, lengths=lengths,
+                labels=np.array(["a", "b", "c"]))
+    task = make_task("classify", data=path)
+    assert task.labels == ["a", "b", "c"] and task.input_size == 3
+    assert len(task.train) + len(task.val) + len(task.test) == 50
+    assert task.train.lengths is not None
+
+
+@pytest.mark.parametrize("arrays,match", [
+    ({"x": np.zeros((20, 5, 2))}, "missing 'y'"),
+    ({"x": np.zeros((20, 5, 2, 1)), "y": np.zeros(20, int)}, "data x must be a numeric array"),
+    ({"x": np.full((20, 5, 2), np.nan), "y": np.zeros(20, int)}, "NaN"),
+    ({"x": np.zeros((20, 5, 2)), "y": np.zeros(19, int)}, "data y must be integer class ids"),
+    ({"x": np.zeros((20, 5, 2)), "y": np.zeros(20)}, "data y must be integer class ids"),
+    ({"x": np.zeros((20, 5, 2)), "y": np.zeros(20, int), "lengths": np.full(20, 9)},
+     "data lengths must be integers"),
+])
+def test_user_npz_errors(tmp_path, arrays, match):
+    with pytest.raises(ValueError, match=match):
+        make_task("classify", data=_npz(tmp_path, **arrays))
+
+
+def test_task_errors():
+    with pytest.raises(ValueError, match="task must be one of adding, copy"):
+        make_task("mnist")
+    with pytest.raises(ValueError, match="option\\(s\\) dataset do not apply to task 'adding'"):
+        make_task("adding", dataset="GunPoint")
+    with pytest.raises(ValueError, match="seq_len must be an integer in \\[2"):
+        make_task("adding", seq_len=1)

@@ -1,0 +1,180 @@
+"""The trainer, checkpoints, resume, the command line and DDP."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import build_model
+from service.cli import main as cli
+from training import checkpoint
+from training.config import TrainConfig
+from training.tasks import make_task
+from training.trainer import evaluate, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def small(out, **kw):
+    base = dict(arch="svdrnn", task="adding", seq_len=10, hidden_size=8, steps=12, batch_size=8,
+                log_every=6, optimizer="adam", lr=0.01, out=str(out))
+    return TrainConfig(**{**base, **kw})
+
+
+def test_adding_t30_learns(tmp_path):
+    summary = train(small(tmp_path / "run", seq_len=30, hidden_size=32, steps=400,
+                          batch_size=64, log_every=100), progress=False)
+    assert summary["test"]["mse"] < 0.05 < summary["baseline"]
+
+
+def test_run_directory_contents_and_metrics_log(tmp_path):
+    run = tmp_path / "run"
+    summary = train(small(run, plot=True), progress=False)
+    for name in ("model.safetensors", "config.json", "summary.json", "metrics.jsonl",
+                 "last.safetensors", "trainer_state.pt", "curves.png"):
+        assert (run / name).is_file(), name
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in run.iterdir() if p.name.startswith(".")]  # no temporary left
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [6, 12]
+    for key in ("loss", "val_mse", "spectral_margin", "grad_h0", "lr", "seconds"):
+        assert all(r[key] is not None for r in rows), key
+    assert rows[-1]["spectral_margin"] <= 0.01 + 1e-6  # r = 0.01 bounds |s_i - 1|
+    assert summary["parameters"] == sum(
+        p.numel() for p in checkpoint.load_model(run)[0].parameters())
+    config = json.loads((run / "config.json").read_text())
+    assert config["input_spec"] == {"kind": "float", "feature_size": 2, "max_length": 10}
+
+
+def test_checkpoint_round_trip_gives_identical_outputs(tmp_path):
+    run = tmp_path / "run"
+    summary = train(small(run, arch="scornn", task="copy", seq_len=5), progress=False)
+    model, config = checkpoint.load_model(run)
+    task = make_task("copy", seq_len=5)
+    again = evaluate(model, task, task.test, 256, torch.device("cpu"))
+    assert again["cross_entropy"] == pytest.approx(summary["test"]["cross_entropy"], rel=1e-6)
+    # saving and loading once more changes nothing
+    checkpoint.save_weights(tmp_path / "copy.safetensors", model)
+    clone = checkpoint.build_from_config(config)
+    clone.load_state_dict(checkpoint.load_weights(tmp_path / "copy.safetensors"))
+    x = task.test.x[:4]
+    assert torch.equal(clone.eval()(x), model(x))
+
+
+def test_resume_continues_the_step_count_and_matches_one_run(tmp_path):
+    straight, split = tmp_path / "a", tmp_path / "b"
+    train(small(straight, steps=12), progress=False)
+    train(small(split, steps=6), progress=False)
+    train(small(split, steps=12), resume=True, progress=False)
+    rows = [json.loads(line)["step"] for line in (split / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [6, 12]
+    a = checkpoint.load_weights(straight / "last.safetensors")
+    b = checkpoint.load_weights(split / "last.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], msg=key)
+
+
+def test_lm_trains_with_carried_state(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"the cat sat on the mat number {i} and the dog ran"
+                                  for i in range(60)))
+    run = tmp_path / "lm"
+    summary = train(small(run, arch="sgornn", task="lm", seq_len=None, corpus=str(corpus),
+                          vocab_size=30,
+                          bptt=8, steps=30, log_every=10, lr=0.02), progress=False)
+    vocab = checkpoint.read_vocabulary(run, checkpoint.read_run_config(run))
+    assert vocab[:2] == ["<unk>", "<eos>"] and len(vocab) == 12  # all 10 words of this corpus
+    assert summary["test"]["perplexity"] < len(vocab)  # better than uniform
+
+
+def test_config_file_and_flag_override(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("arch: ornn\ntask: adding\nseq_len: 10\nhidden_size: 8\nsteps: 4\n"
+                   "batch_size: 8\nlog_every: 2\narch_options: {m: 3}\n")
+    run = tmp_path / "run"
+    assert cli(["train", "--config", str(cfg), "--steps", "6", "--out", str(run),
+                "--no-progress"]) == 0
+    config = json.loads((run / "config.json").read_text())
+    assert config["train"]["steps"] == 6 and config["model"]["options"] == {"m": 3}
+    assert config["arch"] == "ornn"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--task", "mnist"], "task must be one of"),
+    (["--task", "ucr", "--dataset", "Wafer"], "bundled with sktime"),
+    (["--hidden", "0"], "hidden_size must be an integer"),
+    (["--option", "m1=99"], "m1 must be an integer in [1, 8]"),
+    (["--lr", "-1"], "lr must be a number in (0.0, 10.0]"),
+    (["--optimizer", "sgd"], "optimizer must be one of"),
+    (["--task", "classify"], "needs --data FILE"),
+    (["--epochs", "2"], "epochs does not apply to the generated task"),
+])
+def test_cli_errors_are_one_line_and_leave_no_run_dir(tmp_path, capsys, args, message):
+    run = tmp_path / "run"
+    code = cli(["train", "--arch", "svdrnn", "--task", "adding", "--hidden", "8",
+                "--out", str(run), "--no-progress", *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert message in err and "\n" not in err and "Traceback" not in err
+    assert not run.exists()
+
+
+def test_cli_bad_data_file(tmp_path, capsys):
+    import numpy as np
+
+    path = tmp_path / "d.npz"
+    np.savez(path, x=np.full((20, 4, 2), np.nan), y=np.zeros(20, int))
+    code = cli(["train", "--arch", "rnn", "--task", "classify", "--data", str(path),
+                "--out", str(tmp_path / "run")])
+    assert code == 2 and "NaN" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_existing_run_is_not_overwritten(tmp_path, capsys):
+    run = tmp_path / "run"
+    train(small(run, steps=2, log_every=2), progress=False)
+    code = cli(["train", "--arch", "svdrnn", "--task", "adding", "--out", str(run)])
+    assert code == 2 and "already holds a run" in capsys.readouterr().err
+
+
+def test_plot_command(tmp_path, capsys):
+    run = tmp_path / "run"
+    train(small(run), progress=False)
+    assert cli(["plot", str(run), "--out", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ddp_two_gloo_processes_match_one_process(tmp_path):
+    args = ["train", "--arch", "svdrnn", "--task", "adding", "--seq-len", "10", "--hidden", "8",
+            "--steps", "12", "--batch-size", "8", "--log-every", "6", "--optimizer", "adam",
+            "--lr", "0.01", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).parent / "torchrun"
+    result = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2",
+                             "-m", "service.cli", *args, "--out", str(tmp_path / "ddp")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert cli([*args, "--out", str(tmp_path / "one")]) == 0
+    ddp, _ = checkpoint.load_model(tmp_path / "ddp", "last.safetensors")
+    one, _ = checkpoint.load_model(tmp_path / "one", "last.safetensors")
+    # Compare what the parameters compute: the 1x1 reflector H_1(u) = -1 for every u != 0
+    # has an exactly-zero gradient, so Adam turns rounding noise there into steps.
+    torch.testing.assert_close(ddp.recurrent_weight(), one.recurrent_weight(),
+                               atol=1e-5, rtol=1e-5)
+    x = torch.randn(5, 10, 2)
+    torch.testing.assert_close(ddp(x), one(x), atol=1e-5, rtol=1e-5)
+    assert json.loads((tmp_path / "ddp" / "summary.json").read_text())["processes"] == 2
+
+
+def test_build_from_config_matches_build_model(tmp_path):
+    run = tmp_path / "run"
+    train(small(run, arch="dizzyrnn", arch_options={"rotations": 3}), progress=False)
+    model, _ = checkpoint.load_model(run)
+    assert model.layer.transition.rotations == 3
+    reference = build_model("dizzyrnn", "regress", input_size=2, hidden_size=8, rotations=3)
+    assert {k: v.shape for k, v in reference.state_dict().items()} == \
+        {k: v.shape for k, v in model.state_dict().items()}

@@ -1,0 +1,124 @@
+"""``orthornn train`` and ``orthornn plot``. Torch-free at import: the flags come from
+TrainConfig's fields; the trainer is imported only when a command runs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from .config import DEVICES, OPTIMIZERS, SCHEDULES, TASK_NAMES, TrainConfig, read_config_file
+
+HELP = {
+    "arch": "architecture (orthornn architectures lists them)",
+    "task": f"task: {', '.join(TASK_NAMES)}",
+    "out": "run directory to create (RUN_DIR)",
+    "hidden_size": "hidden state size n",
+    "embedding_size": "token embedding size (lm; default hidden size)",
+    "seq_len": "sequence length T (adding) or time lag T (copy)",
+    "dataset": "UCR/UEA set bundled with sktime (task ucr)",
+    "point_by_point": "feed UCR series one point per step (task ucr)",
+    "corpus": "a text file to model instead of the bundled corpus (task lm)",
+    "vocab_size": "vocabulary size incl. <unk> and <eos> (task lm)",
+    "bptt": "steps per truncated-backprop window (task lm)",
+    "data": ".npz file with x [N, T, d] (+ lengths) and y [N] (task classify)",
+    "steps": f"optimizer steps (default {1000})",
+    "epochs": "epochs over the training set instead of steps (data set tasks)",
+    "batch_size": "sequences per step",
+    "optimizer": f"optimizer: {', '.join(OPTIMIZERS)}",
+    "lr": "learning rate",
+    "orthogonal_lr": "learning rate of the orthogonal parameters (default lr)",
+    "schedule": f"learning-rate schedule: {', '.join(SCHEDULES)}",
+    "clip": "gradient-norm clipping threshold (0 disables)",
+    "seed": "random seed (initialisation and batches)",
+    "device": f"device: {', '.join(DEVICES)}",
+    "log_every": "steps between validation, logging and checkpoints",
+    "eval_every": "steps between validations (default log_every)",
+    "eval_batch_size": "sequences per evaluation batch",
+    "plot": "write RUN_DIR/curves.png at the end",
+}
+
+
+def _parse_option(text: str) -> tuple[str, object]:
+    import json
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = value
+    return key.replace("-", "_"), parsed
+
+
+def add_train_parser(sub) -> None:
+    parser = sub.add_parser("train", help="train a model on a task, writing RUN_DIR",
+                            description="Train a model. Every option can also come from "
+                            "--config FILE (YAML or JSON); flags override the file.",
+                            argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", help="YAML or JSON file of options")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --out (its options, overridden by flags)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "hidden_size":
+            flag = ("--hidden", flag)
+        else:
+            flag = (flag,)
+        if f.name == "arch_options":
+            parser.add_argument("--option", dest="arch_options", action="append",
+                                type=_parse_option, metavar="KEY=VALUE",
+                                help="architecture option, e.g. --option m1=16 (repeatable)")
+            continue
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        if "bool" in kind:
+            parser.add_argument(*flag, dest=f.name, action="store_true", help=HELP.get(f.name))
+            continue
+        conv = int if kind.startswith("int") else float if kind.startswith("float") else str
+        parser.add_argument(*flag, dest=f.name, type=conv, help=HELP.get(f.name))
+    parser.set_defaults(run=run_train)
+
+
+def add_plot_parser(sub) -> None:
+    parser = sub.add_parser("plot", help="write PNG learning curves of a run")
+    parser.add_argument("run_dir", help="a run directory")
+    parser.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)")
+    parser.set_defaults(run=run_plot)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    values: dict = {}
+    given = vars(args)
+    if given.get("resume") and given.get("out"):
+        from .checkpoint import read_run_config
+
+        values.update(read_run_config(given["out"])["train"])
+    if given.get("config"):
+        values.update(read_config_file(given["config"]))
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in given:
+            value = given[f.name]
+            values[f.name] = dict(value) if f.name == "arch_options" else value
+    return TrainConfig(**values)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    from .trainer import train
+
+    summary = train(config, resume=getattr(args, "resume", False),
+                    progress=not getattr(args, "no_progress", False) and sys.stderr.isatty())
+    if summary is not None:
+        metric = summary["metric"]
+        print(f"{config.out}: test {metric} = {summary['test'][metric]:.4f} "
+              f"(best validation {summary['best_val']:.4f} at step {summary['best_step']})")
+    return 0
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from .plots import plot_run
+
+    print(plot_run(args.run_dir, args.out))
+    return 0

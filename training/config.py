@@ -1,0 +1,125 @@
+"""Training configuration: one dataclass, filled from a YAML/JSON file and/or flags.
+
+Every field can be set in the file; flags given on the command line override it.
+``validate`` checks ranges and names the field and its allowed values.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+# This module stays torch-free (the console script builds its flags from it); the
+# checks import models lazily.
+TASK_NAMES = ("adding", "copy", "digits", "permuted-digits", "mnist1d", "ucr", "lm", "classify")
+
+OPTIMIZERS = ("rmsprop", "adam")
+SCHEDULES = ("constant", "cosine", "step")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class TrainConfig:
+    arch: str = "svdrnn"
+    task: str = "adding"
+    out: str | None = None
+    # model
+    hidden_size: int = 128
+    arch_options: dict = field(default_factory=dict)
+    embedding_size: int | None = None
+    # data (each applies to the tasks that take it)
+    seq_len: int | None = None
+    dataset: str | None = None
+    point_by_point: bool | None = None
+    corpus: str | None = None
+    vocab_size: int | None = None
+    bptt: int | None = None
+    data: str | None = None
+    # optimisation
+    steps: int | None = None
+    epochs: float | None = None
+    batch_size: int = 64
+    optimizer: str = "rmsprop"
+    lr: float = 1e-3
+    orthogonal_lr: float | None = None
+    schedule: str = "constant"
+    clip: float = 1.0
+    seed: int = 0
+    device: str = "auto"
+    # bookkeeping
+    log_every: int = 50
+    eval_every: int | None = None
+    eval_batch_size: int = 256
+    plot: bool = False
+
+    def task_options(self) -> dict:
+        return {"seq_len": self.seq_len, "dataset": self.dataset,
+                "point_by_point": self.point_by_point, "corpus": self.corpus,
+                "vocab_size": self.vocab_size, "bptt": self.bptt, "data": self.data}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def field_names() -> list[str]:
+    return [f.name for f in fields(TrainConfig)]
+
+
+def read_config_file(path: str | Path) -> dict:
+    """A YAML or JSON mapping of TrainConfig fields."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix.lower() == ".json":
+            values = json.loads(text)
+        else:
+            import yaml
+
+            values = yaml.safe_load(text)
+    except Exception as error:  # a syntax error of either format
+        raise ValueError(f"config file {str(path)!r} cannot be parsed: {error}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping of options")
+    values = {k.replace("-", "_"): v for k, v in values.items()}
+    unknown = sorted(set(values) - set(field_names()))
+    if unknown:
+        raise ValueError(f"config file {str(path)!r}: unknown option(s) {', '.join(unknown)}; "
+                         f"allowed: {', '.join(field_names())}")
+    return values
+
+
+def validate(config: TrainConfig) -> TrainConfig:
+    from models import ARCHITECTURES
+    from models.validation import check_choice, check_float, check_int
+
+    if config.arch not in ARCHITECTURES:
+        raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}; got {config.arch!r}")
+    check_choice("task", config.task, TASK_NAMES)
+    if not config.out:
+        raise ValueError("out (the run directory) is required")
+    check_int("hidden_size", config.hidden_size, 1, 65536)
+    if not isinstance(config.arch_options, dict):
+        raise ValueError("arch_options must be a mapping of option names to values")
+    if config.steps is not None and config.epochs is not None:
+        raise ValueError("give steps or epochs, not both")
+    if config.steps is not None:
+        check_int("steps", config.steps, 1)
+    if config.epochs is not None:
+        check_float("epochs", config.epochs, 0.0, low_open=True)
+    check_int("batch_size", config.batch_size, 1, 1 << 20)
+    check_choice("optimizer", config.optimizer, OPTIMIZERS)
+    check_float("lr", config.lr, 0.0, 10.0, low_open=True)
+    if config.orthogonal_lr is not None:
+        check_float("orthogonal_lr", config.orthogonal_lr, 0.0, 10.0, low_open=True)
+    check_choice("schedule", config.schedule, SCHEDULES)
+    check_float("clip", config.clip, 0.0)
+    check_int("seed", config.seed, 0)
+    check_choice("device", config.device, DEVICES)
+    check_int("log_every", config.log_every, 1)
+    if config.eval_every is not None:
+        check_int("eval_every", config.eval_every, 1)
+    check_int("eval_batch_size", config.eval_batch_size, 1)
+    return config

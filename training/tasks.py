@@ -1,0 +1,322 @@
+"""The papers' tasks, all offline: generated (adding, copy), bundled data sets
+(digits, permuted-digits, mnist1d, ucr), language modelling (lm) and a user's .npz.
+
+``make_task(name, **options)`` returns a ``Task``: what the model must be built for
+(kind, input size, outputs), the data (a training source and fixed validation and
+test sets), the metric and the task's baseline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from models.validation import check_int
+
+from . import corpus as corpus_lib
+from .config import TASK_NAMES
+from .data import Split, TokenStream
+
+SPLIT_SEED = 2018  # fixed splits and permutations: independent of the training seed
+
+
+@dataclass
+class Task:
+    name: str
+    kind: str  # the model's task: classify | regress | seq2seq | lm
+    input_size: int
+    num_outputs: int
+    metric: str  # accuracy | mse | cross_entropy | perplexity
+    val: Split | TokenStream
+    test: Split | TokenStream
+    #: generated tasks: sample(batch_size, generator) -> Split; else None
+    sample: Callable[[int, torch.Generator], Split] | None = None
+    train: Split | list[int] | None = None  # a fixed split, or lm's training token ids
+    baseline: float | None = None
+    labels: list[str] | None = None
+    vocabulary: list[str] | None = None
+    max_length: int = 0
+    options: dict = field(default_factory=dict)  # what rebuilds this data pipeline
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.metric == "accuracy"
+
+    def input_spec(self) -> dict:
+        return {"kind": "tokens" if self.kind == "lm" else "float",
+                "feature_size": self.input_size, "max_length": self.max_length}
+
+
+# -- generated tasks ------------------------------------------------------------------
+
+def adding_batch(batch: int, steps: int, generator: torch.Generator) -> Split:
+    """Adding problem: channel 0 values U[0, 1), channel 1 two markers, one in each half
+    of the sequence; the target is the sum of the two marked values."""
+    values = torch.rand(batch, steps, generator=generator)
+    half = steps // 2
+    first = torch.randint(0, half, (batch,), generator=generator)
+    second = torch.randint(half, steps, (batch,), generator=generator)
+    markers = torch.zeros(batch, steps)
+    rows = torch.arange(batch)
+    markers[rows, first] = 1
+    markers[rows, second] = 1
+    y = (values[rows, first] + values[rows, second]).unsqueeze(1)
+    return Split(torch.stack([values, markers], dim=-1), y)
+
+
+COPY_SYMBOLS, COPY_LENGTH = 10, 10  # alphabet 0 blank, 1-8 data, 9 marker; 10 data symbols
+
+
+def copy_batch(batch: int, lag: int, generator: torch.Generator) -> Split:
+    """Copy task: 10 symbols from 1-8, blanks, the marker 9 ten steps before the end;
+    the target is blank until the marker, then the 10 symbols. Length lag + 20."""
+    steps = lag + 2 * COPY_LENGTH
+    data = torch.randint(1, 9, (batch, COPY_LENGTH), generator=generator)
+    x = torch.zeros(batch, steps, dtype=torch.long)
+    x[:, :COPY_LENGTH] = data
+    x[:, steps - COPY_LENGTH - 1] = 9
+    y = torch.zeros(batch, steps, dtype=torch.long)
+    y[:, -COPY_LENGTH:] = data
+    return Split(torch.nn.functional.one_hot(x, COPY_SYMBOLS).float(), y)
+
+
+def _fixed(sample, size: int, seed: int) -> Split:
+    return sample(size, torch.Generator().manual_seed(seed))
+
+
+def _adding(seq_len: int = 200, eval_size: int = 1000) -> Task:
+    steps = check_int("seq_len", seq_len, 2, 100_000)
+
+    def sample(batch, generator):
+        return adding_batch(batch, steps, generator)
+    return Task("adding", "regress", 2, 1, "mse", val=_fixed(sample, eval_size, SPLIT_SEED),
+                test=_fixed(sample, eval_size, SPLIT_SEED + 1), sample=sample,
+                baseline=1 / 6, max_length=steps, options={"seq_len": steps})
+
+
+def copy_baseline(lag: int) -> float:
+    """Cross-entropy of guessing blanks, then uniformly among the 8 symbols."""
+    return COPY_LENGTH * math.log(8) / (lag + 2 * COPY_LENGTH)
+
+
+def _copy(seq_len: int = 100, eval_size: int = 1000) -> Task:
+    lag = check_int("seq_len", seq_len, 1, 100_000)
+
+    def sample(batch, generator):
+        return copy_batch(batch, lag, generator)
+    return Task("copy", "seq2seq", COPY_SYMBOLS, COPY_SYMBOLS, "cross_entropy",
+                val=_fixed(sample, eval_size, SPLIT_SEED), sample=sample,
+                test=_fixed(sample, eval_size, SPLIT_SEED + 1), baseline=copy_baseline(lag),
+                labels=[str(i) for i in range(COPY_SYMBOLS)],
+                max_length=lag + 2 * COPY_LENGTH, options={"seq_len": lag})
+
+
+# -- fixed data sets ------------------------------------------------------------------
+
+def _split_fixed(x: torch.Tensor, y: torch.Tensor, fractions=(0.7, 0.15),
+                 lengths: torch.Tensor | None = None) -> tuple[Split, Split, Split]:
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    n_train = int(len(y) * fractions[0])
+    n_val = int(len(y) * fractions[1])
+    whole = Split(x, y, lengths)
+    return (whole.take(order[:n_train]), whole.take(order[n_train:n_train + n_val]),
+            whole.take(order[n_train + n_val:]))
+
+
+def _classification(name, train, val, test, labels, options) -> Task:
+    return Task(name, "classify", train.x.shape[-1], len(labels), "accuracy", val=val,
+                test=test, train=train, labels=labels, max_length=train.x.shape[1],
+                options=options)
+
+
+def _digits(permuted: bool) -> Task:
+    """scikit-learn's bundled 8x8 digits, read pixel by pixel (T = 64), scaled to [0, 1];
+    the permuted variant applies one fixed seeded permutation of the 64 pixels."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.data, dtype=torch.float32) / 16
+    if permuted:
+        x = x[:, torch.randperm(64, generator=torch.Generator().manual_seed(SPLIT_SEED))]
+    splits = _split_fixed(x.unsqueeze(-1), torch.tensor(bunch.target))
+    name = "permuted-digits" if permuted else "digits"
+    return _classification(name, *splits, [str(i) for i in range(10)], {})
+
+
+def _mnist1d() -> Task:
+    """MNIST-1D generated offline by the mnist1d package's own generator (its default
+    arguments: 4000 training and 1000 test sequences of length 40); 500 training
+    sequences held out for validation."""
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    data = make_dataset(get_dataset_args())  # generation only, never its download
+    x = torch.tensor(data["x"], dtype=torch.float32).unsqueeze(-1)
+    y = torch.tensor(data["y"], dtype=torch.long)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    whole = Split(x, y)
+    test = Split(torch.tensor(data["x_test"], dtype=torch.float32).unsqueeze(-1),
+                 torch.tensor(data["y_test"], dtype=torch.long))
+    return _classification("mnist1d", whole.take(order[500:]), whole.take(order[:500]), test,
+                           [str(i) for i in range(10)], {})
+
+
+def _sktime_data() -> Path:
+    import sktime
+
+    return Path(sktime.__file__).parent / "datasets" / "data"
+
+
+def ucr_datasets() -> list[str]:
+    """Equal-length UCR/UEA classification sets that sktime ships in the package."""
+    names = []
+    for folder in sorted(_sktime_data().iterdir()):
+        train = folder / f"{folder.name}_TRAIN.ts"
+        if not (train.is_file() and (folder / f"{folder.name}_TEST.ts").is_file()):
+            continue
+        header = train.read_text(errors="replace")[:20000].lower()
+        header = header[: header.find("@data")]
+        if "@classlabel true" in header and "@equallength false" not in header:
+            names.append(folder.name)
+    return names
+
+
+def step_width(length: int) -> int:
+    """n_i: the largest divisor of L not above sqrt(L) (Spectral-RNN appendix)."""
+    return max(d for d in range(1, math.isqrt(length) + 1) if length % d == 0)
+
+
+def fold_series(x: np.ndarray, point_by_point: bool) -> np.ndarray:
+    """[N, channels, L] -> [N, L / n_i, channels n_i] (or [N, L, channels])."""
+    n, channels, length = x.shape
+    width = 1 if point_by_point else step_width(length)
+    x = x.reshape(n, channels, length // width, width).transpose(0, 2, 1, 3)
+    return x.reshape(n, length // width, channels * width)
+
+
+def _ucr(dataset: str | None = None, point_by_point: bool = False) -> Task:
+    """A bundled UCR/UEA set with its official train/test split; 20% of train (fixed,
+    seeded) is held out for validation, as in the Spectral-RNN appendix."""
+    from sktime.datasets import load_from_tsfile
+
+    available = ucr_datasets()
+    if dataset not in available:
+        raise ValueError(f"dataset must be one of the UCR/UEA sets bundled with sktime: "
+                         f"{', '.join(available)}; got {dataset!r}")
+    root = _sktime_data() / dataset
+    arrays = {}
+    for part in ("TRAIN", "TEST"):
+        x, y = load_from_tsfile(str(root / f"{dataset}_{part}.ts"), return_data_type="numpy3D")
+        arrays[part] = (np.asarray(x, dtype=np.float32), np.asarray(y).astype(str))
+    labels = sorted({str(v) for part in arrays.values() for v in part[1]})
+    index = {label: i for i, label in enumerate(labels)}
+
+    def split(part):
+        x, y = arrays[part]
+        return Split(torch.tensor(fold_series(x, point_by_point)),
+                     torch.tensor([index[v] for v in y]))
+    train_all, test = split("TRAIN"), split("TEST")
+    order = torch.randperm(len(train_all), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    n_val = max(1, round(0.2 * len(train_all)))
+    return _classification("ucr", train_all.take(order[n_val:]), train_all.take(order[:n_val]),
+                           test, labels, {"dataset": dataset, "point_by_point": point_by_point})
+
+
+def _lm(corpus: str | None = None, vocab_size: int = 10000, bptt: int = 70,
+        eval_columns: int = 10) -> Task:
+    vocab_size = check_int("vocab_size", vocab_size, 3, 1_000_000)
+    bptt = check_int("bptt", bptt, 1, 100_000)
+    docs = corpus_lib.bundled_documents() if corpus is None else corpus_lib.file_documents(corpus)
+    parts = corpus_lib.split_documents(docs)
+    vocabulary = corpus_lib.build_vocabulary(parts["train"], vocab_size)
+
+    def ids(name):
+        return torch.tensor(corpus_lib.encode(parts[name], vocabulary), dtype=torch.long)
+    columns = {name: min(eval_columns, max(1, (len(parts[name]) - 1) // 2)) for name in parts}
+    return Task("lm", "lm", len(vocabulary), len(vocabulary), "perplexity",
+                val=TokenStream(ids("val"), columns["val"], bptt),
+                test=TokenStream(ids("test"), columns["test"], bptt),
+                train=ids("train").tolist(), vocabulary=vocabulary, max_length=bptt,
+                options={"corpus": corpus_lib.BUNDLED if corpus is None else str(corpus),
+                         "vocab_size": vocab_size, "bptt": bptt})
+
+
+def load_npz(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list]:
+    """A user's data: x [N, T, d] float (padded when ``lengths`` [N] is given), y [N]
+    integer class ids, optional ``labels`` [C]."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"data must be an existing .npz file; {str(path)!r} does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+    except (OSError, ValueError) as error:
+        raise ValueError(f"data {str(path)!r} is not a readable .npz file ({error})") from None
+    for key in ("x", "y"):
+        if key not in arrays:
+            raise ValueError(f"data file must hold arrays 'x' and 'y'; missing {key!r}")
+    x, y = arrays["x"], arrays["y"]
+    if x.ndim == 2:
+        x = x[..., None]
+    if x.ndim != 3 or not np.issubdtype(x.dtype, np.number):
+        raise ValueError(f"data x must be a numeric array [N, T, d] (or [N, T]); got {x.shape}")
+    if not np.all(np.isfinite(x)):
+        raise ValueError("data x holds NaN or infinite values")
+    if y.ndim != 1 or len(y) != len(x) or not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"data y must be integer class ids [N] with N = {len(x)}; "
+                         f"got {y.dtype} {y.shape}")
+    if len(y) < 10:
+        raise ValueError(f"data must hold at least 10 sequences, got {len(y)}")
+    if y.min() < 0:
+        raise ValueError("data y class ids must be >= 0")
+    lengths = None
+    if "lengths" in arrays:
+        lengths = arrays["lengths"]
+        if lengths.shape != (len(x),) or not np.issubdtype(lengths.dtype, np.integer) \
+                or lengths.min() < 1 or lengths.max() > x.shape[1]:
+            raise ValueError(f"data lengths must be integers [N] in [1, {x.shape[1]}]")
+        lengths = torch.tensor(lengths, dtype=torch.long)
+    classes = int(y.max()) + 1
+    labels = [str(v) for v in arrays["labels"]] if "labels" in arrays else \
+        [str(i) for i in range(classes)]
+    if len(labels) < max(classes, 2):
+        raise ValueError(f"data labels must name every class (>= {max(classes, 2)}), "
+                         f"got {len(labels)}")
+    return (torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.long), lengths,
+            labels)
+
+
+def _user_classify(data: str | None = None) -> Task:
+    if data is None:
+        raise ValueError("task 'classify' needs --data FILE (an .npz with x and y)")
+    x, y, lengths, labels = load_npz(data)
+    train, val, test = _split_fixed(x, y, (0.8, 0.1), lengths)
+    return _classification("classify", train, val, test, labels, {"data": str(data)})
+
+
+_BUILDERS = {
+    "adding": (_adding, ("seq_len",)),
+    "copy": (_copy, ("seq_len",)),
+    "digits": (lambda: _digits(False), ()),
+    "permuted-digits": (lambda: _digits(True), ()),
+    "mnist1d": (_mnist1d, ()),
+    "ucr": (_ucr, ("dataset", "point_by_point")),
+    "lm": (_lm, ("corpus", "vocab_size", "bptt")),
+    "classify": (_user_classify, ("data",)),
+}
+
+
+def make_task(name: str, **options) -> Task:
+    """Build a task; options a task does not take must be None (unset)."""
+    if name not in _BUILDERS:
+        raise ValueError(f"task must be one of {', '.join(TASK_NAMES)}; got {name!r}")
+    builder, accepted = _BUILDERS[name]
+    stray = sorted(k for k, v in options.items() if v is not None and k not in accepted)
+    if stray:
+        raise ValueError(f"option(s) {', '.join(stray)} do not apply to task {name!r}"
+                         + (f" (it takes: {', '.join(accepted)})" if accepted else ""))
+    return builder(**{k: v for k, v in options.items() if k in accepted and v is not None})

@@ -1,0 +1,302 @@
+"""The training loop: one function, ``train(config)``.
+
+Per step: a batch (generated, sampled from a fixed split, or the next window of the
+token stream with the hidden state carried), the task loss plus the model's
+regularization, gradient clipping, an optimizer step. Every ``log_every`` steps it
+evaluates on the validation set, appends a row to metrics.jsonl (loss, metric,
+spectral margin max|s_i - 1| of W, ||dL/dh_0||, learning rate, seconds), keeps the
+best model and saves what --resume needs. Runs under torchrun as DDP: every rank
+draws the same global batch and trains on its slice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from models import build_model
+
+from . import checkpoint
+from .config import TrainConfig, validate
+from .data import EpochSampler, Split, TokenStream
+from .tasks import COPY_LENGTH, Task, make_task
+
+DEFAULT_STEPS = 1000
+
+
+class TrainingError(ValueError):
+    """Training cannot go on (e.g. the loss became NaN); the message says why."""
+
+
+# -- losses and metrics ------------------------------------------------------------------
+
+def task_loss(kind: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if kind == "regress":
+        return F.mse_loss(out, y)
+    if kind == "classify":
+        return F.cross_entropy(out, y)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))  # seq2seq, lm
+
+
+@torch.no_grad()
+def evaluate(model, task: Task, data: Split | TokenStream, batch_size: int, device) -> dict:
+    """Metrics of the task on a fixed split: loss and the task metric (and the copy
+    task's accuracy on the copied symbols)."""
+    model.eval()
+    total, count, correct, copied = 0.0, 0, 0, 0
+    if isinstance(data, TokenStream):
+        state = None
+        for x, y in data.windows():
+            out, state = model(x.to(device), h0=state, return_state=True)
+            total += F.cross_entropy(out.flatten(0, 1), y.to(device).flatten(),
+                                     reduction="sum").item()
+            count += y.numel()
+        model.train()
+        loss = total / count
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+    for batch in data.batches(batch_size):
+        x, y = batch.x.to(device), batch.y.to(device)
+        lengths = None if batch.lengths is None else batch.lengths.to(device)
+        out = model(x, lengths=lengths)
+        total += task_loss(task.kind, out, y).item() * len(y)
+        count += len(y)
+        if task.kind == "classify":
+            correct += (out.argmax(-1) == y).sum().item()
+        elif task.kind == "seq2seq":
+            copied += (out[:, -COPY_LENGTH:].argmax(-1) == y[:, -COPY_LENGTH:]).sum().item()
+    model.train()
+    metrics = {"loss": total / count}
+    if task.kind == "classify":
+        metrics["accuracy"] = correct / count
+    elif task.kind == "regress":
+        metrics["mse"] = metrics["loss"]
+    elif task.kind == "seq2seq":
+        metrics["cross_entropy"] = metrics["loss"]
+        metrics["copy_accuracy"] = copied / (count * COPY_LENGTH)
+    return metrics
+
+
+def spectral_summary(model) -> dict:
+    """min / max singular value of W, the spectral margin max|s_i - 1| and
+    ||W^T W - I||_2 (None for models without a transition matrix)."""
+    with torch.no_grad():
+        w = model.recurrent_weight()
+        if w is None:
+            return {}
+        w = w.detach().double().cpu()
+        s = torch.linalg.svdvals(w)
+        eye = torch.eye(w.shape[0], dtype=torch.float64)
+        return {"sigma_min": s.min().item(), "sigma_max": s.max().item(),
+                "spectral_margin": (s - 1).abs().max().item(),
+                "orthogonality_error": torch.linalg.matrix_norm(w.T @ w - eye, ord=2).item()}
+
+
+# -- the run ---------------------------------------------------------------------------
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def _schedule(name: str, total: int):
+    if name == "cosine":
+        return lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+    if name == "step":  # x0.1 at half and at three quarters of the run
+        return lambda step: 0.1 ** ((step >= total // 2) + (step >= 3 * total // 4))
+    return lambda step: 1.0
+
+
+def _total_steps(config: TrainConfig, task: Task, per_epoch: int | None) -> int:
+    if config.epochs is not None:
+        if per_epoch is None:
+            raise ValueError(f"epochs does not apply to the generated task {task.name!r}: "
+                             f"give steps")
+        return max(1, math.ceil(config.epochs * per_epoch))
+    return config.steps or DEFAULT_STEPS
+
+
+def run_config(config: TrainConfig, task: Task, model) -> dict:
+    return {
+        "format": checkpoint.FORMAT,
+        "arch": model.arch,
+        "task": task.kind,
+        "task_name": task.name,
+        "model": {"arch": model.arch, "task": task.kind, "input_size": task.input_size,
+                  "hidden_size": config.hidden_size, "num_outputs": task.num_outputs,
+                  **({"embedding_size": config.embedding_size}
+                     if config.embedding_size is not None else {}),
+                  "options": dict(config.arch_options)},
+        "data": task.options,
+        "input_spec": task.input_spec(),
+        "labels": task.labels,
+        "vocabulary_file": "vocab.txt" if task.vocabulary else None,
+        "metric": task.metric,
+        "higher_is_better": task.higher_is_better,
+        "baseline": task.baseline,
+        "train": config.to_dict(),
+    }
+
+
+def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict:
+    """Train and return the summary (also written to RUN_DIR/summary.json)."""
+    validate(config)
+    run_dir = Path(config.out)
+    state_path = run_dir / "trainer_state.pt"
+    if resume:
+        if not state_path.is_file():
+            raise ValueError(f"cannot resume: {str(run_dir)!r} holds no trainer_state.pt")
+    elif (run_dir / "config.json").exists():
+        raise ValueError(f"{str(run_dir)!r} already holds a run: pass --resume to continue it "
+                         f"or choose another --out")
+
+    # Everything that can fail on bad input happens before RUN_DIR is touched.
+    task = make_task(config.task, **config.task_options())
+    device = _device(config.device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if config.batch_size % world:
+        raise ValueError(f"batch_size ({config.batch_size}) must be a multiple of the number "
+                         f"of processes ({world})")
+    torch.manual_seed(config.seed)
+    model = build_model(config.arch, task.kind, input_size=task.input_size,
+                        hidden_size=config.hidden_size, num_outputs=task.num_outputs,
+                        embedding_size=config.embedding_size, **config.arch_options).to(device)
+    if task.sample is not None:
+        sampler, per_epoch = None, None
+    elif task.kind == "lm":
+        sampler = TokenStream(torch.tensor(task.train), config.batch_size, task.options["bptt"])
+        per_epoch = sampler.per_epoch
+    else:
+        sampler = EpochSampler(task.train, config.batch_size, config.seed)
+        per_epoch = sampler.per_epoch
+    total = _total_steps(config, task, per_epoch)
+
+    rank = 0
+    if world > 1:
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank = dist.get_rank()
+    main = rank == 0
+    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    groups = model.param_groups(config.lr, config.orthogonal_lr)
+    opt_class = torch.optim.RMSprop if config.optimizer == "rmsprop" else torch.optim.Adam
+    optimizer = opt_class(groups)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config.schedule, total))
+
+    start, best, best_step, elapsed, carried = 0, None, None, 0.0, None
+    if resume:
+        state = torch.load(state_path, map_location=device, weights_only=False)
+        model.load_state_dict(checkpoint.load_weights(run_dir / "last.safetensors", str(device)))
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start, best, best_step = state["step"], state["best"], state["best_step"]
+        elapsed, carried = state["seconds"], state.get("carried")
+    elif main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint.write_json(run_dir / "config.json", run_config(config, task, model))
+        if task.vocabulary:
+            checkpoint.write_text(run_dir / "vocab.txt", "\n".join(task.vocabulary) + "\n")
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+
+    eval_every = config.eval_every or config.log_every
+    shard = slice(rank * config.batch_size // world, (rank + 1) * config.batch_size // world)
+    better = (lambda a, b: a > b) if task.higher_is_better else (lambda a, b: a < b)
+    losses: list[float] = []
+    bar = tqdm(total=total, initial=start, disable=not (progress and main), unit="step",
+               dynamic_ncols=True, desc=f"{config.arch} {task.name}")
+    clock = time.perf_counter()
+    for step in range(start, total):
+        log_now = (step + 1) % config.log_every == 0 or step + 1 == total
+        h0 = None
+        if task.kind == "lm":
+            x, y, fresh = sampler.window(step)
+            x, y = x[shard].to(device), y[shard].to(device)
+            h0 = None if fresh or carried is None else carried.to(device)
+            if log_now:
+                h0 = (torch.zeros(x.shape[0], model.state_size, device=device)
+                      if h0 is None else h0).requires_grad_(True)
+            out, last = net(x, h0=h0, return_state=True)
+            carried = last.detach()
+        else:
+            batch = (task.sample(config.batch_size,
+                                 torch.Generator().manual_seed(config.seed * 1_000_003 + step))
+                     if sampler is None else sampler.batch(step))
+            x, y = batch.x[shard].to(device), batch.y[shard].to(device)
+            lengths = None if batch.lengths is None else batch.lengths[shard].to(device)
+            if log_now and getattr(model, "state_size", None):
+                h0 = torch.zeros(x.shape[0], model.state_size, device=device, requires_grad=True)
+            out = net(x, lengths=lengths, h0=h0) if h0 is not None else net(x, lengths=lengths)
+        loss = task_loss(task.kind, out, y)
+        objective = loss + model.regularization()
+        optimizer.zero_grad(set_to_none=True)
+        objective.backward()
+        if not math.isfinite(loss.item()):
+            raise TrainingError(f"the loss became {loss.item()} at step {step + 1}; "
+                                f"lower lr or set clip")
+        if config.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+
+        if log_now or (step + 1) % eval_every == 0:
+            metrics = evaluate(model, task, task.val, config.eval_batch_size, device)
+            value = metrics[task.metric]
+            improved = best is None or better(value, best)
+            if improved:
+                best, best_step = value, step + 1
+            seconds = elapsed + time.perf_counter() - clock
+            row = {"step": step + 1, "loss": sum(losses) / len(losses),
+                   **{f"val_{k}": v for k, v in metrics.items()},
+                   **spectral_summary(model),
+                   "grad_h0": h0.grad.norm().item() if h0 is not None and h0.grad is not None
+                   else None,
+                   "lr": optimizer.param_groups[0]["lr"], "seconds": round(seconds, 3)}
+            losses = []
+            bar.set_postfix(loss=f"{row['loss']:.4f}", **{task.metric: f"{value:.4f}"})
+            if main:
+                if improved:
+                    checkpoint.save_weights(run_dir / "model.safetensors", model)
+                checkpoint.save_weights(run_dir / "last.safetensors", model)
+                checkpoint.save_torch(state_path, {
+                    "step": step + 1, "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "best": best, "best_step": best_step,
+                    "seconds": seconds, "carried": None if carried is None else carried.cpu()})
+                with open(run_dir / "metrics.jsonl", "a") as log:
+                    log.write(json.dumps(row) + "\n")
+    bar.close()
+    seconds = elapsed + time.perf_counter() - clock
+
+    summary = None
+    if main:
+        best_model, _ = checkpoint.load_model(run_dir)
+        best_model.to(device)
+        test = evaluate(best_model, task, task.test, config.eval_batch_size, device)
+        summary = {
+            "arch": model.arch, "task": task.name, "metric": task.metric,
+            "test": test, "best_val": best, "best_step": best_step, "steps": total,
+            "baseline": task.baseline,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "spectral": spectral_summary(best_model), "seconds": round(seconds, 3),
+            "device": str(device), "processes": world,
+        }
+        checkpoint.write_json(run_dir / "summary.json", summary)
+        if config.plot:
+            from .plots import plot_run
+
+            plot_run(run_dir)
+    if world > 1:
+        dist.barrier()
+    return summary
