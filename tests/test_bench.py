@@ -1,0 +1,32 @@
+"""The benchmark scripts run end to end at toy sizes (their numbers are not checked:
+tests assert behaviour, not timings)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_models_benchmark_runs(tmp_path):
+    out = tmp_path / "models.json"
+    assert _load("models").main(["--hidden", "8", "--steps", "4", "--batch", "2", "--reps", "1",
+                                 "--factored-reps", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {r["arch"] for r in result["architectures"]} >= {"svdrnn", "scornn", "lstm"}
+    assert result["svdrnn_factored_over_dense"] > 0
+
+
+def test_reproduce_benchmark_runs(tmp_path):
+    assert _load("reproduce").main(["--quick", "--only", "ucr", "--out", str(tmp_path),
+                                    "--runs", str(tmp_path / "runs")]) == 0
+    rows = json.loads((tmp_path / "reproduce-quick.json").read_text())
+    assert [r["paper"] for r in rows] == [0.800, 0.960, 0.973]
+    assert "| UCR GunPoint | svdrnn |" in (tmp_path / "reproduce-quick.md").read_text()
