@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         results.append(row)
         print(f"    test {metric} = {row['value']:.4f} ({row['seconds']} s)", file=sys.stderr)
 
-    header = "| experiment | arch | params | test metric | orthornn | paper | baseline | steps | s |"
+    header = "| experiment | arch | params | metric | orthornn | paper | baseline | steps | s |"
     lines = [header, "| --- | --- | ---: | --- | ---: | --- | ---: | ---: | ---: |"]
     for r in results:
         paper = "" if r["paper"] is None else (f"{r['paper']:.3f}" if isinstance(r["paper"], float)
