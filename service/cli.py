@@ -31,10 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     arch = sub.add_parser("architectures", help="list the architectures, their tasks and options")
     arch.set_defaults(run=_architectures)
+    from export.cli import add_export_parser
     from training.cli import add_plot_parser, add_train_parser
 
     add_train_parser(sub)
     add_plot_parser(sub)
+    add_export_parser(sub)
     return parser
 
 

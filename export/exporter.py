@@ -1,0 +1,176 @@
+"""``export_run``: a training run directory -> a verified model package in a repository.
+
+Steps: rebuild the model from RUN_DIR, build its ONNX graph(s) (dense or factored;
+for cells ONNX's RNN operator can express, both the RNN-operator and the Scan graph
+are timed with onnxruntime and the faster one is kept), compute golden outputs with
+torch on inputs that include padded variable-length sequences, write the manifest,
+verify the package with onnxruntime, and publish it by one atomic rename.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from models.cells import LSTMLayer
+from training.checkpoint import load_model, read_vocabulary
+from training.trainer import spectral_summary
+
+from . import package, repository
+from .onnx_export import MODES, RNN_ACTIVATIONS, build_graph
+
+MIN_OPSET, MAX_OPSET = 17, 21
+DTYPES = {np.float32: "FP32", np.int64: "INT64"}
+
+
+def _golden_inputs(model, config: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """A padded batch of variable-length sequences for the full graph."""
+    gen = torch.Generator().manual_seed(seed)
+    steps = max(1, min(int(config["input_spec"].get("max_length") or 16), 16))
+    lengths = torch.tensor([steps, max(1, steps - 3), 1, max(1, steps // 2)])
+    if model.task == "lm":
+        x = torch.randint(0, model.input_size, (4, steps), generator=gen)
+        return {"tokens": x.numpy(), "lengths": lengths.numpy()}
+    x = torch.randn(4, steps, model.input_size, generator=gen)
+    return {"x": x.numpy(), "lengths": lengths.numpy()}
+
+
+@torch.no_grad()
+def _torch_outputs(model, feeds: dict, step: bool) -> dict[str, np.ndarray]:
+    out_name = "value" if model.task == "regress" else "logits"
+    if step:
+        out, last = model(torch.from_numpy(feeds["tokens"]), h0=torch.from_numpy(feeds["state"]),
+                          return_state=True)
+        return {out_name: out.numpy(), "next_state": last.numpy()}
+    x = torch.from_numpy(feeds["tokens"] if model.task == "lm" else feeds["x"])
+    out, last = model(x, lengths=torch.from_numpy(feeds["lengths"]), return_state=True)
+    return {out_name: out.numpy(), "state": last.numpy()}
+
+
+def _seconds_per_run(model_proto: onnx.ModelProto, feeds: dict, reps: int = 5) -> float:
+    sess = package.session_from_bytes(model_proto.SerializeToString())
+    sess.run(None, feeds)
+    start = time.perf_counter()
+    for _ in range(reps):
+        sess.run(None, feeds)
+    return (time.perf_counter() - start) / reps
+
+
+def choose_recurrence(model, mode: str, opset: int) -> tuple[str, onnx.ModelProto]:
+    """("rnn" | "scan" | "lstm", graph): ONNX's RNN operator where the cell allows, if it
+    is faster than the Scan graph on a batch of 16 sequences of 128 steps."""
+    layer = model.layer
+    if isinstance(layer, LSTMLayer):
+        return "lstm", build_graph(model, mode, opset=opset)
+    scan = build_graph(model, mode, recurrence="scan", opset=opset)
+    if layer.gates is not None or layer.activation.kind not in RNN_ACTIVATIONS:
+        return "scan", scan
+    rnn = build_graph(model, mode, recurrence="rnn", opset=opset)
+    gen = torch.Generator().manual_seed(1)
+    if model.task == "lm":
+        x = {"tokens": torch.randint(0, model.input_size, (16, 128), generator=gen).numpy()}
+    else:
+        x = {"x": torch.randn(16, 128, model.input_size, generator=gen).numpy()}
+    feeds = {**x, "lengths": np.full(16, 128, dtype=np.int64)}
+    faster = _seconds_per_run(rnn, feeds) <= _seconds_per_run(scan, feeds)
+    return ("rnn", rnn) if faster else ("scan", scan)
+
+
+def _io_spec(proto: onnx.ModelProto) -> tuple[list, list]:
+    def spec(v):
+        t = v.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim]
+        datatype = {onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.INT64: "INT64"}[t.elem_type]
+        return {"name": v.name, "datatype": datatype, "shape": dims}
+    return [spec(v) for v in proto.graph.input], [spec(v) for v in proto.graph.output]
+
+
+def _orthornn_version() -> str:
+    try:
+        return version("orthornn")
+    except PackageNotFoundError:  # running from a source tree
+        return "0+unknown"
+
+
+def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "dense",
+               opset: int = 18) -> Path:
+    """Publish RUN_DIR's best model as REPO/NAME/<next version>/ and return its path."""
+    repository.check_name(name)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if isinstance(opset, bool) or not isinstance(opset, int) or not \
+            MIN_OPSET <= opset <= MAX_OPSET:
+        raise ValueError(f"opset must be an integer in [{MIN_OPSET}, {MAX_OPSET}]; got {opset!r}")
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"run directory {str(run_dir)!r} does not exist")
+    model, config = load_model(run_dir)
+    if not hasattr(model, "layer"):
+        raise ValueError(f"{model.arch} is not recurrent: export takes recurrent models only")
+
+    recurrence, graph = choose_recurrence(model, mode, opset)
+    onnx.checker.check_model(graph, full_check=True)
+    graphs = {"model": graph}
+    golden = {f"model/{k}": v for k, v in _golden_inputs(model, config).items()}
+    feeds = {k.split("/", 1)[1]: v for k, v in golden.items()}
+    golden.update({f"model/{k}": v for k, v in _torch_outputs(model, feeds, False).items()})
+    if model.task == "lm":
+        graphs["step"] = build_graph(model, mode, step=True, opset=opset)
+        onnx.checker.check_model(graphs["step"], full_check=True)
+        gen = torch.Generator().manual_seed(2)
+        step_feeds = {"tokens": torch.randint(0, model.input_size, (4, 1), generator=gen).numpy(),
+                      "state": torch.randn(4, model.state_size, generator=gen).numpy() * 0.5}
+        golden.update({f"step/{k}": v for k, v in step_feeds.items()})
+        golden.update({f"step/{k}": v for k, v in
+                       _torch_outputs(model, step_feeds, True).items()})
+
+    summary_path = run_dir / "summary.json"
+    vocabulary = read_vocabulary(run_dir, config)
+
+    def build(tmp: Path, version_number: int) -> None:
+        files = {}
+        for key, proto in graphs.items():
+            filename = f"{key}.onnx"
+            onnx.save(proto, tmp / filename)
+            files[filename] = package.sha256(tmp / filename)
+        np.savez(tmp / "golden.npz", **golden)
+        files["golden.npz"] = package.sha256(tmp / "golden.npz")
+        if vocabulary is not None:
+            (tmp / "vocab.txt").write_text("\n".join(vocabulary) + "\n")
+            files["vocab.txt"] = package.sha256(tmp / "vocab.txt")
+        io = {key: dict(zip(("inputs", "outputs"), _io_spec(proto), strict=True))
+              for key, proto in graphs.items()}
+        manifest = {
+            "format": package.FORMAT,
+            "name": name, "version": version_number,
+            "arch": model.arch, "task": model.task, "task_name": config.get("task_name"),
+            "mode": mode, "opset": opset, "recurrence": recurrence,
+            "graphs": {key: f"{key}.onnx" for key in graphs},
+            "io": io,
+            "input_spec": config["input_spec"],
+            "output_spec": {"kind": {"classify": "logits", "regress": "value",
+                                     "seq2seq": "logits", "lm": "logits"}[model.task],
+                            "size": model.num_outputs, "state_size": model.state_size},
+            "labels": config.get("labels"),
+            "vocabulary_file": "vocab.txt" if vocabulary is not None else None,
+            "hidden_size": model.hidden_size,
+            "files": files,
+            "spectral": spectral_summary(model),
+            "training": json.loads(summary_path.read_text()) if summary_path.is_file()
+            else None,
+            "source": {"run_dir": str(run_dir.resolve()),
+                       "checkpoint_sha256": package.sha256(run_dir / "model.safetensors")},
+            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "orthornn_version": _orthornn_version(),
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        package.verify_package(tmp)  # never publish what onnxruntime cannot reproduce
+
+    return repository.publish(repo, name, build)

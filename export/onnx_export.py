@@ -1,0 +1,250 @@
+"""Build the ONNX graphs of a trained model (torch side of the export).
+
+Graph inputs and outputs (B and T dynamic):
+    classify / regress / seq2seq:  x float [B, T, d], lengths int64 [B]
+    lm:                            tokens int64 [B, T], lengths int64 [B]
+    step graph (lm):               tokens int64 [B, 1], state float [B, S]
+    outputs: "logits" (or "value" for regress) and "state" (the last state [B, S]).
+Padded steps (t >= lengths[b]) never change a result, as in the torch model.
+
+The recurrence is either ONNX's own RNN / LSTM operator (tanh, relu, leaky relu
+without gates; lstm) or a ``Scan`` whose body is one step of models.ops' recurrence.
+``mode`` decides where W comes from: ``dense`` stores the folded matrix as an
+initializer; ``factored`` stores the parametrization's own parameters and builds W
+in the graph with the ``ai.orthornn`` functions (export/functions.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper
+
+from models.cells import LSTMLayer
+from models.parametrizations import (
+    BoundedSingularValues,
+    DenseTransition,
+    HouseholderChain,
+    PackedGivens,
+    RotationPermutation,
+    ScaledCayley,
+    SVDForm,
+)
+from models.parametrizations.givens import pair_coefficients
+
+from . import functions
+from .graph import DOMAIN, IR_VERSION, Graph, value
+
+MODES = ("dense", "factored")
+RNN_ACTIVATIONS = {"tanh": "Tanh", "relu": "Relu", "leaky_relu": "LeakyRelu"}
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+# -- where W comes from -------------------------------------------------------------------
+
+def factored_matrix(g: Graph, p, used: set) -> str:
+    """W [n, n] computed in the graph from p's parameters; ``used`` collects the
+    ai.orthornn functions the graph calls."""
+    if isinstance(p, DenseTransition):
+        return g.const(_np(p.weight), "W")
+    if isinstance(p, HouseholderChain):
+        used.add("HouseholderChain")
+        return g.op("HouseholderChain", g.const(_np(p.reflector_matrix()), "reflectors"),
+                    domain=DOMAIN)
+    if isinstance(p, PackedGivens | RotationPermutation):
+        _, _, partner = pair_coefficients(p.angles, p.first, p.second)
+        order = torch.argsort(torch.cat([p.first, p.second], dim=1), dim=1)
+        args = [g.const(_np(p.angles), "angles"), g.const(_np(order), "order", "int64"),
+                g.const(_np(partner), "partner", "int64")]
+        name = "PackedGivens"
+        if isinstance(p, RotationPermutation):
+            name = "RotationPermutation"
+            args.append(g.const(_np(p.permutations), "perms", "int64"))
+        used.add(name)
+        return g.op(name, *args, domain=DOMAIN)
+    if isinstance(p, ScaledCayley):
+        used.add("ScaledCayley")
+        return g.op("ScaledCayley", g.const(_np(p.skew), "skew"),
+                    g.const(_np(p.upper_index), "upper_index", "int64"),
+                    g.const(_np(p.diagonal), "D"), domain=DOMAIN)
+    if isinstance(p, SVDForm):
+        u, v = factored_matrix(g, p.left, used), factored_matrix(g, p.right, used)
+        if isinstance(p.singular, BoundedSingularValues):  # eq. 7, from the logits
+            sv = p.singular
+            s = g.op("Add", g.op("Mul", g.const(2 * sv.r, "two_r"),
+                                 g.op("Sub", g.op("Sigmoid", g.const(_np(sv.logits), "logits")),
+                                      g.const(0.5, "half"))),
+                     g.const(sv.sigma_star, "sigma_star"))
+        else:
+            s = g.const(_np(p.singular_values()), "singular_values")
+        return g.op("MatMul", g.op("Mul", u, s), g.op("Transpose", v, perm=[1, 0]))
+    raise ValueError(f"no factored export for {type(p).__name__}")
+
+
+# -- the recurrence ---------------------------------------------------------------------
+
+def _activation(body: Graph, kind: str, z: str, act) -> str:
+    if kind == "tanh":
+        return body.op("Tanh", z)
+    if kind == "relu":
+        return body.op("Relu", z)
+    if kind == "leaky_relu":
+        return body.op("LeakyRelu", z, alpha=act.negative_slope)
+    if kind == "abs":
+        return body.op("Abs", z)
+    bias = body.const(_np(act.bias), "modrelu_bias")  # sign(z) relu(|z| + b)
+    return body.op("Mul", body.op("Sign", z), body.op("Relu", body.op("Add", body.op("Abs", z),
+                                                                       bias)))
+
+
+def _scan(g: Graph, layer, w_t: str, u: str, mask: str, h0: str) -> tuple[str, str]:
+    """Scan over time (axis 1) of one step of models.ops.rnn_scan."""
+    body = Graph("step_")
+    z = body.op("Add", "u_t", body.op("MatMul", "h_in", w_t))
+    new = _activation(body, layer.activation.kind, z, layer.activation)
+    if layer.gates is not None:
+        a, b2 = (t.item() for t in layer.gates())
+        new = body.op("Add", body.op("Mul", body.const(a, "a"), new),
+                      body.op("Mul", body.const(b2, "b2"), "h_in"))
+    keep = body.op("Mul", "m_t", new)
+    body.nodes.append(helper.make_node("Add", [keep, body.op(
+        "Mul", body.op("Sub", body.const(1.0, "one"), "m_t"), "h_in")], ["h_out"]))
+    body.nodes.append(helper.make_node("Identity", [keep], ["y_t"]))
+    # Explicit shapes: onnxruntime needs them on Scan outputs when W comes from a function.
+    n = layer.hidden_size
+    graph = body.subgraph("recurrence_step",
+                          [value("h_in", shape=["batch", n]), value("u_t", shape=["batch", n]),
+                           value("m_t", shape=["batch", 1])],
+                          [value("h_out", shape=["batch", n]), value("y_t", shape=["batch", n])])
+    last, states = g.op("Scan", h0, u, mask, outputs=2, body=graph, num_scan_inputs=2,
+                        scan_input_axes=[1, 1], scan_output_axes=[1])
+    return states, last
+
+
+def _rnn_op(g: Graph, layer, w: str, x: str, lengths32: str, h0: str) -> tuple[str, str]:
+    """ONNX's RNN operator (ungated tanh / relu / leaky relu)."""
+    act = layer.activation
+    attrs = {"activations": [RNN_ACTIVATIONS[act.kind]]}
+    if act.kind == "leaky_relu":
+        attrs["activation_alpha"] = [act.negative_slope]
+    n = layer.hidden_size
+    zero = g.const([0], "ax", "int64")
+    w_in = g.const(_np(layer.input.weight)[None], "W_in")
+    bias = g.const(np.concatenate([_np(layer.input.bias), np.zeros(n, np.float32)])[None], "B")
+    y, y_h = g.op("RNN", g.op("Transpose", x, perm=[1, 0, 2]), w_in, g.op("Unsqueeze", w, zero),
+                  bias, lengths32, g.op("Unsqueeze", h0, zero), outputs=2, hidden_size=n, **attrs)
+    states = g.op("Transpose", g.op("Squeeze", y, g.const([1], "ax", "int64")), perm=[1, 0, 2])
+    return states, g.op("Squeeze", y_h, zero)
+
+
+def _lstm(g: Graph, layer: LSTMLayer, x: str, lengths32: str, state: str) -> tuple[str, str]:
+    lstm, n = layer.lstm, layer.hidden_size
+
+    def reorder(t):  # PyTorch gates (i, f, g, o) -> ONNX (i, o, f, c)
+        i, f, c, o = np.split(_np(t), 4)
+        return np.concatenate([i, o, f, c])
+    zero = g.const([0], "ax", "int64")
+    h0 = g.op("Slice", state, g.const([0], "s", "int64"), g.const([n], "e", "int64"),
+              g.const([1], "ax", "int64"))
+    c0 = g.op("Slice", state, g.const([n], "s", "int64"), g.const([2 * n], "e", "int64"),
+              g.const([1], "ax", "int64"))
+    y, y_h, y_c = g.op(
+        "LSTM", g.op("Transpose", x, perm=[1, 0, 2]),
+        g.const(reorder(lstm.weight_ih_l0)[None], "W"),
+        g.const(reorder(lstm.weight_hh_l0)[None], "R"),
+        g.const(np.concatenate([reorder(lstm.bias_ih_l0), reorder(lstm.bias_hh_l0)])[None], "B"),
+        lengths32, g.op("Unsqueeze", h0, zero), g.op("Unsqueeze", c0, zero), outputs=3,
+        hidden_size=n)
+    states = g.op("Transpose", g.op("Squeeze", y, g.const([1], "ax", "int64")), perm=[1, 0, 2])
+    last = g.op("Concat", g.op("Squeeze", y_h, zero), g.op("Squeeze", y_c, zero), axis=1)
+    return states, last
+
+
+# -- the model ------------------------------------------------------------------------------
+
+def build_graph(model, mode: str = "dense", *, step: bool = False, recurrence: str = "scan",
+                opset: int = functions.DEFAULT_OPSET) -> onnx.ModelProto:
+    """The ONNX model of ``model`` (a models.networks.SequenceModel)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if recurrence not in ("scan", "rnn"):
+        raise ValueError(f"recurrence must be 'scan' or 'rnn'; got {recurrence!r}")
+    if not hasattr(model, "layer"):
+        raise ValueError(f"{model.arch} is not recurrent: export takes recurrent models only")
+    layer, task = model.layer, model.task
+    g, used = Graph(), set()
+    lm = task == "lm"
+    x_in = value("tokens", TensorProto.INT64, ["batch", 1 if step else "time"]) if lm else \
+        value("x", TensorProto.FLOAT, ["batch", "time", model.input_size])
+    inputs = [x_in]
+    x = x_in.name
+    ones_shape = g.op("Slice", g.op("Shape", x), g.const([0], "s", "int64"),
+                      g.const([1], "e", "int64"))
+    batch_shape = ones_shape
+    if step:  # one token per sequence: every length is 1
+        lengths = g.op("Expand", g.const([1], "one", "int64"), batch_shape)
+        inputs.append(value("state", TensorProto.FLOAT, ["batch", model.state_size]))
+        h0 = "state"
+    else:
+        inputs.append(value("lengths", TensorProto.INT64, ["batch"]))
+        lengths = "lengths"
+        h0 = g.op("ConstantOfShape", g.op("Concat", batch_shape, g.const([model.state_size],
+                                                                           "n", "int64"), axis=0),
+                  value=helper.make_tensor("z", TensorProto.FLOAT, [1], [0.0]))
+    if lm:
+        x = g.op("Gather", g.const(_np(model.embedding.weight), "embedding"), x, axis=0)
+    lengths32 = g.op("Cast", lengths, to=TensorProto.INT32)
+
+    if isinstance(layer, LSTMLayer):
+        states, last = _lstm(g, layer, x, lengths32, h0)
+    else:
+        p = layer.transition
+        w = g.const(_np(p.matrix()), "W") if mode == "dense" else factored_matrix(g, p, used)
+        usable_rnn = layer.gates is None and layer.activation.kind in RNN_ACTIVATIONS
+        if recurrence == "rnn" and usable_rnn:
+            states, last = _rnn_op(g, layer, w, x, lengths32, h0)
+        else:
+            u = g.op("Add", g.op("MatMul", x, g.const(_np(layer.input.weight).T, "W_in_T")),
+                     g.const(_np(layer.input.bias), "b_in"))
+            steps = g.op("Range", g.const(0, "zero", "int64"),
+                         g.op("Squeeze", g.op("Slice", g.op("Shape", x), g.const([1], "s", "int64"),
+                                              g.const([2], "e", "int64")),
+                              g.const([0], "ax", "int64")),
+                         g.const(1, "one", "int64"))
+            mask = g.op("Cast", g.op("Less", g.op("Unsqueeze", steps, g.const([0], "ax", "int64")),
+                                     g.op("Unsqueeze", lengths, g.const([1], "ax", "int64"))),
+                        to=TensorProto.FLOAT)
+            mask = g.op("Unsqueeze", mask, g.const([2], "ax", "int64"))
+            states, last = _scan(g, layer, g.op("Transpose", w, perm=[1, 0]), u, mask, h0)
+
+    head_w = g.const(_np(model.head.weight).T, "head_W_T")
+    head_b = g.const(_np(model.head.bias), "head_b")
+    n = model.hidden_size
+    if task in ("classify", "regress"):
+        h = last if model.state_size == n else g.op(  # lstm: h of cat(h, c)
+            "Slice", last, g.const([0], "s", "int64"), g.const([n], "e", "int64"),
+            g.const([1], "ax", "int64"))
+        out = g.op("Add", g.op("MatMul", h, head_w), head_b)
+        out_shape = ["batch", model.num_outputs]
+    else:
+        out = g.op("Add", g.op("MatMul", states, head_w), head_b)
+        out_shape = ["batch", 1 if step else "time", model.num_outputs]
+    out_name = "value" if task == "regress" else "logits"
+    g.nodes.append(helper.make_node("Identity", [out], [out_name]))
+    g.nodes.append(helper.make_node("Identity", [last], ["state"] if not step else ["next_state"]))
+    outputs = [value(out_name, TensorProto.FLOAT, out_shape),
+               value("state" if not step else "next_state", TensorProto.FLOAT,
+                     ["batch", model.state_size])]
+    graph = helper.make_graph(g.nodes, f"{model.arch}_{task}{'_step' if step else ''}",
+                              inputs, outputs, initializer=g.initializers)
+    opsets = [helper.make_opsetid("", opset)]
+    funcs = [functions.ALL[name](opset) for name in sorted(used)]
+    if funcs:
+        opsets.append(helper.make_opsetid(DOMAIN, 1))
+    onnx_model = helper.make_model(graph, opset_imports=opsets, functions=funcs,
+                                   ir_version=IR_VERSION, producer_name="orthornn")
+    return onnx_model

@@ -1,0 +1,250 @@
+"""Export: onnxruntime against torch for every recurrent architecture and both modes,
+the ai.orthornn functions against the parametrizations, packages, verification and
+atomic publishing."""
+
+import json
+import os
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from export import functions, repository
+from export.exporter import export_run
+from export.graph import DOMAIN, IR_VERSION
+from export.onnx_export import build_graph
+from export.package import PackageError, session_from_bytes, verify_package
+from models import ARCHITECTURES, build_model
+from models.parametrizations import (
+    HouseholderChain,
+    PackedGivens,
+    RotationPermutation,
+    ScaledCayley,
+)
+from service.cli import main as cli
+from training.config import TrainConfig
+from training.trainer import train
+
+RECURRENT = [a for a in ARCHITECTURES if ARCHITECTURES[a].recurrent]
+V = 13
+
+
+def _model(arch, task):
+    return build_model(arch, task, input_size=V if task == "lm" else 3, hidden_size=8,
+                       num_outputs=None if task == "lm" else 4).eval()
+
+
+def _run(proto, feeds):
+    sess = session_from_bytes(proto.SerializeToString())
+    return sess.run(None, feeds)
+
+
+@pytest.mark.parametrize("arch", RECURRENT)
+@pytest.mark.parametrize("mode", ["dense", "factored"])
+@pytest.mark.parametrize("task", ["classify", "lm"])
+def test_onnxruntime_equals_torch(arch, mode, task):
+    model = _model(arch, task)
+    proto = build_graph(model, mode)
+    onnx.checker.check_model(proto, full_check=True)
+    sess = session_from_bytes(proto.SerializeToString())
+    for batch, steps, lengths in [(1, 1, [1]), (3, 7, [7, 2, 5]), (5, 12, [12] * 5)]:
+        x = torch.randint(0, V, (batch, steps)) if task == "lm" else torch.randn(batch, steps, 3)
+        lengths = torch.tensor(lengths)
+        with torch.no_grad():
+            ref, last = model(x, lengths=lengths, return_state=True)
+        out, state = sess.run(None, {"tokens" if task == "lm" else "x": x.numpy(),
+                                     "lengths": lengths.numpy()})
+        np.testing.assert_allclose(out, ref.numpy(), atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(state, last.numpy(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["rnn", "irnn", "ornn", "svdrnn", "vprnn"])
+def test_onnx_rnn_operator_path_equals_torch(arch):
+    model = _model(arch, "classify")
+    proto = build_graph(model, "dense", recurrence="rnn")
+    assert any(n.op_type == "RNN" for n in proto.graph.node)
+    x, lengths = torch.randn(3, 6, 3), torch.tensor([6, 1, 4])
+    with torch.no_grad():
+        ref, last = model(x, lengths=lengths, return_state=True)
+    out, state = _run(proto, {"x": x.numpy(), "lengths": lengths.numpy()})
+    np.testing.assert_allclose(out, ref.numpy(), atol=1e-5)
+    np.testing.assert_allclose(state, last.numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", RECURRENT)
+def test_lm_step_graph_carries_state(arch):
+    model = _model(arch, "lm")
+    step = build_graph(model, "factored", step=True)
+    onnx.checker.check_model(step, full_check=True)
+    sess = session_from_bytes(step.SerializeToString())
+    tokens = torch.randint(0, V, (2, 5))
+    with torch.no_grad():
+        ref = model(tokens)
+    state = np.zeros((2, model.state_size), np.float32)
+    for t in range(5):
+        logits, state = sess.run(None, {"tokens": tokens[:, t:t + 1].numpy(), "state": state})
+        np.testing.assert_allclose(logits[:, 0], ref[:, t].numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_dense_graph_stores_the_recurrent_weight():
+    model = _model("scornn", "classify")
+    proto = build_graph(model, "dense")
+    stored = [onnx.numpy_helper.to_array(t) for t in proto.graph.initializer
+              if t.name.startswith("W_")]
+    np.testing.assert_array_equal(stored[0], model.recurrent_weight().detach().numpy())
+
+
+def _function_output(fn, args):
+    """Run one ai.orthornn function on constant inputs with onnxruntime."""
+    names = [f"in{i}" for i in range(len(args))]
+    node = helper.make_node(fn.name, names, ["W"], domain=DOMAIN)
+    inits = [onnx.numpy_helper.from_array(np.asarray(a), n) for a, n in zip(args, names,
+                                                                           strict=True)]
+    graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info(
+        "W", TensorProto.FLOAT, ["n", "n"])], initializer=inits)
+    model = helper.make_model(graph, functions=[fn], ir_version=IR_VERSION, opset_imports=[
+        helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)])
+    onnx.checker.check_model(model, full_check=True)
+    return _run(model, {})[0]
+
+
+@pytest.mark.parametrize("n", [2, 7, 16])
+def test_function_householder_chain(n):
+    p = HouseholderChain(n, max(1, n - 2))
+    w = _function_output(functions.householder_chain(18), [p.reflector_matrix().detach().numpy()])
+    np.testing.assert_allclose(w, p.matrix().detach().numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [PackedGivens, RotationPermutation])
+def test_function_rotations(cls):
+    from models.parametrizations.givens import pair_coefficients
+
+    p = cls(10, 5)
+    _, _, partner = pair_coefficients(p.angles, p.first, p.second)
+    order = torch.argsort(torch.cat([p.first, p.second], dim=1), dim=1)
+    args = [p.angles.detach().numpy(), order.numpy(), partner.numpy()]
+    fn = functions.packed_givens(18)
+    if cls is RotationPermutation:
+        fn = functions.rotation_permutation(18)
+        args.append(p.permutations.numpy())
+    np.testing.assert_allclose(_function_output(fn, args), p.matrix().detach().numpy(),
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("n,rho", [(3, 1), (12, 6)])
+def test_function_scaled_cayley(n, rho):
+    p = ScaledCayley(n, rho)
+    with torch.no_grad():
+        p.skew.normal_(0, 0.5)
+    w = _function_output(functions.scaled_cayley(18), [p.skew.detach().numpy(),
+                                                       p.upper_index.numpy(),
+                                                       p.diagonal.numpy()])
+    np.testing.assert_allclose(w, p.matrix().detach().numpy(), atol=1e-5)
+
+
+# -- packages -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    corpus = root / "c.txt"
+    corpus.write_text("\n\n".join(f"the cat sat on the mat {i} and the dog ran"
+                                  for i in range(40)))
+    common = dict(hidden_size=8, steps=4, batch_size=8, log_every=4, optimizer="adam")
+    train(TrainConfig(arch="svdrnn", task="adding", seq_len=6, out=str(root / "adding"),
+                      **common), progress=False)
+    train(TrainConfig(arch="lstm", task="lm", corpus=str(corpus), vocab_size=20, bptt=5,
+                      out=str(root / "lm"), **common), progress=False)
+    return root
+
+
+def test_export_publishes_verified_versions(runs, tmp_path):
+    repo = tmp_path / "repo"
+    first = export_run(runs / "adding", repo, "adder")
+    second = export_run(runs / "adding", repo, "adder", mode="factored")
+    assert (first.name, second.name) == ("1", "2")
+    manifest = json.loads((second / "manifest.json").read_text())
+    for key in ("name", "version", "arch", "task", "mode", "opset", "input_spec", "output_spec",
+                "files", "spectral", "training", "source"):
+        assert key in manifest, key
+    assert manifest["mode"] == "factored" and manifest["version"] == 2
+    assert manifest["input_spec"] == {"kind": "float", "feature_size": 2, "max_length": 6}
+    assert set(manifest["files"]) == {"model.onnx", "golden.npz"}
+    assert manifest["spectral"]["sigma_max"] <= 1.01 + 1e-6
+    assert verify_package(second)["version"] == 2
+    with np.load(second / "golden.npz") as golden:
+        assert sorted(golden["model/lengths"].tolist()) != [6, 6, 6, 6]  # padded sequences
+    # versions only grow, even after one is deleted
+    import shutil
+
+    shutil.rmtree(second)
+    assert export_run(runs / "adding", repo, "adder").name == "3"
+
+
+def test_lm_package_has_step_graph_and_vocabulary(runs, tmp_path):
+    path = export_run(runs / "lm", tmp_path / "repo", "words")
+    manifest = verify_package(path)
+    assert manifest["graphs"] == {"model": "model.onnx", "step": "step.onnx"}
+    assert manifest["vocabulary_file"] == "vocab.txt"
+    assert (path / "vocab.txt").read_text().split("\n")[:2] == ["<unk>", "<eos>"]
+    assert manifest["recurrence"] == "lstm"
+
+
+def test_tampered_package_fails_verification(runs, tmp_path):
+    path = export_run(runs / "adding", tmp_path / "repo", "adder")
+    data = bytearray((path / "model.onnx").read_bytes())
+    data[-5] ^= 0xFF
+    (path / "model.onnx").write_bytes(bytes(data))
+    with pytest.raises(PackageError, match=r"sha256 mismatch for 'model\.onnx'"):
+        verify_package(path)
+
+
+def test_wrong_golden_outputs_fail_verification(runs, tmp_path):
+    import hashlib
+
+    path = export_run(runs / "adding", tmp_path / "repo", "adder")
+    with np.load(path / "golden.npz") as f:
+        golden = {k: f[k] for k in f.files}
+    golden["model/value"] = golden["model/value"] + 0.01
+    np.savez(path / "golden.npz", **golden)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["golden.npz"] = hashlib.sha256((path / "golden.npz").read_bytes()).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PackageError, match="golden check failed: model/value"):
+        verify_package(path)
+
+
+def test_interrupted_publish_leaves_no_visible_version(tmp_path):
+    def build(tmp, version):
+        (tmp / "model.onnx").write_bytes(b"partial")
+        raise KeyboardInterrupt  # the process is stopped half way
+
+    with pytest.raises(KeyboardInterrupt):
+        repository.publish(tmp_path, "m", build)
+    assert os.listdir(tmp_path / "m") == []
+    assert repository.versions(tmp_path / "m") == []
+
+
+@pytest.mark.parametrize("args,message", [
+    (["{run}", "--repo", "{repo}", "--name", "a/b"], "no path separators"),
+    (["{run}", "--repo", "{repo}", "--name", "x", "--mode", "sparse"], "mode must be one of"),
+    (["{missing}", "--repo", "{repo}", "--name", "x"], "does not exist"),
+    (["{run}", "--repo", "{repo}", "--name", "x", "--opset", "9"], "opset must be an integer"),
+    (["{run}", "--name", "x"], "missing --repo"),
+    (["--verify-only", "{missing}"], "not a model package"),
+])
+def test_export_cli_errors(runs, tmp_path, capsys, args, message):
+    values = {"run": str(runs / "adding"), "repo": str(tmp_path / "repo"),
+              "missing": str(tmp_path / "nope")}
+    code = cli(["export", *[a.format(**values) for a in args]])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "repo" / "x").exists()
+
+
+def test_export_cli_prints_the_published_path(runs, tmp_path, capsys):
+    assert cli(["export", str(runs / "adding"), "--repo", str(tmp_path), "--name", "m"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "m" / "1")
+    assert cli(["export", "--verify-only", str(tmp_path / "m" / "1")]) == 0
