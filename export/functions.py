@@ -43,6 +43,17 @@ def _row_update(body: Graph, m: str, coef: str, a: str, b: str) -> str:
     return body.op("Sub", m, body.op("Mul", coef, outer))
 
 
+def _matrix_loop(g: Graph, body: Graph, name: str, new: str, trips: str, init: str) -> None:
+    """W = Loop(trips) over a body that maps the carried matrix M_in (iteration i) to
+    ``new``."""
+    body.nodes.append(helper.make_node("Identity", ["cond_in"], ["cond_out"]))
+    body.nodes.append(helper.make_node("Identity", [new], ["M_out"]))
+    loop_body = body.subgraph(name, [value("i", TensorProto.INT64, []),
+                                     value("cond_in", TensorProto.BOOL, []), value("M_in")],
+                              [value("cond_out", TensorProto.BOOL, []), value("M_out")])
+    g.nodes.append(helper.make_node("Loop", [trips, "", init], ["W"], body=loop_body))
+
+
 def householder_chain(opset: int) -> onnx.FunctionProto:
     g = Graph("hc_")
     eye = _identity_like(g, "Y", 0)
@@ -56,13 +67,7 @@ def householder_chain(opset: int) -> onnx.FunctionProto:
                            body.op("Max", norm, body.const(1e-30, "tiny"))),
                    body.const(0.0, "zero"))
     new = _row_update(body, "M_in", coef, body.op("MatMul", "M_in", y), y)
-    body.nodes.append(helper.make_node("Identity", ["cond_in"], ["cond_out"]))
-    body.nodes.append(helper.make_node("Identity", [new], ["M_out"]))
-    loop_body = body.subgraph("householder_step",
-                              [value("i", TensorProto.INT64, []),
-                               value("cond_in", TensorProto.BOOL, []), value("M_in")],
-                              [value("cond_out", TensorProto.BOOL, []), value("M_out")])
-    g.nodes.append(helper.make_node("Loop", [trips, "", eye], ["W"], body=loop_body))
+    _matrix_loop(g, body, "householder_step", new, trips, eye)
     return _function("HouseholderChain", ["Y"], ["W"], g, opset)
 
 
@@ -86,13 +91,7 @@ def _rotations(name: str, permuted: bool, opset: int) -> onnx.FunctionProto:
     sj = body.op("Unsqueeze", body.op("Gather", sin, j, axis=0), col)
     swapped = body.op("Gather", m, body.op("Gather", "partner", j, axis=0), axis=0)
     new = body.op("Add", body.op("Mul", cj, m), body.op("Mul", sj, swapped))
-    body.nodes.append(helper.make_node("Identity", ["cond_in"], ["cond_out"]))
-    body.nodes.append(helper.make_node("Identity", [new], ["M_out"]))
-    loop_body = body.subgraph("rotation_step",
-                              [value("i", TensorProto.INT64, []),
-                               value("cond_in", TensorProto.BOOL, []), value("M_in")],
-                              [value("cond_out", TensorProto.BOOL, []), value("M_out")])
-    g.nodes.append(helper.make_node("Loop", [trips, "", eye], ["W"], body=loop_body))
+    _matrix_loop(g, body, "rotation_step", new, trips, eye)
     inputs = ["angles", "order", "partner"] + (["perms"] if permuted else [])
     return _function(name, inputs, ["W"], g, opset)
 
