@@ -65,14 +65,18 @@ def _scan_loop(u, transition, act, h0, mask, gates, record: bool = False):
     return out
 
 
-def scan_forward(u, weight, h0, lengths, a, b2, bias, kind: str, slope: float):
-    """Reference forward of the op: (states, last, pre [B, T, n], carried [B, T+1, n])."""
+def scan_forward(u, weight, h0, lengths, a, b2, bias, kind: str, slope: float,
+                 keep: bool = True):
+    """Reference forward of the op: (states, last, pre [B, T, n], carried [B, T+1, n]);
+    without ``keep`` pre and carried are None (nothing recorded)."""
     gates = (a, b2) if a is not None else None
 
     def act(z):
         return activation_forward(kind, z, slope, bias)
 
     mask = step_masks(lengths, u.shape[1], u.device)
+    if not keep:
+        return (*_scan_loop(u, weight, act, h0, mask, gates), None, None)
     return _scan_loop(u, weight, act, h0, mask, gates, record=True)
 
 

@@ -38,19 +38,27 @@ def _triton(u: Tensor, weight: Tensor, *others) -> bool:
 @torch.library.custom_op("orthornn::rnn_scan", mutates_args=())
 def _scan(u: Tensor, weight: Tensor, h0: Tensor, lengths: Tensor | None, a: Tensor | None,
           b2: Tensor | None, bias: Tensor | None, activation: str, slope: float,
-          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+          keep: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``keep``: return the residuals (pre, carried); empty tensors otherwise (no backward)."""
     if _triton(u, weight, h0, lengths, a, b2, bias):
         from . import triton_scan
 
-        return triton_scan.scan_forward(u, weight, h0, lengths, a, b2, bias, activation, slope)
-    states, last, pre, carried = reference.scan_forward(u, weight, h0, lengths, a, b2, bias,
-                                                        activation, slope)
+        out = triton_scan.scan_forward(u, weight, h0, lengths, a, b2, bias, activation, slope,
+                                       keep)
+    else:
+        out = reference.scan_forward(u, weight, h0, lengths, a, b2, bias, activation, slope,
+                                     keep)
+    states, last, pre, carried = out
+    if not keep:
+        pre, carried = u.new_empty(0), u.new_empty(0)
     return states, last.clone(), pre, carried  # outputs may not alias one another
 
 
 @_scan.register_fake
-def _(u, weight, h0, lengths, a, b2, bias, activation, slope):
+def _(u, weight, h0, lengths, a, b2, bias, activation, slope, keep):
     batch, steps, n = u.shape
+    if not keep:
+        return u.new_empty(batch, steps, n), u.new_empty(batch, n), u.new_empty(0), u.new_empty(0)
     return (u.new_empty(batch, steps, n), u.new_empty(batch, n),
             u.new_empty(batch, steps, n), u.new_empty(batch, steps + 1, n))
 
@@ -79,7 +87,7 @@ def _(d_states, d_last, weight, pre, carried, lengths, a, b2, bias, activation, 
 
 
 def _setup_context(ctx, inputs, output):
-    _, weight, _, lengths, a, b2, bias, activation, slope = inputs
+    _, weight, _, lengths, a, b2, bias, activation, slope, _keep = inputs
     ctx.save_for_backward(weight, output[2], output[3], lengths, a, b2, bias)
     ctx.activation, ctx.slope = activation, slope
     ctx.set_materialize_grads(False)  # an unused output (often `states`) costs nothing
@@ -87,12 +95,14 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, d_states, d_last, _d_pre, _d_carried):
     weight, pre, carried, lengths, a, b2, bias = ctx.saved_tensors
+    if carried.numel() == 0:
+        raise RuntimeError("rnn_scan ran with keep=False (no residuals saved); it has no backward")
     kind, slope = ctx.activation, ctx.slope
     d_pre, d_out, d_h0 = torch.ops.orthornn.rnn_scan_backward(
         d_states, d_last, weight, pre, carried, lengths, a, b2, bias, kind, slope)
     d_weight, d_a, d_b2, d_bias = reference.scan_parameter_grads(
         d_pre, d_out if a is not None else None, pre, carried, a, bias, kind, slope)
-    return d_pre, d_weight, d_h0, None, d_a, d_b2, d_bias, None, None
+    return d_pre, d_weight, d_h0, None, d_a, d_b2, d_bias, None, None, None
 
 
 _scan.register_autograd(_backward, setup_context=_setup_context)
@@ -130,6 +140,9 @@ def rnn_scan(u: Tensor, weight: Tensor, h0: Tensor | None = None, lengths: Tenso
     if lengths is not None:
         lengths = lengths.to(device=u.device, dtype=torch.long)
     a, b2 = gates if gates is not None else (None, None)
+    # Residuals for the backward only when one can follow (inference saves nothing).
+    keep = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (u, weight, h0, a, b2, bias))
     states, last, _, _ = torch.ops.orthornn.rnn_scan(u, weight, h0, lengths, a, b2, bias,
-                                                     activation, float(slope))
+                                                     activation, float(slope), keep)
     return states, last
