@@ -152,3 +152,21 @@ def test_givens_apply_skips_saving_without_grad():
     out, saved = torch.ops.orthornn.givens_apply(*args)
     assert saved.numel() == 0
     torch.testing.assert_close(out, torch.ops.orthornn.givens_apply(*args[:-1], True)[0])
+
+
+def test_compiled_model_matches_eager():
+    """torch.compile traces the ops through their fake implementations and autograd
+    formulas (aot_eager: no C++ toolchain needed)."""
+    from models import build_model
+
+    layer = build_model("sgornn", "classify", input_size=3, hidden_size=8, num_outputs=2).layer
+    x, lengths = torch.randn(2, 5, 3), torch.tensor([5, 3])
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    params = list(layer.parameters())
+    for factored in (False, True):  # rnn_scan + givens_apply, then givens_apply per step
+        eager_out = layer(x, lengths=lengths, factored=factored)
+        compiled_out = compiled(x, lengths=lengths, factored=factored)
+        torch.testing.assert_close(compiled_out, eager_out)
+        torch.testing.assert_close(
+            torch.autograd.grad(sum(o.sum() for o in compiled_out), params),
+            torch.autograd.grad(sum(o.sum() for o in eager_out), params))
