@@ -14,6 +14,7 @@ synchronised wall times after a warm-up (which also compiles the kernels).
 
     python bench/ops.py                       # the full grid, on a CUDA device
     python bench/ops.py --steps 784 --hidden 128 --batch 64   # one point
+    python bench/ops.py --tf32                # TF32 tensor cores for fp32 products
     python bench/ops.py --smoke               # tiny grid on the CPU through the Triton
                                               # interpreter: checks the script, times are
                                               # meaningless
@@ -118,12 +119,16 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--tf32", action="store_true",
+                        help="allow TF32 tensor cores in fp32 matmuls (cuBLAS and tl.dot)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny grid on the CPU through the Triton interpreter")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ops.json")
     args = parser.parse_args(argv)
     if min(*args.steps, *args.hidden, *args.batch, args.reps) < 1:
         parser.error("--steps, --hidden, --batch and --reps must be positive")
+    if args.tf32:
+        torch.set_float32_matmul_precision("high")
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
         args.steps, args.hidden, args.batch, args.reps = [5], [16], [2], 1

@@ -10,17 +10,18 @@ from tests.helpers import givens_dense
 
 
 def scan_args(batch=3, steps=5, n=6, kind="modrelu", gated=True, padded=True,
-              dtype=torch.float32):
-    u = torch.randn(batch, steps, n, dtype=dtype, requires_grad=True)
-    w = (torch.randn(n, n, dtype=dtype) / n**0.5).requires_grad_()
-    h0 = torch.randn(batch, n, dtype=dtype, requires_grad=True)
-    lengths = torch.randint(1, steps + 1, (batch,)) if padded else None
+              dtype=torch.float32, device="cpu"):
+    def leaf(*shape, scale=1.0):
+        return (torch.randn(*shape, dtype=dtype) * scale).to(device).requires_grad_()
+
+    u, w, h0 = leaf(batch, steps, n), leaf(n, n, scale=n**-0.5), leaf(batch, n)
+    lengths = torch.randint(1, steps + 1, (batch,), device=device) if padded else None
     a = b2 = bias = None
     if gated:
-        a = torch.tensor(0.3, dtype=dtype, requires_grad=True)
-        b2 = torch.tensor(0.6, dtype=dtype, requires_grad=True)
+        a = torch.tensor(0.3, dtype=dtype, device=device, requires_grad=True)
+        b2 = torch.tensor(0.6, dtype=dtype, device=device, requires_grad=True)
     if kind == "modrelu":
-        bias = (0.3 * torch.randn(n, dtype=dtype)).requires_grad_()
+        bias = leaf(n, scale=0.3)
     return (u, w, h0, lengths, a, b2, bias, kind, 0.1, True)
 
 
@@ -33,25 +34,27 @@ def test_scan_inference_saves_nothing():
     torch.testing.assert_close((states, last), ref[:2])
 
 
-def givens_args(n=6, cols=5, perms=True, keep=True):
+def givens_args(n=6, cols=5, perms=True, keep=True, device="cpu"):
     p = RotationPermutation(n, 3) if perms else PackedGivens(n, 4)
-    cos, sin, partner = (t.detach() for t in p.coefficients())
-    return (torch.randn(n, cols, requires_grad=True), cos.requires_grad_(),
-            sin.requires_grad_(), partner, p.permutations, keep)
+    cos, sin, partner = (t.detach().to(device) for t in p.coefficients())
+    return (torch.randn(n, cols, device=device, requires_grad=True), cos.requires_grad_(),
+            sin.requires_grad_(), partner, p.permutations.to(device) if perms else None, keep)
 
 
-def opcheck_all():
+def opcheck_all(device="cpu"):
     """Each op with inputs that exercise every optional branch it has."""
     for kind, gated, padded in [("modrelu", True, True), ("tanh", False, False)]:
-        args = scan_args(kind=kind, gated=gated, padded=padded)
+        args = scan_args(kind=kind, gated=gated, padded=padded, device=device)
         torch.library.opcheck(torch.ops.orthornn.rnn_scan.default, args)
         inference = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in args[:-1])
         torch.library.opcheck(torch.ops.orthornn.rnn_scan.default, (*inference, False))
-    x, y = torch.randn(4, 5, requires_grad=True), torch.randn(5, 3, requires_grad=True)
+    x = torch.randn(4, 5, device=device, requires_grad=True)
+    y = torch.randn(5, 3, device=device, requires_grad=True)
     for transpose in (False, True):
         torch.library.opcheck(torch.ops.orthornn.householder_apply.default, (x, y, transpose))
     for perms in (True, False):
-        torch.library.opcheck(torch.ops.orthornn.givens_apply.default, givens_args(perms=perms))
+        torch.library.opcheck(torch.ops.orthornn.givens_apply.default,
+                              givens_args(perms=perms, device=device))
 
 
 def test_opcheck_reference(monkeypatch):

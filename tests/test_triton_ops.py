@@ -109,7 +109,7 @@ def test_givens_apply(monkeypatch, n, cols, perms):
 
 def test_opcheck_triton(monkeypatch):
     monkeypatch.setenv("ORTHORNN_KERNELS", "triton")
-    opcheck_all()
+    opcheck_all(DEVICE)
 
 
 def train(model, mode, monkeypatch, steps=3, factored=False):
@@ -165,7 +165,7 @@ def test_scan_on_gpu_larger_shapes(monkeypatch, n, kind, gated):
 
     monkeypatch.setenv("ORTHORNN_KERNELS", "auto")
     assert dispatch.use_triton("rnn_scan", (torch.zeros(1, device="cuda"),))
-    torch.backends.cuda.matmul.allow_tf32 = False
+    assert torch.get_float32_matmul_precision() == "highest"  # full fp32 on both paths
     run, leaves = scan_case(64, 50, n, kind, gated, padded=True, device="cuda")
     results = {}
     for mode in ("triton", "reference"):
@@ -174,3 +174,25 @@ def test_scan_on_gpu_larger_shapes(monkeypatch, n, kind, gated):
         results[mode] = (states, last, *torch.autograd.grad(states.sum() + last.sum(), leaves))
     for fast, ref in zip(results["triton"], results["reference"], strict=True):
         torch.testing.assert_close(fast, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error path")
+def test_kernels_built_for_gpu_refuse_cpu_tensors():
+    """TRITON_INTERPRET set only after the kernels were built: a clear error, not a crash."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import os, torch\n"
+              "from models.ops import triton_scan\n"
+              "os.environ['TRITON_INTERPRET'] = '1'\n"
+              "from models.ops import rnn_scan\n"
+              "try:\n"
+              "    rnn_scan(torch.randn(1, 2, 3), torch.eye(3))\n"
+              "except RuntimeError as e:\n"
+              "    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["ORTHORNN_KERNELS"] = "triton"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert "set before the first kernel runs" in done.stdout, done.stdout + done.stderr

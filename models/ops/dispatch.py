@@ -4,8 +4,8 @@
     auto       Triton when every tensor is on CUDA, triton imports and the op supports
                the shape and dtype; otherwise the reference (the default)
     triton     always Triton; an error when that is impossible. CPU tensors need
-               ``TRITON_INTERPRET=1`` set before triton is first imported (the
-               interpreter runs the kernels with numpy: slow, for tests only)
+               ``TRITON_INTERPRET=1`` set before the first kernel runs in the process
+               (the interpreter runs the kernels with numpy: slow, for tests only)
     reference  always the pure-PyTorch reference
 Triton is imported lazily, only when a kernel is about to run, so the package works
 without it.
@@ -59,7 +59,16 @@ def use_triton(op: str, tensors, unsupported: str | None = None) -> bool:
                            "(pip install 'orthornn[gpu]', or the dev extra)")
     if not on_cuda and not interpreter_requested():
         raise RuntimeError(f"{ENV}=triton with CPU tensors needs TRITON_INTERPRET=1, set "
-                           "before triton is imported (it runs the kernels in the interpreter)")
+                           "before the first kernel runs (the interpreter runs them on the CPU)")
     if unsupported is not None:
         raise ValueError(f"{ENV}=triton: {op} {unsupported}")
     return True
+
+
+def check_launch(kernel, tensor: torch.Tensor) -> None:
+    """Kernels are built for the GPU or for the interpreter when their module is first
+    imported; CPU tensors need the interpreter's build."""
+    if not tensor.is_cuda and type(kernel).__name__ != "InterpretedFunction":
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before "
+                           "the first kernel runs in this process (the kernels were built "
+                           "for the GPU)")

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .dispatch import check_launch
+
 BLOCK_ROWS = 16  # vectors per program (Householder)
 BLOCK_COLS = 16  # columns per program (Givens)
 
@@ -78,6 +80,7 @@ def _householder_bwd_kernel(g_ptr, out_ptr, y_ptr, dx_ptr, dy_part_ptr, B, N, M,
 
 
 def householder_forward(x, y, transpose: bool):
+    check_launch(_householder_fwd_kernel, x)
     x, y = x.contiguous(), y.contiguous()
     batch, n = x.shape
     out = torch.empty_like(x)
@@ -88,6 +91,7 @@ def householder_forward(x, y, transpose: bool):
 
 
 def householder_backward(grad, out, y, transpose: bool):
+    check_launch(_householder_bwd_kernel, grad)
     grad, out, y = grad.contiguous(), out.contiguous(), y.contiguous()
     batch, n = grad.shape
     programs = triton.cdiv(batch, BLOCK_ROWS)
@@ -156,6 +160,7 @@ def _givens_bwd_kernel(g_ptr, inputs_ptr, cos_ptr, sin_ptr, partner_ptr, inverse
 
 
 def givens_forward(x, cos, sin, partner, perms, keep: bool):
+    check_launch(_givens_fwd_kernel, x)
     x, cos, sin, partner = x.contiguous(), cos.contiguous(), sin.contiguous(), partner.contiguous()
     n, cols = x.shape
     k = cos.shape[0]
@@ -169,6 +174,7 @@ def givens_forward(x, cos, sin, partner, perms, keep: bool):
 
 
 def givens_backward(grad, inputs, cos, sin, partner, perms):
+    check_launch(_givens_bwd_kernel, grad)
     grad, inputs = grad.contiguous(), inputs.contiguous()
     cos, sin, partner = cos.contiguous(), sin.contiguous(), partner.contiguous()
     n, cols = grad.shape

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..activations import KINDS
+from .dispatch import check_launch
 
 #: Largest padded hidden size whose W stays on chip for the whole scan (fp32 W^T of
 #: 128 x 128 = 64 KiB); above it W is streamed in TILE x TILE blocks each step.
@@ -289,6 +290,7 @@ def scan_forward(u, weight, h0, lengths, a, b2, bias, kind: str, slope: float,
                  keep: bool = True):
     """(states, last, pre, carried) as ``reference.scan_forward``; pre is empty unless
     ``keep`` (nothing to save without a backward)."""
+    check_launch(_scan_fwd_kernel, u)
     u, weight = u.contiguous(), weight.contiguous()
     batch, steps, n = u.shape
     states = torch.empty_like(u)
@@ -305,6 +307,7 @@ def scan_forward(u, weight, h0, lengths, a, b2, bias, kind: str, slope: float,
 
 def scan_backward(d_states, d_last, weight, pre, lengths, a, b2, bias, kind: str, slope: float):
     """(dL/dZ, dL/d(cell output) or None, dL/dh0) as ``reference.scan_backward``."""
+    check_launch(_scan_bwd_kernel, pre)
     weight, pre = weight.contiguous(), pre.contiguous()
     batch, steps, n = pre.shape
     g = pre.new_zeros(batch, n) if d_last is None else d_last.contiguous().clone()
