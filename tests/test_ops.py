@@ -101,6 +101,8 @@ def test_scan_rejects_bad_input():
         rnn_scan(u, torch.eye(3))
     with pytest.raises(ValueError, match="bias must be a tensor"):
         rnn_scan(u, torch.eye(4), activation="modrelu")
+    with pytest.raises(ValueError, match="u must have at least one sequence, step and unit"):
+        rnn_scan(torch.randn(2, 0, 4), torch.eye(4))
     with pytest.raises(ValueError, match="lengths must be an integer tensor"):
         rnn_scan(u, torch.eye(4), lengths=torch.tensor([1.0, 2.0]))
 

@@ -43,15 +43,15 @@ def _scan(u: Tensor, weight: Tensor, h0: Tensor, lengths: Tensor | None, a: Tens
     if _triton(u, weight, h0, lengths, a, b2, bias):
         from . import triton_scan
 
-        out = triton_scan.scan_forward(u, weight, h0, lengths, a, b2, bias, activation, slope,
-                                       keep)
+        states, last, pre, carried = triton_scan.scan_forward(
+            u, weight, h0, lengths, a, b2, bias, activation, slope, keep)
     else:
-        out = reference.scan_forward(u, weight, h0, lengths, a, b2, bias, activation, slope,
-                                     keep)
-    states, last, pre, carried = out
+        states, last, pre, carried = reference.scan_forward(
+            u, weight, h0, lengths, a, b2, bias, activation, slope, keep)
+        last = last.clone()  # never alias an input or another output (custom-op rule)
     if not keep:
         pre, carried = u.new_empty(0), u.new_empty(0)
-    return states, last.clone(), pre, carried  # outputs may not alias one another
+    return states, last, pre, carried
 
 
 @_scan.register_fake
@@ -112,7 +112,9 @@ def _check(u, weight, h0, lengths, bias, gates, activation) -> None:
     check_choice("activation", activation, KINDS)
     if not isinstance(u, Tensor) or u.dim() != 3 or not u.is_floating_point():
         raise ValueError(f"u must be a float tensor [B, T, n]; got {getattr(u, 'shape', u)!r}")
-    batch, _, n = u.shape
+    batch, steps, n = u.shape
+    if min(batch, steps, n) < 1:
+        raise ValueError(f"u must have at least one sequence, step and unit; got {tuple(u.shape)}")
     if not isinstance(weight, Tensor) or weight.shape != (n, n):
         raise ValueError(f"weight must be a tensor [{n}, {n}]; "
                          f"got {getattr(weight, 'shape', weight)!r}")
