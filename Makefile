@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 
-.PHONY: test serve lint bench clean
+.PHONY: test serve lint bench bench-ops clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ lint: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/models.py
+
+bench-ops: $(VENV)/.installed  # needs a CUDA device
+	$(BIN)/python bench/ops.py
 
 serve:
 	@echo "make serve: the inference service is not built yet (see the service and deployment issues)." >&2

@@ -1,5 +1,14 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU, the Triton kernels run in the interpreter. TRITON_INTERPRET is read
+# when triton is imported (lazily, by models.ops at the first kernel launch, never by
+# `import torch`), so it is set here, before any test module runs. With CUDA the real
+# kernels run and tests/test_triton_ops.py checks them on the device.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser):

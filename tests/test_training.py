@@ -26,7 +26,8 @@ def small(out, **kw):
 
 
 def test_adding_t30_learns(tmp_path):
-    summary = train(small(tmp_path / "run", seq_len=30, hidden_size=32, steps=400,
+    # 600 steps: every seed tried (0-3) ends below 0.02; 400 steps is seed-dependent
+    summary = train(small(tmp_path / "run", seq_len=30, hidden_size=32, steps=600,
                           batch_size=64, log_every=100), progress=False)
     assert summary["test"]["mse"] < 0.05 < summary["baseline"]
 

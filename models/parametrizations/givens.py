@@ -5,8 +5,11 @@ Both are products of *packed rotations*: n/2 Givens rotations on disjoint coordi
 pairs (a, b), applied together in O(n):
     y_a = cos(t) x_a + sin(t) x_b,   y_b = -sin(t) x_a + cos(t) x_b   (DizzyRNN 4.1).
 ``rotate_pairs`` is that one formula; both classes below call it. Their dense matrix
-is the same chain applied to the identity (``models.ops.rotation_chain``, O(k n^2)
-elementwise work with an explicit backward); ``apply`` is the per-vector loop.
+is the same chain applied to the identity (``models.ops.rotation_chain``, the op
+``torch.ops.orthornn.givens_apply``: O(k n^2) elementwise work with an explicit
+backward, a Triton kernel on the GPU). ``apply`` runs the same op on the batch of row
+vectors (the per-vector factored path); the transposed application is the
+``rotate_pairs`` loop.
 """
 
 from __future__ import annotations
@@ -54,6 +57,12 @@ def round_robin_pairs(n: int) -> torch.Tensor:
     return torch.tensor(rounds, dtype=torch.long)
 
 
+def _chain_rows(x: torch.Tensor, cos, sin, partner, perms) -> torch.Tensor:
+    """The rotation chain on row vectors x [..., n] (the op acts on the rows of [n, N])."""
+    flat = x.reshape(-1, x.shape[-1])
+    return rotation_chain(flat.T, cos, sin, partner, perms).T.reshape(x.shape)
+
+
 class _PackedRotations(Parametrization):
     """Shared storage: ``angles`` [k, n/2] and per-sublayer pair indices [k, n/2]."""
 
@@ -95,8 +104,9 @@ class PackedGivens(_PackedRotations):
     def apply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
         # W x = P_1 (... (P_k x)); W^T x = P_k^T (... (P_1^T x)), P^T rotating by -angle.
         cos, sin, partner = self.coefficients(transpose)
-        order = range(self.rotations) if transpose else reversed(range(self.rotations))
-        for j in order:
+        if not transpose:
+            return _chain_rows(x, cos, sin, partner, None)
+        for j in range(self.rotations):
             x = rotate_pairs(x, cos[j], sin[j], partner[j])
         return x
 
@@ -129,7 +139,5 @@ class RotationPermutation(_PackedRotations):
             inverse = torch.argsort(self.permutations, dim=1)
             for j in range(self.rotations):
                 x = rotate_pairs(x, cos[j], sin[j], partner[j])[..., inverse[j]]
-        else:
-            for j in reversed(range(self.rotations)):
-                x = rotate_pairs(x[..., self.permutations[j]], cos[j], sin[j], partner[j])
-        return x
+            return x
+        return _chain_rows(x, cos, sin, partner, self.permutations)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.householder import householder_apply, householder_matrix
 from ..validation import check_int
 from .base import Parametrization
 
@@ -45,28 +46,8 @@ class HouseholderChain(Parametrization):
             self.vectors.copy_(y.reshape(-1)[self.flat_index].to(self.vectors))
 
     def matrix(self) -> torch.Tensor:
-        # Compact WY form (Schreiber & Van Loan; Joffrain et al. 2006):
-        # H_0 H_1 ... H_{m-1} = I - Y T Y^T with T^{-1} = striu(Y^T Y) + diag(||y_i||^2 / 2).
-        # One Gram product and one triangular solve: level-3 BLAS throughout.
-        y = self.reflector_matrix()
-        gram = y.T @ y
-        half_norms = gram.diagonal() / 2
-        # A zero vector is the identity (eq. 1); its column of Y is zero, so any
-        # non-zero diagonal entry decouples it from T without changing the product.
-        half_norms = torch.where(half_norms > 0, half_norms, torch.ones_like(half_norms))
-        t_inv = torch.triu(gram, diagonal=1) + torch.diag(half_norms)
-        t_yt = torch.linalg.solve_triangular(t_inv, y.T, upper=True)
-        return torch.eye(self.size, dtype=y.dtype, device=y.device) - y @ t_yt
+        return householder_matrix(self.reflector_matrix())  # compact WY, level-3 BLAS
 
     def apply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-        # Per-vector reference, one reflector at a time (eq. 8):
-        # H_k(u) h = h - 2 (û^T h / û^T û) û.
-        y = self.reflector_matrix()
-        scale = 2 / (y * y).sum(0)
-        scale = torch.where(torch.isfinite(scale), scale, torch.zeros_like(scale))
-        # x @ U^T applies the rightmost reflector first; x @ U the leftmost first.
-        order = range(self.reflectors) if transpose else reversed(range(self.reflectors))
-        for i in order:
-            u = y[:, i]
-            x = x - (scale[i] * (x @ u)).unsqueeze(-1) * u
-        return x
+        # One reflector at a time (eq. 8), the op torch.ops.orthornn.householder_apply.
+        return householder_apply(x, self.reflector_matrix(), transpose)

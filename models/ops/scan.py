@@ -1,0 +1,150 @@
+"""``torch.ops.orthornn.rnn_scan``: the whole recurrence as one op (forward and backward).
+
+The op's CPU implementation is the reference (``models.ops.reference``); on CUDA, or
+on the CPU under the Triton interpreter, ``models.ops.dispatch`` picks the fused Triton
+kernels of ``models.ops.triton_scan``. Both paths save the same two tensors for the
+backward, the pre-activations Z [B, T, n] and the carried states [B, T + 1, n], and
+share ``scan_parameter_grads`` (dW as one matrix product).
+
+The op returns (states, last, pre, carried); ``rnn_scan`` below hands back the first
+two. pre and carried are residuals for the backward, not differentiable outputs.
+"""
+
+import torch
+from torch import Tensor
+
+from ..activations import KINDS
+from ..validation import check_choice
+from . import reference
+from .dispatch import use_triton
+
+#: Hidden sizes the Triton scan takes in auto mode. Above the on-chip limit of
+#: ``triton_scan`` W is streamed from L2 each step; past this bound that stops paying.
+MAX_TRITON_HIDDEN = 1024
+
+
+def _unsupported(u: Tensor, weight: Tensor) -> str | None:
+    if u.dtype != torch.float32 or weight.dtype != torch.float32:
+        return f"supports float32 only; got {u.dtype}"
+    if u.shape[-1] > MAX_TRITON_HIDDEN:
+        return f"supports hidden sizes up to {MAX_TRITON_HIDDEN}; got {u.shape[-1]}"
+    return None
+
+
+def _triton(u: Tensor, weight: Tensor, *others) -> bool:
+    return use_triton("rnn_scan", (u, weight, *others), _unsupported(u, weight))
+
+
+@torch.library.custom_op("orthornn::rnn_scan", mutates_args=())
+def _scan(u: Tensor, weight: Tensor, h0: Tensor, lengths: Tensor | None, a: Tensor | None,
+          b2: Tensor | None, bias: Tensor | None, activation: str, slope: float,
+          keep: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``keep``: return the residuals (pre, carried); empty tensors otherwise (no backward)."""
+    if _triton(u, weight, h0, lengths, a, b2, bias):
+        from . import triton_scan
+
+        states, last, pre, carried = triton_scan.scan_forward(
+            u, weight, h0, lengths, a, b2, bias, activation, slope, keep)
+    else:
+        states, last, pre, carried = reference.scan_forward(
+            u, weight, h0, lengths, a, b2, bias, activation, slope, keep)
+        last = last.clone()  # never alias an input or another output (custom-op rule)
+    if not keep:
+        pre, carried = u.new_empty(0), u.new_empty(0)
+    return states, last, pre, carried
+
+
+@_scan.register_fake
+def _(u, weight, h0, lengths, a, b2, bias, activation, slope, keep):
+    batch, steps, n = u.shape
+    if not keep:
+        return u.new_empty(batch, steps, n), u.new_empty(batch, n), u.new_empty(0), u.new_empty(0)
+    return (u.new_empty(batch, steps, n), u.new_empty(batch, n),
+            u.new_empty(batch, steps, n), u.new_empty(batch, steps + 1, n))
+
+
+@torch.library.custom_op("orthornn::rnn_scan_backward", mutates_args=())
+def _scan_backward(d_states: Tensor | None, d_last: Tensor | None, weight: Tensor, pre: Tensor,
+                   carried: Tensor, lengths: Tensor | None, a: Tensor | None,
+                   b2: Tensor | None, bias: Tensor | None, activation: str, slope: float,
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dL/dZ [B, T, n], dL/d(cell output) [B, T, n] (empty when ungated), dL/dh0 [B, n])."""
+    if _triton(pre, weight, d_states, d_last, carried, lengths, a, b2, bias):
+        from . import triton_scan
+
+        d_pre, d_out, d_h0 = triton_scan.scan_backward(
+            d_states, d_last, weight, pre, lengths, a, b2, bias, activation, slope)
+    else:
+        d_pre, d_out, d_h0 = reference.scan_backward(
+            d_states, d_last, weight, pre, carried, lengths, a, b2, bias, activation, slope)
+    return d_pre, pre.new_empty(0) if d_out is None else d_out, d_h0
+
+
+@_scan_backward.register_fake
+def _(d_states, d_last, weight, pre, carried, lengths, a, b2, bias, activation, slope):
+    return (torch.empty_like(pre), torch.empty_like(pre) if a is not None else pre.new_empty(0),
+            carried.new_empty(carried.shape[0], carried.shape[2]))
+
+
+def _setup_context(ctx, inputs, output):
+    _, weight, _, lengths, a, b2, bias, activation, slope, _keep = inputs
+    ctx.save_for_backward(weight, output[2], output[3], lengths, a, b2, bias)
+    ctx.activation, ctx.slope = activation, slope
+    ctx.set_materialize_grads(False)  # an unused output (often `states`) costs nothing
+
+
+def _backward(ctx, d_states, d_last, _d_pre, _d_carried):
+    weight, pre, carried, lengths, a, b2, bias = ctx.saved_tensors
+    if carried.numel() == 0:
+        raise RuntimeError("rnn_scan ran with keep=False (no residuals saved); it has no backward")
+    kind, slope = ctx.activation, ctx.slope
+    d_pre, d_out, d_h0 = torch.ops.orthornn.rnn_scan_backward(
+        d_states, d_last, weight, pre, carried, lengths, a, b2, bias, kind, slope)
+    d_weight, d_a, d_b2, d_bias = reference.scan_parameter_grads(
+        d_pre, d_out if a is not None else None, pre, carried, a, bias, kind, slope)
+    return d_pre, d_weight, d_h0, None, d_a, d_b2, d_bias, None, None, None
+
+
+_scan.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check(u, weight, h0, lengths, bias, gates, activation) -> None:
+    check_choice("activation", activation, KINDS)
+    if not isinstance(u, Tensor) or u.dim() != 3 or not u.is_floating_point():
+        raise ValueError(f"u must be a float tensor [B, T, n]; got {getattr(u, 'shape', u)!r}")
+    batch, steps, n = u.shape
+    if min(batch, steps, n) < 1:
+        raise ValueError(f"u must have at least one sequence, step and unit; got {tuple(u.shape)}")
+    if not isinstance(weight, Tensor) or weight.shape != (n, n):
+        raise ValueError(f"weight must be a tensor [{n}, {n}]; "
+                         f"got {getattr(weight, 'shape', weight)!r}")
+    if h0 is not None and (not isinstance(h0, Tensor) or h0.shape != (batch, n)):
+        raise ValueError(f"h0 must be a tensor [{batch}, {n}]; got {getattr(h0, 'shape', h0)!r}")
+    if lengths is not None and (lengths.shape != (batch,) or lengths.is_floating_point()):
+        raise ValueError(f"lengths must be an integer tensor [{batch}]; got {lengths.dtype} "
+                         f"{tuple(lengths.shape)}")
+    if (activation == "modrelu") != (bias is not None):
+        raise ValueError("bias must be a tensor [n] for activation 'modrelu' and None otherwise")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be a tensor [{n}]; got {tuple(bias.shape)}")
+    if gates is not None and (len(gates) != 2 or any(g.dim() != 0 for g in gates)):
+        raise ValueError("gates must be a pair of 0-dim tensors (a, b2)")
+
+
+def rnn_scan(u: Tensor, weight: Tensor, h0: Tensor | None = None, lengths: Tensor | None = None,
+             *, activation: str = "relu", slope: float = 0.01, bias: Tensor | None = None,
+             gates: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """h_t = g(u_t + W h_{t-1}) (or the gated form) over u [B, T, n] with W [n, n]:
+    (states [B, T, n], last [B, n]). See ``models.ops.reference`` for the semantics."""
+    _check(u, weight, h0, lengths, bias, gates, activation)
+    if h0 is None:
+        h0 = u.new_zeros(u.shape[0], u.shape[2])
+    if lengths is not None:
+        lengths = lengths.to(device=u.device, dtype=torch.long)
+    a, b2 = gates if gates is not None else (None, None)
+    # Residuals for the backward only when one can follow (inference saves nothing).
+    keep = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (u, weight, h0, a, b2, bias))
+    states, last, _, _ = torch.ops.orthornn.rnn_scan(u, weight, h0, lengths, a, b2, bias,
+                                                     activation, float(slope), keep)
+    return states, last
