@@ -2,7 +2,7 @@
 whose bodies use only standard operators, so stock onnxruntime runs them.
 
 Each turns a transition's own parameters into the dense matrix W once per call:
-    HouseholderChain(Y [n, m]) -> H_0 H_1 ... H_{m-1}            (Spectral-RNN eq. 2)
+    HouseholderChain(Y [n, m]) -> H_0 H_1 ... H_{m-1}            (Spectral-RNN eq. 2, 6)
     PackedGivens(angles, order, partner) -> P_1 ... P_k           (DizzyRNN 4.2)
     RotationPermutation(angles, order, partner, perms) -> R_1 Q_1 ... R_k Q_k   (VPRNN)
     ScaledCayley(skew, upper_index, D) -> (I + A)^{-1} (I - A) D  (scoRNN Thm 3.1)
@@ -12,6 +12,7 @@ function against the parametrization's ``matrix()``.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -55,19 +56,47 @@ def _matrix_loop(g: Graph, body: Graph, name: str, new: str, trips: str, init: s
 
 
 def householder_chain(opset: int) -> onnx.FunctionProto:
+    """Compact WY without a triangular solve (ONNX has none): H_0 ... H_{m-1} =
+    I - Y T Y^T with T^{-1} = D + N, D = diag(||y_i||^2 / 2), N = striu(Y^T Y). As
+    X = -D^{-1} N is nilpotent, (I - X)^{-1} = (I + X)(I + X^2)(I + X^4)... exactly,
+    after ceil(log2 m) factors: a short Loop of m x m products instead of one
+    iteration per reflector. The products run in float64, where the repeated squaring
+    loses nothing that float32 would keep."""
     g = Graph("hc_")
-    eye = _identity_like(g, "Y", 0)
-    trips = g.op("Gather", g.op("Shape", "Y"), g.const(1, "axis", "int64"), axis=0)
+    y = g.op("Cast", "Y", to=TensorProto.DOUBLE)
+    gram = g.op("MatMul", g.op("Transpose", y, perm=[1, 0]), y)
+    eye_m = g.op("EyeLike", gram)
+    half = g.op("Div", g.op("ReduceSum", g.op("Mul", gram, eye_m),
+                            g.const([1], "ax", "int64"), keepdims=0),
+                g.const(2.0, "two", "float64"))
+    zero = g.const(0.0, "zero", "float64")
+    half = g.op("Where", g.op("Greater", half, zero), half, g.const(1.0, "one", "float64"))
+    # a zero reflector (the identity, eq. 1) has a zero column in Y: any diagonal works
+    x = g.op("Neg", g.op("Div", g.op("Trilu", gram, g.const(1, "k", "int64"), upper=1),
+                         g.op("Unsqueeze", half, g.const([1], "ax", "int64"))))
+    m = g.op("Gather", g.op("Shape", "Y"), g.const(1, "axis", "int64"), axis=0)
+    trips = g.op("Max", g.op("Cast", g.op("Ceil", g.op("Div", g.op(
+        "Log", g.op("Cast", m, to=TensorProto.DOUBLE)), g.const(np.log(2.0), "ln2", "float64"))),
+        to=TensorProto.INT64), g.const(1, "one_i", "int64"))
     body = Graph("hcb_")
-    # M <- M H_i = M - (2 / ||y||^2) (M y) y^T; a zero y is the identity (eq. 1).
-    y = body.op("Gather", "Y", "i", axis=1)
-    norm = body.op("ReduceSum", body.op("Mul", y, y), keepdims=0)
-    coef = body.op("Where", body.op("Greater", norm, body.const(0.0, "zero")),
-                   body.op("Div", body.const(2.0, "two"),
-                           body.op("Max", norm, body.const(1e-30, "tiny"))),
-                   body.const(0.0, "zero"))
-    new = _row_update(body, "M_in", coef, body.op("MatMul", "M_in", y), y)
-    _matrix_loop(g, body, "householder_step", new, trips, eye)
+    body.nodes.append(helper.make_node("Identity", ["cond_in"], ["cond_out"]))
+    body.nodes.append(helper.make_node("MatMul", ["P_in", body.op("Add", eye_m, "X_in")],
+                                       ["P_out"]))
+    body.nodes.append(helper.make_node("MatMul", ["X_in", "X_in"], ["X_out"]))
+    double = TensorProto.DOUBLE
+    loop_body = body.subgraph("neumann_factor",
+                              [value("i", TensorProto.INT64, []),
+                               value("cond_in", TensorProto.BOOL, []),
+                               value("P_in", double), value("X_in", double)],
+                              [value("cond_out", TensorProto.BOOL, []),
+                               value("P_out", double), value("X_out", double)])
+    g.nodes.append(helper.make_node("Loop", [trips, "", eye_m, x], ["P", "X_last"],
+                                    body=loop_body))
+    t = g.op("Div", "P", g.op("Unsqueeze", half, g.const([0], "ax", "int64")))
+    ytyt = g.op("MatMul", g.op("MatMul", y, t), g.op("Transpose", y, perm=[1, 0]))
+    eye_n = g.op("Cast", _identity_like(g, "Y", 0), to=TensorProto.DOUBLE)
+    g.nodes.append(helper.make_node("Cast", [g.op("Sub", eye_n, ytyt)], ["W"],
+                                    to=TensorProto.FLOAT))
     return _function("HouseholderChain", ["Y"], ["W"], g, opset)
 
 

@@ -110,10 +110,14 @@ def _function_output(fn, args):
     return _run(model, {})[0]
 
 
-@pytest.mark.parametrize("n", [2, 7, 16])
-def test_function_householder_chain(n):
-    p = HouseholderChain(n, max(1, n - 2))
-    w = _function_output(functions.householder_chain(18), [p.reflector_matrix().detach().numpy()])
+@pytest.mark.parametrize("n,m", [(2, 1), (7, 5), (16, 16), (64, 64), (9, 3)])
+def test_function_householder_chain(n, m):
+    p = HouseholderChain(n, m)
+    y = p.reflector_matrix().detach().clone()
+    if m > 2:
+        y[:, 1] = 0  # a zero reflector is the identity (eq. 1)
+        p.set_reflectors(y)
+    w = _function_output(functions.householder_chain(18), [y.numpy()])
     np.testing.assert_allclose(w, p.matrix().detach().numpy(), atol=1e-5)
 
 
