@@ -14,26 +14,19 @@ Prints a table and writes bench/results/export.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import seconds, write_result
 from export.exporter import choose_recurrence
 from export.onnx_export import build_graph
 from export.package import session_from_bytes
 from models import ARCHITECTURES, build_model
-
-
-def seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main(argv=None) -> int:
@@ -97,10 +90,8 @@ def main(argv=None) -> int:
     print(f"\nsvdrnn n={args.big_hidden}, 16 reflectors: dense {sizes['dense'] / 1e6:.2f} MB, "
           f"factored {sizes['factored'] / 1e6:.2f} MB "
           f"({sizes['dense'] / sizes['factored']:.1f}x smaller)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"steps": args.steps, "hidden": args.hidden, "rows": rows,
-                                    "svdrnn_512_bytes": sizes}, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, {"steps": args.steps, "hidden": args.hidden, "rows": rows,
+                            "svdrnn_512_bytes": sizes})
     return 0
 
 

@@ -14,25 +14,18 @@ Prints a table and writes bench/results/models.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import seconds, write_result
 from models import ARCHITECTURES, build_model
 
 ORTHOGONAL = ("ornn", "svdrnn", "scornn", "dizzyrnn", "vprnn", "sgornn")
-
-
-def seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def step_fn(model, x, y, **kwargs):
@@ -115,16 +108,12 @@ def main(argv=None) -> int:
     print(f"\nsvdrnn m1=m2={n}: per-step reflector path / dense path = {speedup:.1f}x "
           f"(target >= 5x)")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"hidden": n, "steps": args.steps, "batch": args.batch, "inputs": args.inputs,
               "reps": args.reps, "threads": torch.get_num_threads(),
               "torch": torch.__version__, "machine": platform.machine(),
               "nn_rnn_ms": base_ms, "architectures": rows,
               "svdrnn_factored_over_dense": speedup}
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(args.out)
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
     return 0
 
 

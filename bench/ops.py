@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -39,6 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import write_result
 from models.ops import householder_matrix, rnn_scan, rnn_scan_steps
 
 METHODS = ("fused", "loop", "autograd", "cudnn")
@@ -181,11 +181,7 @@ def main(argv=None) -> int:
         result["triton"] = triton.__version__
     except ImportError:
         result["triton"] = None
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(args.out)
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
     return 0
 
 

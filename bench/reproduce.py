@@ -22,13 +22,13 @@ result).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import write_result
 from training.config import TrainConfig
 from training.trainer import train
 
@@ -128,9 +128,8 @@ def main(argv=None) -> int:
                      f"{r['seconds']:.0f} |")
     table = "\n".join(lines)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
     suffix = "-quick" if args.quick else "-full" if args.full else ""
-    (args.out / f"reproduce{suffix}.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_result(args.out / f"reproduce{suffix}.json", results)
     (args.out / f"reproduce{suffix}.md").write_text(table + "\n")
     return 0
 

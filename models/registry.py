@@ -7,7 +7,6 @@ option and the allowed values).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -177,12 +176,5 @@ def build_model(arch: str, task: str = "classify", *, input_size: int, hidden_si
         "embedding_size", embedding_size, 1)
     layer_input = embedding_size if task == "lm" else input_size
     layer = spec.build(layer_input, hidden_size, **options)
-    model = SequenceModel(spec.name, task, input_size, num_outputs, layer,
-                          embedding_size if task == "lm" else None)
-    model.options = {**{k: v for k, v in spec.options.items()}, **options}
-    return model
-
-
-def max_rotations(hidden_size: int) -> int:
-    """VPRNN's bound on rotation sublayers, 2 ceil(log2 n)."""
-    return 2 * math.ceil(math.log2(hidden_size))
+    return SequenceModel(spec.name, task, input_size, num_outputs, layer,
+                         embedding_size if task == "lm" else None)
