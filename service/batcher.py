@@ -65,6 +65,10 @@ class Batcher:
         self._task: asyncio.Task | None = None
         self._slots: asyncio.Semaphore | None = None
         self._running: set[asyncio.Task] = set()
+        self._running_items = 0
+        #: how many requests hold this model version (queued, running or still being
+        #: parsed); the worker stops waiting for more when no other one can come
+        self.holders: Callable[[], int] | None = None
 
     async def submit(self, sequences: list[np.ndarray], post: Callable[[list[dict]], Any]):
         """post(rows) runs in the inference thread on this request's output rows (one dict
@@ -123,10 +127,12 @@ class Batcher:
             while count < self.max_batch_size:
                 if queue.empty():
                     remaining = deadline - time.perf_counter()
-                    if remaining <= 0:
-                        break
+                    if remaining <= 0 or (self.holders is not None and self.holders()
+                                          <= len(items) + self._running_items):
+                        break  # the window is over, or no other request is on its way
                     try:
-                        item = await asyncio.wait_for(queue.get(), remaining)
+                        async with asyncio.timeout(remaining):
+                            item = await queue.get()
                     except TimeoutError:
                         break
                 else:
@@ -134,6 +140,7 @@ class Batcher:
                 items.append(item)
                 count += len(item.sequences)
             self._add_pending(-count)
+            self._running_items += len(items)
             self._observe_queue(items)
             task = loop.create_task(self._dispatch(items))
             self._running.add(task)
@@ -147,6 +154,7 @@ class Batcher:
             outcomes = [(False, error)] * len(items)
         finally:
             self._slots.release()
+            self._running_items -= len(items)
         for item, outcome in zip(items, outcomes, strict=True):
             if not item.future.done():
                 item.future.set_result(outcome)

@@ -177,7 +177,9 @@ class Registry:
                           max_queue_delay_ms=s.max_queue_delay_ms,
                           max_queue_size=s.max_queue_size, workers=s.inference_workers,
                           enabled=s.batching, metrics=self.metrics, model=name)
-        return ModelVersion(name, version, path, manifest, spec, runtime, batcher)
+        mv = ModelVersion(name, version, path, manifest, spec, runtime, batcher)
+        batcher.holders = lambda: mv.inflight
+        return mv
 
     def sync_model(self, name: str) -> list[str]:
         """Apply the version policy to one model; returns the errors of refused versions."""
