@@ -34,9 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     from export.cli import add_export_parser
     from training.cli import add_plot_parser, add_train_parser
 
+    from .commands import add_serve_parsers
+
     add_train_parser(sub)
     add_plot_parser(sub)
     add_export_parser(sub)
+    add_serve_parsers(sub)
     return parser
 
 

@@ -30,3 +30,14 @@ def test_reproduce_benchmark_runs(tmp_path):
     rows = json.loads((tmp_path / "reproduce-quick.json").read_text())
     assert [r["paper"] for r in rows] == [0.800, 0.960, 0.973]
     assert "| UCR GunPoint | svdrnn |" in (tmp_path / "reproduce-quick.md").read_text()
+
+
+def test_service_benchmark_runs(tmp_path):
+    out = tmp_path / "service.json"
+    assert _load("service").main(["--duration", "0.2", "--concurrency", "1", "2", "--hidden",
+                                  "8", "--steps", "8", "--features", "2", "--out",
+                                  str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batching"], r["concurrency"]) for r in rows] == [
+        (True, 1), (True, 2), (False, 1), (False, 2)]
+    assert all(r["predict"]["errors"] == 0 and r["predict"]["requests"] > 0 for r in rows)

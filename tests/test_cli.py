@@ -22,3 +22,26 @@ def test_no_command_prints_help_and_fails(capsys):
 def test_cli_module_does_not_import_torch():
     code = "import sys, service.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_service_package_does_not_import_torch():
+    """The serving image has no torch: no module of service/ may pull it (nor models/ or
+    training/, which do)."""
+    code = ("import importlib, pkgutil, sys, service\n"
+            "for m in pkgutil.iter_modules(service.__path__):\n"
+            "    importlib.import_module('service.' + m.name)\n"
+            "from service.app import create_app\n"
+            "bad = [m for m in ('torch', 'models', 'training') if m in sys.modules]\n"
+            "print(bad)\n"
+            "sys.exit(bool(bad))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_serve_bad_settings_exit_2(capsys, tmp_path):
+    assert main(["serve"]) == 2
+    assert "repo (--repo or ORTHORNN_REPO): Field required" in capsys.readouterr().err
+    assert main(["serve", "--repo", str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["serve", "--repo", str(tmp_path), "--max-batch-size", "0"]) == 2
+    assert "max_batch_size" in capsys.readouterr().err

@@ -1,0 +1,472 @@
+"""The HTTP layer (FastAPI): thin handlers over the registry, the batcher and the schemas.
+
+Request bodies are read as bytes and validated with the pydantic schemas of
+``service.protocol`` (one pass of pydantic's JSON parser); the OpenAPI document still
+describes them. Every client mistake is a 4xx with {"error": "..."}; anything else is a
+logged 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager, contextmanager
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
+
+import numpy as np
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import auth, generate, inputs
+from .batcher import QueueFull
+from .inputs import ClientError
+from .metrics import UNKNOWN, Metrics
+from .protocol import (
+    ErrorResponse,
+    GenerateRequest,
+    GenerateResponse,
+    InferenceRequest,
+    InferenceResponse,
+    ModelMetadata,
+    PredictRequest,
+    PredictResponse,
+    RepositoryIndexRequest,
+    RepositoryModel,
+    ServerMetadata,
+)
+from .registry import NotFound, Registry
+from .runtime import select_providers
+from .settings import Settings
+
+log = logging.getLogger("orthornn.service")
+DATATYPE_BYTES = {"FP32": np.dtype("<f4"), "INT64": np.dtype("<i8")}
+
+
+def _version() -> str:
+    try:
+        return dist_version("orthornn")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+class JSON(Response):
+    media_type = "application/json"
+
+    def render(self, content) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def error(status: int, message: str, headers: dict | None = None) -> JSON:
+    return JSON({"error": message}, status_code=status, headers=headers)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class Observe:
+    """ASGI middleware: the body-size limit, in-flight gauge, request counter and
+    duration histogram (labels: the route template and the model/version a handler set)."""
+
+    def __init__(self, app, metrics: Metrics, max_body: int):
+        self.app, self.metrics, self.max_body = app, metrics, max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = 500
+        length = dict(scope["headers"]).get(b"content-length")
+
+        async def send_wrapper(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    raise BodyTooLarge
+            return message
+
+        self.metrics.inflight.inc()
+        try:
+            if length is not None and (not length.isdigit() or int(length) > self.max_body):
+                await error(413, f"body: larger than the limit of {self.max_body} bytes")(
+                    scope, receive, send_wrapper)
+            else:
+                await self.app(scope, limited_receive, send_wrapper)
+        finally:
+            self.metrics.inflight.dec()
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "other"
+            model, ver = (scope.get("state") or {}).get("labels", (UNKNOWN, ""))
+            self.metrics.requests.labels(model, ver, endpoint, str(status)).inc()
+            self.metrics.request_duration.labels(endpoint).observe(time.perf_counter() - start)
+
+
+def parse(model: type[BaseModel], body: bytes, allow_empty: bool = False):
+    if allow_empty and not body.strip():
+        return model()
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise ClientError(_describe(e)) from None
+
+
+def _describe(e: ValidationError) -> str:
+    errors = e.errors(include_url=False)
+    first = max(errors, key=lambda err: len(err["loc"]))  # the most specific union branch
+    if any(err["type"] == "json_invalid" for err in errors):
+        return f"body is not valid JSON: {first['msg']}"
+    where = ""
+    for part in first["loc"]:
+        if isinstance(part, int):
+            where += f"[{part}]"
+        elif "[" in part or part in ("float", "int", "str", "bool", "list", "constrained-str"):
+            continue  # a union member's tag, not a field
+        else:
+            where += f".{part}" if where else part
+    return f"{where or 'body'}: {first['msg']}"
+
+
+def _version_param(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return value
+    if not (isinstance(value, str) and value.isascii() and value.isdigit()) or \
+            not 1 <= int(value) < 2**62:
+        raise NotFound(f"version must be a positive integer; got {value!r}")
+    return int(value)
+
+
+def _body(model: type[BaseModel], required: bool = True) -> dict:
+    return {"requestBody": {"required": required, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+ERRORS = {400: {"model": ErrorResponse, "description": "bad input (the message names the "
+                                                      "field)"},
+          404: {"model": ErrorResponse, "description": "unknown model or version"},
+          413: {"model": ErrorResponse, "description": "body too large"}}
+INFER_ERRORS = {**ERRORS, 429: {"model": ErrorResponse, "description": "queue full"}}
+ADMIN_ERRORS = {**ERRORS, 401: {"model": ErrorResponse, "description": "missing or wrong "
+                                                                      "bearer token"}}
+
+
+def create_app(settings: Settings) -> FastAPI:
+    metrics = Metrics()
+    providers = select_providers(settings.providers)
+    executor = ThreadPoolExecutor(settings.inference_workers, thread_name_prefix="orthornn-run")
+    registry = Registry(settings, metrics, executor, providers)
+    admin = auth.bearer(settings.admin_token)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        log.info("serving %s with %s", settings.repo, providers)
+        registry.start(asyncio.get_running_loop())
+        yield
+        await registry.close()
+        executor.shutdown(wait=True)
+
+    app = FastAPI(title="orthornn inference service", version=_version(), lifespan=lifespan,
+                  default_response_class=JSON,
+                  description="Predictions from orthogonal RNNs exported as ONNX packages: "
+                              "a simple /predict API, /generate for language models and the "
+                              "Open Inference Protocol (v2, REST).")
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.registry = registry
+    app.state.draining = False
+    app.add_middleware(Observe, metrics=metrics, max_body=settings.max_body_bytes)
+
+    @contextmanager
+    def hold(request: Request, name: str, version: int | None):
+        mv = registry.acquire(name, version)
+        request.state.labels = (name, str(mv.version))
+        try:
+            yield mv
+        finally:
+            registry.release(mv)
+
+    # -- errors -------------------------------------------------------------------
+
+    @app.exception_handler(ClientError)
+    async def _client_error(request, exc: ClientError):
+        return error(exc.status, str(exc))
+
+    @app.exception_handler(NotFound)
+    async def _not_found(request, exc: NotFound):
+        return error(404, str(exc))
+
+    @app.exception_handler(QueueFull)
+    async def _queue_full(request, exc: QueueFull):
+        return error(429, str(exc), headers={"Retry-After": "1"})
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request, exc):
+        return error(413, f"body: larger than the limit of {settings.max_body_bytes} bytes")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "request"
+        return error(400, f"{where}: {first.get('msg', 'invalid')}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        return error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _bug(request, exc: Exception):
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return error(500, "internal server error (logged)")
+
+    # -- the simple API ---------------------------------------------------------------
+
+    @app.post("/predict", response_model=PredictResponse, responses=INFER_ERRORS,
+              openapi_extra=_body(PredictRequest), summary="predict from sequences or text")
+    async def predict(request: Request):
+        req = parse(PredictRequest, await request.body())
+        with hold(request, req.model, _version_param(req.version)) as mv:
+            spec = mv.spec
+            seqs = inputs.predict_sequences(spec, req, settings.max_request_sequences)
+            outputs = await mv.batcher.submit(
+                seqs, lambda rows: inputs.shape_outputs(spec, rows, seqs, req.top_k))
+        return JSON({"model": mv.name, "version": mv.version, "outputs": outputs})
+
+    @app.post("/generate", response_model=GenerateResponse, responses=INFER_ERRORS,
+              openapi_extra=_body(GenerateRequest),
+              summary="language models: sample text, carrying the hidden state")
+    async def generate_text(request: Request):
+        req = parse(GenerateRequest, await request.body())
+        with hold(request, req.model, _version_param(req.version)) as mv:
+            prompt = generate.prompt_ids(mv.spec, req, settings.max_new_tokens)
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(executor, generate.generate, mv.runtime,
+                                                mv.spec, prompt, req)
+        return JSON({"model": mv.name, "version": mv.version, **result})
+
+    # -- Open Inference Protocol -------------------------------------------------------
+
+    @app.get("/v2", response_model=ServerMetadata, summary="server metadata")
+    async def server_metadata():
+        return JSON({"name": "orthornn", "version": _version(),
+                     "extensions": ["binary_tensor_data", "model_repository"]})
+
+    @app.get("/v2/health/live", summary="liveness")
+    async def live():
+        return JSON({"live": True})
+
+    @app.get("/v2/health/ready", responses={503: {"model": ErrorResponse}},
+             summary="readiness: every configured model loaded and warm, not shutting down")
+    async def ready():
+        if app.state.draining:
+            return error(503, "shutting down")
+        if not registry.ready():
+            return error(503, "models are still loading (or failed: see /v2/repository/index)")
+        return JSON({"ready": True})
+
+    def metadata(name: str, version: str | None) -> dict:
+        mv = registry.get(name, _version_param(version))
+        io = mv.spec.io["model"]
+        return {"name": name, "versions": [str(v) for v in registry.serving().get(name, [])],
+                "platform": "onnxruntime_onnx",
+                "inputs": io["inputs"], "outputs": io["outputs"],
+                "parameters": {"version": str(mv.version), "task": mv.spec.task,
+                               "arch": mv.spec.arch, "max_length": mv.spec.max_length,
+                               "labels": mv.spec.labels,
+                               "spectral": mv.manifest.get("spectral") or {}}}
+
+    @app.get("/v2/models/{name}", response_model=ModelMetadata, responses=ERRORS,
+             summary="model metadata (newest loaded version)")
+    async def model_metadata(name: str):
+        return JSON(metadata(name, None))
+
+    @app.get("/v2/models/{name}/versions/{version}", response_model=ModelMetadata,
+             responses=ERRORS, summary="model version metadata")
+    async def version_metadata(name: str, version: str):
+        return JSON(metadata(name, version))
+
+    def model_ready(name: str, version: str | None):
+        v = _version_param(version)
+        if registry.model_ready(name, v):
+            return JSON({"name": name, "ready": True})
+        on_disk = name in {r["name"] for r in registry.index()}
+        if not on_disk:
+            raise NotFound(f"model {name!r} is not in the repository")
+        return error(503, f"model {name!r}" + (f" version {v}" if v else "") + " is not ready")
+
+    @app.get("/v2/models/{name}/ready", responses={**ERRORS, 503: {"model": ErrorResponse}},
+             summary="model readiness")
+    async def ready_model(name: str):
+        return model_ready(name, None)
+
+    @app.get("/v2/models/{name}/versions/{version}/ready",
+             responses={**ERRORS, 503: {"model": ErrorResponse}}, summary="version readiness")
+    async def ready_version(name: str, version: str):
+        return model_ready(name, version)
+
+    @app.get("/v2/models/{name}/config", responses=ERRORS,
+             summary="Triton-style model configuration (for tritonclient)")
+    async def model_config(name: str):
+        mv = registry.get(name)
+        io = mv.spec.io["model"]
+
+        def tensors(items):
+            return [{"name": t["name"], "data_type": "TYPE_" + t["datatype"],
+                     "dims": t["shape"][1:]} for t in items]
+        return JSON({"name": name, "platform": "onnxruntime_onnx",
+                     "max_batch_size": settings.max_request_sequences,
+                     "input": tensors(io["inputs"]), "output": tensors(io["outputs"]),
+                     "dynamic_batching": {"max_queue_delay_microseconds":
+                                          int(settings.max_queue_delay_ms * 1000)}
+                     if settings.batching else None,
+                     "version_policy": {settings.version_policy: {
+                         "num_versions": settings.keep_versions}}})
+
+    async def infer(request: Request, name: str, version: str | None):
+        body = await request.body()
+        header = request.headers.get("inference-header-content-length")
+        tail = b""
+        if header is not None:
+            if not header.isdigit() or int(header) > len(body):
+                raise ClientError("Inference-Header-Content-Length: must be an integer no "
+                                  "larger than the body")
+            body, tail = body[:int(header)], body[int(header):]
+        req = parse(InferenceRequest, body)
+        binaries = inputs.binary_chunks(req, tail)
+        with hold(request, name, _version_param(version)) as mv:
+            spec, runtime = mv.spec, mv.runtime
+            names = runtime.output_names["model"]
+            wanted = [o.name for o in req.outputs] if req.outputs else names
+            unknown = [n for n in wanted if n not in names]
+            if unknown:
+                raise ClientError(f"outputs: unknown output {unknown[0]!r}; the model has "
+                                  f"{names}")
+            seqs, steps = inputs.infer_sequences(spec, req, binaries, spec.io["model"],
+                                                 settings.max_request_sequences)
+            tensors = await mv.batcher.submit(
+                seqs, lambda rows: inputs.outputs_to_tensors(rows, steps, runtime.per_step))
+        binary_all = bool((req.parameters or {}).get("binary_data_output"))
+        binary = {o.name: bool((o.parameters or {}).get("binary_data", binary_all))
+                  for o in req.outputs} if req.outputs else dict.fromkeys(wanted, binary_all)
+        datatypes = {o["name"]: o["datatype"] for o in spec.io["model"]["outputs"]}
+        outputs, blobs = [], []
+        for n in wanted:
+            arr = tensors[n]
+            item = {"name": n, "shape": list(arr.shape), "datatype": datatypes[n]}
+            if binary[n]:
+                blob = arr.astype(DATATYPE_BYTES[datatypes[n]]).tobytes()
+                item["parameters"] = {"binary_data_size": len(blob)}
+                blobs.append(blob)
+            else:
+                item["data"] = arr.reshape(-1)
+            outputs.append(item)
+        answer = {"model_name": name, "model_version": str(mv.version), "outputs": outputs}
+        if req.id is not None:
+            answer["id"] = req.id
+        head = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+        if not blobs:
+            return Response(head, media_type="application/json")
+        return Response(head + b"".join(blobs), media_type="application/octet-stream",
+                        headers={"Inference-Header-Content-Length": str(len(head))})
+
+    @app.post("/v2/models/{name}/infer", response_model=InferenceResponse,
+              responses=INFER_ERRORS, openapi_extra=_body(InferenceRequest),
+              summary="inference (newest loaded version)")
+    async def infer_model(name: str, request: Request):
+        return await infer(request, name, None)
+
+    @app.post("/v2/models/{name}/versions/{version}/infer", response_model=InferenceResponse,
+              responses=INFER_ERRORS, openapi_extra=_body(InferenceRequest),
+              summary="inference on one version")
+    async def infer_version(name: str, version: str, request: Request):
+        return await infer(request, name, version)
+
+    # -- model repository API ----------------------------------------------------------
+
+    @app.post("/v2/repository/index", response_model=list[RepositoryModel],
+              responses=ADMIN_ERRORS, openapi_extra=_body(RepositoryIndexRequest, False),
+              summary="every model version in the repository with its state")
+    async def repository_index(request: Request):
+        admin(request)
+        req = parse(RepositoryIndexRequest, await request.body(), allow_empty=True)
+        rows = await asyncio.to_thread(registry.index)
+        if req.ready is not None:
+            rows = [r for r in rows if (r["state"] == "READY") == req.ready]
+        return JSON(rows)
+
+    async def _admin_body(request: Request) -> None:
+        body = await request.body()
+        if body.strip():
+            try:
+                value = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                raise ClientError("body is not valid JSON") from None
+            if not isinstance(value, dict):
+                raise ClientError("body: must be a JSON object")
+
+    @app.post("/v2/repository/models/{name}/load", responses=ADMIN_ERRORS,
+              summary="load (or reload) a model now, verifying it")
+    async def load_model(name: str, request: Request):
+        admin(request)
+        await _admin_body(request)
+        errors = await asyncio.to_thread(registry.load, name)
+        if not registry.model_ready(name):
+            raise ClientError(f"model {name!r} failed to load: " + "; ".join(errors))
+        return JSON({"name": name, "versions": registry.serving()[name], "refused": errors})
+
+    @app.post("/v2/repository/models/{name}/unload", responses=ADMIN_ERRORS,
+              summary="stop serving a model (in-flight requests finish)")
+    async def unload_model(name: str, request: Request):
+        admin(request)
+        await _admin_body(request)
+        await asyncio.to_thread(registry.unload, name)
+        return JSON({"name": name, "unloaded": True})
+
+    # -- operations -----------------------------------------------------------------
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    async def prometheus():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    def openapi():
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version,
+                             description=app.description, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (PredictRequest, GenerateRequest, InferenceRequest,
+                      RepositoryIndexRequest):
+            s = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(s.pop("$defs", {}))
+            components[model.__name__] = s
+        if settings.admin_token is not None:
+            components_root = schema["components"]
+            components_root["securitySchemes"] = {"bearer": {"type": "http",
+                                                             "scheme": "bearer"}}
+            for path, ops in schema["paths"].items():
+                if path.startswith("/v2/repository"):
+                    for op in ops.values():
+                        op["security"] = [{"bearer": []}]
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi
+    return app

@@ -1,0 +1,153 @@
+"""``orthornn serve`` and ``orthornn predict``. Torch-free; the server's modules are
+imported only when the command runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+# flag -> settings field; a flag left out keeps the ORTHORNN_* variable or the default
+SERVE_FLAGS = [
+    ("--repo", str, "model repository root (ORTHORNN_REPO)"),
+    ("--host", str, "address to listen on (default 127.0.0.1)"),
+    ("--port", int, "port (default 8000)"),
+    ("--models", str, "comma-separated models required for readiness (default: all found)"),
+    ("--version-policy", str, "latest (default) or all"),
+    ("--keep-versions", int, "versions kept loaded under 'latest' (default 1)"),
+    ("--poll-interval-s", float, "repository scan period, 0 = never (default 2)"),
+    ("--max-batch-size", int, "sequences per batch (default 32)"),
+    ("--max-queue-delay-ms", float, "batching window (default 2)"),
+    ("--max-queue-size", int, "waiting sequences per model before 429 (default 512)"),
+    ("--max-request-sequences", int, "sequences per request (default 256)"),
+    ("--max-body-bytes", int, "request body limit (default 16 MiB)"),
+    ("--inference-threads", int, "onnxruntime intra-op threads per session (default 1)"),
+    ("--inference-workers", int, "batches run concurrently (default 2)"),
+    ("--providers", str, "comma-separated onnxruntime providers (default: CUDA if present, "
+                         "then CPU)"),
+    ("--shutdown-delay-s", float, "seconds of 503 readiness after SIGTERM before draining"),
+    ("--drain-timeout-s", float, "longest wait for in-flight requests on exit (default 30)"),
+    ("--log-level", str, "debug, info (default), warning or error"),
+]
+
+
+def add_serve_parsers(sub) -> None:
+    serve = sub.add_parser(
+        "serve", help="serve a model repository over HTTP (/predict, Open Inference Protocol)",
+        description="orthornn serve --repo REPO [--host H --port P ...]. Every flag can also "
+                    "be set as an ORTHORNN_* environment variable (ORTHORNN_MAX_BATCH_SIZE=16); "
+                    "the repository API token only as ORTHORNN_ADMIN_TOKEN.")
+    for flag, kind, text in SERVE_FLAGS:
+        serve.add_argument(flag, type=kind, help=text)
+    batching = serve.add_mutually_exclusive_group()
+    batching.add_argument("--batching", dest="batching", action="store_true", default=None,
+                          help="dynamic batching on (default)")
+    batching.add_argument("--no-batching", dest="batching", action="store_false",
+                          help="run every request alone")
+    serve.set_defaults(run=run_serve)
+
+    predict = sub.add_parser(
+        "predict", help="send a file to a running service's /predict and print the answer",
+        description="FILE: .json (a list of sequences, or a whole /predict body), .npy / .npz "
+                    "(x [N, T, d] with optional lengths [N]) or .txt (one text per line, for "
+                    "language models).")
+    predict.add_argument("file", metavar="FILE")
+    predict.add_argument("--url", required=True, help="service base URL, e.g. "
+                                                      "http://127.0.0.1:8000")
+    predict.add_argument("--model", required=True)
+    predict.add_argument("--version", type=int)
+    predict.add_argument("--top-k", type=int)
+    predict.add_argument("--timeout", type=float, default=60.0)
+    predict.set_defaults(run=run_predict)
+
+
+def settings_from_args(args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    from .settings import Settings
+
+    values = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+              for flag, _, _ in SERVE_FLAGS}
+    values["batching"] = args.batching
+    try:
+        return Settings(**{k: v for k, v in values.items() if v is not None})
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        hint = " (--repo or ORTHORNN_REPO)" if where == "repo" else ""
+        raise ValueError(f"{where}{hint}: {first['msg']}") from None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    from .server import serve
+
+    return serve(settings)
+
+
+def _request_body(path: Path, model: str, version: int | None, top_k: int | None) -> dict:
+    if not path.is_file():
+        raise ValueError(f"FILE {str(path)!r} does not exist")
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"FILE {str(path)!r} is not valid JSON: {e}") from None
+        body = dict(data) if isinstance(data, dict) else {"inputs": data}
+    elif suffix in (".npy", ".npz"):
+        import numpy as np
+
+        with np.load(path, allow_pickle=False) as loaded:
+            if suffix == ".npy":
+                x, lengths = loaded, None
+            else:
+                if "x" not in loaded.files:
+                    raise ValueError(f"FILE {str(path)!r} has no array 'x'")
+                x = loaded["x"]
+                lengths = loaded["lengths"] if "lengths" in loaded.files else None
+            x = np.asarray(x)
+        if x.ndim == 2 and x.dtype.kind in "iu":  # token ids [N, T]
+            x = x.astype(np.int64)
+        elif x.ndim != 3:
+            raise ValueError(f"x must be [N, T, d] floats or [N, T] token ids; got shape "
+                             f"{list(x.shape)}")
+        rows = x.tolist()
+        if lengths is not None:
+            rows = [r[:int(n)] for r, n in zip(rows, lengths, strict=True)]
+        body = {"inputs": rows}
+    elif suffix == ".txt":
+        body = {"text": [line for line in path.read_text().splitlines() if line.strip()]}
+    else:
+        raise ValueError(f"FILE must be .json, .npy, .npz or .txt; got {path.name!r}")
+    body["model"] = model
+    if version is not None:
+        body["version"] = version
+    if top_k is not None:
+        body["top_k"] = top_k
+    return body
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    import urllib.error
+    import urllib.request
+
+    body = _request_body(Path(args.file), args.model, args.version, args.top_k)
+    request = urllib.request.Request(args.url.rstrip("/") + "/predict",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as response:
+            answer = json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.loads(e.read()).get("error", "")
+        except ValueError:
+            message = ""
+        print(f"orthornn predict: HTTP {e.code}: {message or e.reason}", file=sys.stderr)
+        return 2 if 400 <= e.code < 500 else 1
+    except (urllib.error.URLError, OSError) as e:
+        raise ValueError(f"cannot reach {args.url!r}: {getattr(e, 'reason', e)}") from None
+    print(json.dumps(answer, indent=2))
+    return 0

@@ -1,0 +1,72 @@
+"""/generate for language models: the full graph reads the prompt once, then the one-step
+graph produces each new token from the carried hidden state (the prefix is never re-run)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .inputs import ClientError
+from .protocol import GenerateRequest
+from .runtime import EOS, ModelSpec, Runtime
+
+
+def prompt_ids(spec: ModelSpec, req: GenerateRequest, max_new_tokens: int) -> list[int]:
+    if spec.task != "lm" or spec.vocabulary is None:
+        raise ClientError(f"model: {spec.name!r} is a {spec.task} model; /generate needs a "
+                          f"language model")
+    if req.max_new_tokens > max_new_tokens:
+        raise ClientError(f"max_new_tokens: at most {max_new_tokens}; got {req.max_new_tokens}")
+    vocab = len(spec.vocabulary)
+    if req.top_k is not None and req.top_k > vocab:
+        raise ClientError(f"top_k: at most the vocabulary size {vocab}; got {req.top_k}")
+    if isinstance(req.prompt, str):
+        ids = spec.encode(req.prompt)
+    else:
+        ids = list(req.prompt)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ClientError(f"prompt: token ids must be in [0, {vocab - 1}]; got {bad[0]}")
+    if len(ids) > spec.max_length:
+        raise ClientError(f"prompt: at most {spec.max_length} tokens; got {len(ids)}")
+    return ids
+
+
+def _pick(logits: np.ndarray, req: GenerateRequest, rng: np.random.Generator) -> int:
+    logits = logits.astype(np.float64)
+    if req.temperature == 0:
+        return int(np.argmax(logits))
+    z = logits / req.temperature
+    if req.top_k is not None:
+        cut = np.sort(z)[-req.top_k]
+        z = np.where(z >= cut, z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    return int(rng.choice(len(p), p=p))
+
+
+def generate(runtime: Runtime, spec: ModelSpec, prompt: list[int], req: GenerateRequest
+             ) -> dict:
+    """Runs in an inference thread."""
+    eos = spec.token_ids.get(EOS, 1)
+    context = prompt or [eos]  # an empty prompt starts a new paragraph
+    out = runtime.run("model", {"tokens": np.array([context], dtype=np.int64),
+                                "lengths": np.array([len(context)], dtype=np.int64)})
+    logits, state = out["logits"][0, len(context) - 1], out["state"]
+    rng = np.random.default_rng(req.seed)
+    ids: list[int] = []
+    reason = "length"
+    for i in range(req.max_new_tokens):
+        token = _pick(logits, req, rng)
+        ids.append(token)
+        if req.stop_at_eos and token == eos:
+            reason = "eos"
+            break
+        if i + 1 == req.max_new_tokens:
+            break
+        step = runtime.run("step", {"tokens": np.array([[token]], dtype=np.int64),
+                                    "state": state})
+        logits, state = step["logits"][0, 0], step["next_state"]
+    tokens = [spec.vocabulary[t] for t in ids]
+    text = " ".join(t for t in tokens if t != EOS)
+    return {"prompt_ids": prompt, "ids": ids, "tokens": tokens, "text": text,
+            "finish_reason": reason}

@@ -1,0 +1,290 @@
+"""Model-dependent request checks and answer shaping, shared by /predict, /generate and
+the Open Inference Protocol. Every violation raises ClientError naming the field."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .protocol import InferenceRequest, PredictRequest
+from .runtime import NUMPY_TYPES, ModelSpec
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+class ClientError(Exception):
+    """A request the client must fix: answered with ``status`` and {"error": message}."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def _float_sequence(spec: ModelSpec, seq: list, field: str) -> np.ndarray:
+    d = spec.feature_size
+    try:
+        with np.errstate(over="ignore"):  # out-of-range numbers become inf: refused below
+            arr = np.asarray(seq, dtype=np.float32)
+    except (ValueError, TypeError):  # ragged steps or a mixture of numbers and lists
+        arr = None
+    if arr is not None and arr.ndim == 1 and d == 1:
+        arr = arr.reshape(-1, 1)
+    if arr is None or arr.ndim != 2 or arr.shape[1] != d:
+        expect = "a number or a list of 1 number" if d == 1 else f"a list of {d} numbers"
+        for t, step in enumerate(seq):
+            size = 1 if not isinstance(step, list) else len(step)
+            if size != d or (d != 1 and not isinstance(step, list)):
+                raise ClientError(f"{field}[{t}]: each time step must be {expect} "
+                                  f"(feature_size {d}); got {size}")
+        raise ClientError(f"{field}: each time step must be {expect}")
+    if not np.isfinite(arr).all():
+        t = int(np.argwhere(~np.isfinite(arr))[0][0])
+        raise ClientError(f"{field}[{t}]: numbers must be finite and within float32 range "
+                          f"(|x| <= {F32_MAX:.4g})")
+    return arr
+
+
+def _token_sequence(spec: ModelSpec, seq: list, field: str) -> np.ndarray:
+    vocab = len(spec.vocabulary or ())
+    out = np.empty(len(seq), dtype=np.int64)
+    for t, tok in enumerate(seq):
+        if isinstance(tok, list) or not float(tok).is_integer() or not 0 <= tok < vocab:
+            raise ClientError(f"{field}[{t}]: token ids must be integers in [0, {vocab - 1}] "
+                              f"(the vocabulary has {vocab} tokens); got {tok!r}")
+        out[t] = int(tok)
+    return out
+
+
+def _check_length(spec: ModelSpec, n: int, field: str) -> None:
+    if not 1 <= n <= spec.max_length:
+        raise ClientError(f"{field}: sequence length must be in [1, {spec.max_length}] "
+                          f"(the model's max_length); got {n}")
+
+
+def predict_sequences(spec: ModelSpec, req: PredictRequest, max_sequences: int
+                      ) -> list[np.ndarray]:
+    """The request's sequences as arrays: float32 [T, d] or int64 [T] token ids."""
+    if (req.inputs is None) == (req.text is None):
+        raise ClientError("inputs: give exactly one of 'inputs' or 'text'"
+                          if spec.kind == "tokens" else "inputs: required")
+    if req.text is not None and spec.kind != "tokens":
+        raise ClientError(f"text: only language models take text; model {spec.name!r} "
+                          f"takes 'inputs' (sequences of {spec.feature_size} features)")
+    items = req.inputs if req.inputs is not None else req.text
+    field = "inputs" if req.inputs is not None else "text"
+    if not 1 <= len(items) <= max_sequences:
+        raise ClientError(f"{field}: between 1 and {max_sequences} sequences per request; "
+                          f"got {len(items)}")
+    if req.top_k is not None and spec.task in ("regress", "seq2seq"):
+        raise ClientError(f"top_k: not used by {spec.task} models")
+    sequences = []
+    for i, seq in enumerate(items):
+        where = f"{field}[{i}]"
+        if req.text is not None:
+            arr = np.array(spec.encode(seq), dtype=np.int64)
+        elif spec.kind == "tokens":
+            _check_length(spec, len(seq), where)
+            arr = _token_sequence(spec, seq, where)
+        else:
+            _check_length(spec, len(seq), where)
+            arr = _float_sequence(spec, seq, where)
+        _check_length(spec, len(arr), where + (" (tokens)" if req.text is not None else ""))
+        sequences.append(arr)
+    return sequences
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    z = np.exp(x - x.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def _label(spec: ModelSpec, i: int) -> str:
+    return spec.labels[i] if spec.labels and i < len(spec.labels) else str(i)
+
+
+def shape_outputs(spec: ModelSpec, rows: list[dict], sequences: list[np.ndarray],
+                  top_k: int | None) -> list[dict]:
+    """Per sequence, the /predict answer from its output rows (runs in the inference
+    thread)."""
+    out = []
+    for row, seq in zip(rows, sequences, strict=True):
+        y = row[spec.output_name].astype(np.float64)
+        if spec.task == "classify":
+            p = _softmax(y)
+            i = int(np.argmax(p))
+            item: dict[str, Any] = {"label": _label(spec, i), "index": i,
+                                    "probabilities": p.tolist()}
+            if top_k:
+                best = np.argsort(-p, kind="stable")[:top_k]
+                item["top_k"] = [{"label": _label(spec, int(j)), "index": int(j),
+                                  "probability": float(p[j])} for j in best]
+        elif spec.task == "regress":
+            item = {"value": float(y[0]) if y.size == 1 else y.tolist()}
+        elif spec.task == "seq2seq":
+            idx = np.argmax(y, axis=-1)
+            item = {"indices": idx.tolist(), "labels": [_label(spec, int(j)) for j in idx]}
+        else:  # lm: y [T, V]; position t predicts token t + 1
+            logp = _log_softmax(y)
+            scored = len(seq) - 1
+            ll = float(logp[np.arange(scored), seq[1:]].sum()) if scored else 0.0
+            p = np.exp(logp[-1])
+            best = np.argsort(-p, kind="stable")[:top_k or 5]
+            vocab = spec.vocabulary or []
+            item = {"next_tokens": [{"token": vocab[j], "id": int(j),
+                                     "probability": float(p[j])} for j in best],
+                    "log_likelihood": ll,
+                    "perplexity": math.exp(-ll / scored) if scored else None,
+                    "tokens": scored}
+        out.append(item)
+    return out
+
+
+# -- Open Inference Protocol tensors ---------------------------------------------------
+
+DATATYPE_SIZE = {"FP32": 4, "INT64": 8}
+
+
+def decode_tensor(inp, binary: bytes | None, expected_dtype: str) -> np.ndarray:
+    """One OIP input as a numpy array of its declared shape and the model's datatype."""
+    field = f"inputs[{inp.name}]"
+    if inp.datatype != expected_dtype:
+        raise ClientError(f"{field}.datatype: the model expects {expected_dtype}; "
+                          f"got {inp.datatype!r}")
+    dtype = NUMPY_TYPES[expected_dtype]
+    count = math.prod(inp.shape)
+    if count > 1 << 28:
+        raise ClientError(f"{field}.shape: too many elements ({count})")
+    if binary is not None:
+        if len(binary) != count * DATATYPE_SIZE[expected_dtype]:
+            raise ClientError(f"{field}: binary_data_size {len(binary)} does not match shape "
+                              f"{inp.shape} of {expected_dtype}")
+        arr = np.frombuffer(binary, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype)
+    else:
+        if inp.data is None:
+            raise ClientError(f"{field}.data: required (or binary_data_size)")
+        arr = _flatten(inp.data, expected_dtype, field)
+        if arr.size != count:
+            raise ClientError(f"{field}.data: {arr.size} elements do not match shape "
+                              f"{inp.shape}")
+    arr = arr.reshape(inp.shape)
+    if arr.dtype == np.float32 and not np.isfinite(arr).all():
+        raise ClientError(f"{field}.data: numbers must be finite (float32 range)")
+    return arr
+
+
+def _flatten(data: list, datatype: str, field: str) -> np.ndarray:
+    flat: list = []
+    stack = [iter(data)]
+    depth_limit = 16
+    while stack:
+        for v in stack[-1]:
+            if isinstance(v, list):
+                if len(stack) >= depth_limit:
+                    raise ClientError(f"{field}.data: nested too deeply")
+                stack.append(iter(v))
+                break
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise ClientError(f"{field}.data: numbers only; got {type(v).__name__}")
+            if datatype == "INT64" and (isinstance(v, float) or not -2**63 <= v < 2**63):
+                raise ClientError(f"{field}.data: INT64 values must be 64-bit integers; "
+                                  f"got {v!r}")
+            flat.append(v)
+        else:
+            stack.pop()
+    if datatype == "INT64":
+        return np.array(flat, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        return np.array(flat, dtype=np.float64).astype(np.float32)
+
+
+def infer_sequences(spec: ModelSpec, req: InferenceRequest, binaries: dict[str, bytes],
+                    io: dict, max_sequences: int) -> tuple[list[np.ndarray], int]:
+    """The sequences of an OIP request (x or tokens [B, T, ...] with optional lengths [B])
+    and T."""
+    declared = {i["name"]: i for i in io["inputs"]}
+    seen = {}
+    for inp in req.inputs:
+        if inp.name not in declared:
+            raise ClientError(f"inputs[{inp.name}]: unknown input; the model takes "
+                              f"{sorted(declared)}")
+        if inp.name in seen:
+            raise ClientError(f"inputs[{inp.name}]: given twice")
+        seen[inp.name] = inp
+    main = "tokens" if spec.kind == "tokens" else "x"
+    if main not in seen:
+        raise ClientError(f"inputs: {main!r} is required")
+    x_in = seen[main]
+    rank = len(declared[main]["shape"])
+    if len(x_in.shape) != rank:
+        raise ClientError(f"inputs[{main}].shape: rank {rank} expected "
+                          f"{declared[main]['shape']}; got {x_in.shape}")
+    batch, steps = x_in.shape[0], x_in.shape[1]
+    if not 1 <= batch <= max_sequences:
+        raise ClientError(f"inputs[{main}].shape[0]: batch must be in [1, {max_sequences}]; "
+                          f"got {batch}")
+    if not 1 <= steps <= spec.max_length:
+        raise ClientError(f"inputs[{main}].shape[1]: sequence length must be in "
+                          f"[1, {spec.max_length}]; got {steps}")
+    if rank == 3 and x_in.shape[2] != spec.feature_size:
+        raise ClientError(f"inputs[{main}].shape[2]: feature_size is {spec.feature_size}; "
+                          f"got {x_in.shape[2]}")
+    x = decode_tensor(x_in, binaries.get(main), declared[main]["datatype"])
+    if spec.kind == "tokens":
+        vocab = len(spec.vocabulary or ())
+        if x.size and (x.min() < 0 or x.max() >= vocab):
+            raise ClientError(f"inputs[tokens].data: token ids must be in [0, {vocab - 1}]")
+    if "lengths" in seen:
+        ln = seen["lengths"]
+        if list(ln.shape) != [batch]:
+            raise ClientError(f"inputs[lengths].shape: must be [{batch}]; got {ln.shape}")
+        lengths = decode_tensor(ln, binaries.get("lengths"), declared["lengths"]["datatype"])
+        if lengths.min() < 1 or lengths.max() > steps:
+            raise ClientError(f"inputs[lengths].data: lengths must be in [1, {steps}]")
+    else:
+        lengths = np.full(batch, steps, dtype=np.int64)
+    return [x[i, :int(n)] for i, n in enumerate(lengths)], steps
+
+
+def outputs_to_tensors(rows: list[dict], steps: int, per_step: set[str]) -> dict[str, np.ndarray]:
+    """Stack per-sequence output rows back into [B, ...] tensors; time-axis outputs are
+    padded to the request's T with zeros past each sequence's length."""
+    out = {}
+    for name in rows[0]:
+        if name in per_step:
+            first = rows[0][name]
+            arr = np.zeros((len(rows), steps, *first.shape[1:]), dtype=first.dtype)
+            for i, r in enumerate(rows):
+                arr[i, :len(r[name])] = r[name]
+        else:
+            arr = np.stack([r[name] for r in rows])
+        out[name] = arr
+    return out
+
+
+def binary_chunks(req: InferenceRequest, tail: bytes) -> dict[str, bytes]:
+    """The binary tensor data extension: inputs with parameters.binary_data_size take
+    consecutive chunks of the bytes after the JSON header."""
+    chunks, offset = {}, 0
+    for inp in req.inputs:
+        size = (inp.parameters or {}).get("binary_data_size")
+        if size is None:
+            continue
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ClientError(f"inputs[{inp.name}].parameters.binary_data_size: must be a "
+                              f"non-negative integer")
+        if offset + size > len(tail):
+            raise ClientError(f"inputs[{inp.name}].parameters.binary_data_size: {size} bytes "
+                              f"past the end of the body")
+        chunks[inp.name] = tail[offset:offset + size]
+        offset += size
+    if offset != len(tail):
+        raise ClientError(f"body: {len(tail) - offset} bytes of binary data belong to no input")
+    return chunks
+

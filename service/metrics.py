@@ -1,0 +1,82 @@
+"""Prometheus metrics, all named ``orthornn_*``, in a registry of their own per service
+instance (so several apps in one process, as in the tests, do not collide)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+UNKNOWN = "_unknown"  # label of requests for models that are not loaded (bounded cardinality)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "orthornn_requests", "HTTP requests by model, version, endpoint and status",
+            ["model", "version", "endpoint", "status"], registry=r)
+        self.request_duration = Histogram(
+            "orthornn_request_duration_seconds", "time from request start to answer",
+            ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_duration = Histogram(
+            "orthornn_queue_duration_seconds", "time a request waits for its batch to start",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.inference_duration = Histogram(
+            "orthornn_inference_duration_seconds", "onnxruntime time of one batch",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram(
+            "orthornn_batch_size", "sequences per onnxruntime run", ["model"],
+            buckets=BATCH_BUCKETS, registry=r)
+        self.inflight = Gauge("orthornn_inflight_requests", "requests being answered",
+                              registry=r)
+        self.queue_depth = Gauge("orthornn_queue_depth", "sequences waiting for a batch",
+                                 ["model"], registry=r)
+        self.loaded = Gauge(
+            "orthornn_model_loaded", "1 for every loaded (served) model version",
+            ["model", "version", "arch", "mode"], registry=r)
+        self.swaps = Counter("orthornn_model_swaps", "times a newer version took over",
+                             ["model"], registry=r)
+        self.load_failures = Counter(
+            "orthornn_model_load_failures", "versions refused (verification or load failed)",
+            ["model"], registry=r)
+        self.sigma_min = Gauge(
+            "orthornn_transition_sigma_min",
+            "smallest singular value of the transition matrix (from the manifest)",
+            ["model", "version"], registry=r)
+        self.sigma_max = Gauge(
+            "orthornn_transition_sigma_max",
+            "largest singular value of the transition matrix (from the manifest)",
+            ["model", "version"], registry=r)
+        self.orthogonality_error = Gauge(
+            "orthornn_transition_orthogonality_error",
+            "||W^T W - I||_2 of the transition matrix (from the manifest)",
+            ["model", "version"], registry=r)
+
+    def model_loaded(self, manifest: dict) -> None:
+        name, version = manifest["name"], str(manifest["version"])
+        self.loaded.labels(name, version, manifest.get("arch", ""),
+                           manifest.get("mode", "")).set(1)
+        spectral = manifest.get("spectral") or {}
+        for gauge, key in ((self.sigma_min, "sigma_min"), (self.sigma_max, "sigma_max"),
+                           (self.orthogonality_error, "orthogonality_error")):
+            if isinstance(spectral.get(key), int | float):
+                gauge.labels(name, version).set(float(spectral[key]))
+
+    def model_released(self, manifest: dict) -> None:
+        name, version = manifest["name"], str(manifest["version"])
+        for gauge, labels in ((self.loaded, (name, version, manifest.get("arch", ""),
+                                             manifest.get("mode", ""))),
+                              (self.sigma_min, (name, version)), (self.sigma_max, (name, version)),
+                              (self.orthogonality_error, (name, version))):
+            with contextlib.suppress(KeyError):
+                gauge.remove(*labels)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,159 @@
+"""Request and answer schemas: the simple ``/predict`` and ``/generate`` API and the Open
+Inference Protocol (REST, v2). They document the API (OpenAPI at /docs) and validate
+request bodies; semantic limits that depend on the model (sequence length, feature size,
+token ids) are checked in ``service.inputs``."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, Strict
+
+Number = Annotated[float, Strict()]  # JSON numbers only: no strings, no booleans
+Step = Number | list[Number]
+Version = Annotated[int, Strict(), Field(ge=1, le=2**62)] | Annotated[
+    str, Field(pattern=r"^[1-9][0-9]{0,17}$")]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PredictRequest(_Model):
+    model: str = Field(min_length=1, max_length=128, description="model name")
+    version: Version | None = Field(None, description="a loaded version (default: newest)")
+    inputs: list[list[Step]] | None = Field(
+        None, description="sequences: each a list of time steps, each a list of feature_size "
+                          "numbers (or one number when feature_size is 1); language models: "
+                          "lists of token ids")
+    text: list[Annotated[str, Field(max_length=1_000_000)]] | None = Field(
+        None, description="language models: texts, tokenised with the model's vocabulary")
+    top_k: Annotated[int, Strict()] | None = Field(
+        None, ge=1, le=1_000_000, description="classify: also list the k likeliest labels; "
+                                              "lm: next tokens listed (default 5)")
+
+
+class Candidate(BaseModel):
+    label: str | None = None
+    token: str | None = None
+    index: int | None = None
+    id: int | None = None
+    probability: float
+
+
+class SequenceOutput(BaseModel):
+    label: str | None = None
+    index: int | None = None
+    probabilities: list[float] | None = None
+    top_k: list[Candidate] | None = None
+    value: float | list[float] | None = None
+    labels: list[str] | None = Field(None, description="seq2seq: one label per time step")
+    indices: list[int] | None = None
+    next_tokens: list[Candidate] | None = None
+    log_likelihood: float | None = None
+    perplexity: float | None = None
+    tokens: int | None = Field(None, description="lm: number of tokens scored")
+
+
+class PredictResponse(BaseModel):
+    model: str
+    version: int
+    outputs: list[SequenceOutput]
+
+
+class GenerateRequest(_Model):
+    model: str = Field(min_length=1, max_length=128)
+    version: Version | None = None
+    prompt: Annotated[str, Field(max_length=1_000_000)] | list[
+        Annotated[int, Strict()]] = Field(
+        "", description="text (tokenised with the model's vocabulary) or token ids; empty: "
+                        "start after an <eos>")
+    max_new_tokens: Annotated[int, Strict()] = Field(16, ge=1, le=1_000_000)
+    temperature: Number = Field(1.0, ge=0, le=100, description="0: greedy")
+    top_k: Annotated[int, Strict()] | None = Field(None, ge=1, le=1_000_000)
+    seed: Annotated[int, Strict()] | None = Field(None, ge=0, le=2**63 - 1)
+    stop_at_eos: bool = True
+
+
+class GenerateResponse(BaseModel):
+    model: str
+    version: int
+    prompt_ids: list[int]
+    ids: list[int]
+    tokens: list[str]
+    text: str
+    finish_reason: str
+
+
+class ErrorResponse(BaseModel):
+    error: str
+
+
+# -- Open Inference Protocol (v2) ------------------------------------------------------
+
+class TensorMetadata(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class ServerMetadata(BaseModel):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class ModelMetadata(BaseModel):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class RequestInput(_Model):
+    name: str = Field(min_length=1, max_length=256)
+    shape: list[Annotated[int, Strict(), Field(ge=0, le=2**40)]] = Field(max_length=16)
+    datatype: str = Field(min_length=1, max_length=16)
+    parameters: dict[str, Any] | None = None
+    data: list[Any] | None = Field(None, description="row-major, flat or nested; absent when "
+                                                     "the binary extension carries it")
+
+
+class RequestOutput(_Model):
+    name: str = Field(min_length=1, max_length=256)
+    parameters: dict[str, Any] | None = None
+
+
+class InferenceRequest(_Model):
+    id: str | None = Field(None, max_length=1024)
+    parameters: dict[str, Any] | None = None
+    inputs: list[RequestInput] = Field(min_length=1, max_length=64)
+    outputs: list[RequestOutput] | None = Field(None, max_length=64)
+
+
+class ResponseOutput(BaseModel):
+    name: str
+    shape: list[int]
+    datatype: str
+    parameters: dict[str, Any] | None = None
+    data: list[Any] | None = None
+
+
+class InferenceResponse(BaseModel):
+    model_name: str
+    model_version: str
+    id: str | None = None
+    outputs: list[ResponseOutput]
+
+
+class RepositoryIndexRequest(_Model):
+    ready: bool | None = None
+
+
+class RepositoryModel(BaseModel):
+    name: str
+    version: str
+    state: str
+    reason: str

@@ -1,0 +1,327 @@
+"""The model registry: scans REPO/<name>/<version>/, loads and verifies versions with
+``export.package`` (sha256 of every file, then the golden outputs on the very sessions
+that will serve), warms them up and swaps them in atomically.
+
+A request holds its version (``acquire``/``release``): a version swapped out keeps
+running what it holds and is released (sessions dropped, batcher stopped) when the last
+of those requests finishes. A version that fails verification is never served, the
+failure is logged and counted, and it is not retried until its files change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from export.package import PackageError, check_hashes, golden_check, read_manifest
+from export.repository import NAME, versions
+
+from .batcher import Batcher
+from .metrics import Metrics
+from .runtime import ModelSpec, Runtime
+from .settings import Settings
+
+log = logging.getLogger("orthornn.service")
+
+
+class NotFound(LookupError):
+    """Unknown model or version (404)."""
+
+
+@dataclass(eq=False)
+class ModelVersion:
+    name: str
+    version: int
+    path: Path
+    manifest: dict
+    spec: ModelSpec
+    runtime: Runtime
+    batcher: Batcher
+    loaded_at: float = field(default_factory=time.time)
+    inflight: int = 0
+    retired: bool = False
+    released: bool = False
+
+
+def _signature(path: Path) -> tuple:
+    """Changes when any file of a version directory changes (a half-written version that
+    is completed later is tried again)."""
+    try:
+        entries = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir())
+    except OSError:
+        return ()
+    return (path.stat().st_mtime_ns, *entries)
+
+
+class Registry:
+    def __init__(self, settings: Settings, metrics: Metrics, executor: Executor,
+                 providers: list[str]):
+        self.settings = settings
+        self.metrics = metrics
+        self.executor = executor
+        self.providers = providers
+        self.repo = Path(settings.repo)
+        self._lock = threading.RLock()
+        self._load_lock = threading.Lock()  # one loader at a time (poller or API)
+        self._serving: dict[str, dict[int, ModelVersion]] = {}
+        self._failed: dict[tuple[str, int], tuple[tuple, str]] = {}
+        self._unloaded: set[str] = set()
+        self._configured: set[str] = set(settings.models)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.scanned = threading.Event()  # the start-up scan has finished
+
+    # -- lookups (event loop) ---------------------------------------------------------
+
+    def acquire(self, name: str, version: int | None = None) -> ModelVersion:
+        """The requested (default: newest) serving version, held until release()."""
+        with self._lock:
+            loaded = self._serving.get(name)
+            if not loaded:
+                raise NotFound(f"model {name!r} is not loaded")
+            if version is None:
+                version = max(loaded)
+            mv = loaded.get(version)
+            if mv is None:
+                raise NotFound(f"model {name!r} has no loaded version {version} "
+                               f"(loaded: {sorted(loaded)})")
+            mv.inflight += 1
+            return mv
+
+    def release(self, mv: ModelVersion) -> None:
+        with self._lock:
+            mv.inflight -= 1
+            done = mv.retired and mv.inflight == 0 and not mv.released
+            if done:
+                mv.released = True
+        if done:
+            self._free(mv)
+
+    def serving(self) -> dict[str, list[int]]:
+        with self._lock:
+            return {name: sorted(vs) for name, vs in self._serving.items() if vs}
+
+    def get(self, name: str, version: int | None = None) -> ModelVersion:
+        """A serving version without holding it (metadata)."""
+        mv = self.acquire(name, version)
+        with self._lock:
+            mv.inflight -= 1
+        return mv
+
+    def ready(self) -> bool:
+        if not self.scanned.is_set():
+            return False
+        with self._lock:
+            return all(self._serving.get(n) for n in self._configured - self._unloaded)
+
+    def model_ready(self, name: str, version: int | None = None) -> bool:
+        with self._lock:
+            loaded = self._serving.get(name) or {}
+            return bool(loaded) if version is None else version in loaded
+
+    def index(self) -> list[dict]:
+        """Every model version in the repository with its state (Triton's index)."""
+        rows = []
+        names = set(self._model_names()) | set(self._serving)
+        with self._lock:
+            for name in sorted(names):
+                loaded = self._serving.get(name, {})
+                on_disk = versions(self.repo / name)
+                for v in sorted(set(on_disk) | set(loaded)):
+                    if v in loaded:
+                        state, reason = "READY", ""
+                    elif (name, v) in self._failed:
+                        state, reason = "UNAVAILABLE", self._failed[(name, v)][1]
+                    elif name in self._unloaded:
+                        state, reason = "UNAVAILABLE", "unloaded"
+                    else:
+                        state, reason = "UNAVAILABLE", "not loaded (version policy)"
+                    rows.append({"name": name, "version": str(v), "state": state,
+                                 "reason": reason})
+        return rows
+
+    # -- loading (background thread or the repository API) ----------------------------
+
+    def _model_names(self) -> list[str]:
+        if not self.repo.is_dir():
+            return []
+        return sorted(p.name for p in self.repo.iterdir()
+                      if p.is_dir() and not p.name.startswith(".") and NAME.match(p.name))
+
+    def load_version(self, name: str, version: int) -> ModelVersion:
+        """Verify, load and warm one version; PackageError when it must not be served."""
+        path = self.repo / name / str(version)
+        manifest = read_manifest(path)
+        if manifest.get("name") != name or manifest.get("version") != version:
+            raise PackageError(f"manifest says {manifest.get('name')!r} version "
+                               f"{manifest.get('version')!r}, directory is {name}/{version}")
+        check_hashes(path, manifest)
+        spec = ModelSpec.from_manifest(manifest, path, self.settings.max_token_length)
+        runtime = Runtime(path, manifest, self.providers, self.settings.inference_threads)
+        try:  # the golden check runs on the sessions that will serve
+            golden_check(path, manifest, sessions=runtime.sessions)
+            runtime.warm_up(spec, min(self.settings.max_batch_size, 4))
+        except PackageError:
+            raise
+        except Exception as error:
+            raise PackageError(f"golden check could not run: {error}") from None
+        s = self.settings
+        batcher = Batcher(lambda seqs: runtime.run_padded(spec, seqs), self.executor,
+                          max_batch_size=s.max_batch_size,
+                          max_queue_delay_ms=s.max_queue_delay_ms,
+                          max_queue_size=s.max_queue_size, workers=s.inference_workers,
+                          enabled=s.batching, metrics=self.metrics, model=name)
+        mv = ModelVersion(name, version, path, manifest, spec, runtime, batcher)
+        batcher.holders = lambda: mv.inflight
+        return mv
+
+    def sync_model(self, name: str) -> list[str]:
+        """Apply the version policy to one model; returns the errors of refused versions."""
+        errors: list[str] = []
+        with self._load_lock:
+            on_disk = sorted(versions(self.repo / name), reverse=True)
+            with self._lock:
+                current = dict(self._serving.get(name, {}))
+            keep: dict[int, ModelVersion] = {}
+            for v in on_disk:
+                if self.settings.version_policy == "latest" and \
+                        len(keep) >= self.settings.keep_versions:
+                    break
+                if v in current:
+                    keep[v] = current[v]
+                    continue
+                sig = _signature(self.repo / name / str(v))
+                failed = self._failed.get((name, v))
+                if failed is not None and failed[0] == sig:
+                    errors.append(f"version {v}: {failed[1]}")
+                    continue
+                start = time.perf_counter()
+                try:
+                    mv = self.load_version(name, v)
+                except (PackageError, OSError) as error:
+                    self._failed[(name, v)] = (sig, str(error))
+                    self.metrics.load_failures.labels(name).inc()
+                    log.error("refused %s version %d: %s", name, v, error)
+                    errors.append(f"version {v}: {error}")
+                    continue
+                self._failed.pop((name, v), None)
+                log.info("loaded %s version %d (%s, %s) in %.2f s", name, v,
+                         mv.manifest.get("arch"), mv.manifest.get("mode"),
+                         time.perf_counter() - start)
+                keep[v] = mv
+            self._swap(name, current, keep)
+        return errors
+
+    def _swap(self, name: str, current: dict[int, ModelVersion],
+              keep: dict[int, ModelVersion]) -> None:
+        retired = [mv for v, mv in current.items() if v not in keep]
+        added = [mv for v, mv in keep.items() if v not in current]
+        if not retired and not added:
+            return
+        with self._lock:
+            self._serving[name] = dict(keep)
+            if not keep:
+                del self._serving[name]
+            free = []
+            for mv in retired:
+                mv.retired = True
+                if mv.inflight == 0 and not mv.released:
+                    mv.released = True
+                    free.append(mv)
+        for mv in added:
+            self.metrics.model_loaded(mv.manifest)
+        if current and keep and max(keep) != max(current):
+            self.metrics.swaps.labels(name).inc()
+            log.info("%s: version %d now serves (was %d)", name, max(keep), max(current))
+        for mv in free:
+            self._free(mv)
+
+    def _free(self, mv: ModelVersion) -> None:
+        """Release a retired version once nothing holds it."""
+        self.metrics.model_released(mv.manifest)
+        log.info("released %s version %d", mv.name, mv.version)
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                loop.create_task(mv.batcher.close())
+            else:
+                asyncio.run_coroutine_threadsafe(mv.batcher.close(), loop)
+        mv.runtime.sessions.clear()
+
+    def scan(self) -> None:
+        for name in self._model_names():
+            if self._stop.is_set():
+                return
+            if name not in self._unloaded:
+                self.sync_model(name)
+        with self._lock:  # models whose directory vanished
+            gone = [n for n in self._serving if not (self.repo / n).is_dir()]
+        for name in gone:
+            self.sync_model(name)
+
+    def load(self, name: str) -> list[str]:
+        """The repository API's load: (re)load NAME now, retrying refused versions."""
+        if not (self.repo / name).is_dir() or not versions(self.repo / name):
+            raise NotFound(f"model {name!r} is not in the repository")
+        with self._load_lock:
+            self._unloaded.discard(name)
+            for key in [k for k in self._failed if k[0] == name]:
+                del self._failed[key]
+        return self.sync_model(name)
+
+    def unload(self, name: str) -> None:
+        with self._load_lock:
+            with self._lock:
+                current = dict(self._serving.get(name, {}))
+                if not current and name not in self._model_names():
+                    raise NotFound(f"model {name!r} is not loaded")
+                self._unloaded.add(name)
+            self._swap(name, current, {})
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="orthornn-repository",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            if not self._configured:
+                self._configured = {n for n in self._model_names() if versions(self.repo / n)}
+            self.scan()
+        except Exception:  # never let the poller die silently
+            log.exception("repository scan failed")
+        finally:
+            self.scanned.set()
+        interval = self.settings.poll_interval_s
+        while interval > 0 and not self._stop.wait(interval):
+            try:
+                self.scan()
+            except Exception:
+                log.exception("repository scan failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    async def close(self) -> None:
+        self.stop()
+        with self._lock:
+            everything = [mv for vs in self._serving.values() for mv in vs.values()]
+            self._serving.clear()
+        for mv in everything:
+            await mv.batcher.close()
+            self.metrics.model_released(mv.manifest)

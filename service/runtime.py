@@ -1,0 +1,154 @@
+"""onnxruntime side of the service: execution providers, sessions of a model package,
+and running its graphs on padded batches. Torch-free; sessions come from
+``export.package.session_from_bytes`` so the service and the export verify the same way."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from export.package import PackageError, session_from_bytes
+
+CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
+NUMPY_TYPES = {"FP32": np.float32, "INT64": np.int64}
+
+
+def available_providers() -> list[str]:
+    import onnxruntime as ort
+
+    return list(ort.get_available_providers())
+
+
+def select_providers(requested: list[str] | None = None) -> list[str]:
+    """The requested providers (each must be available), else CUDA when onnxruntime
+    offers it (the onnxruntime-gpu package on a GPU machine), then CPU."""
+    available = available_providers()
+    if requested:
+        missing = [p for p in requested if p not in available]
+        if missing:
+            raise ValueError(f"providers {missing} are not available in this onnxruntime "
+                             f"(available: {available})")
+        return list(requested)
+    return [p for p in (CUDA, CPU) if p in available] or available
+
+
+# The tokenizer of training/corpus.py:tokenize (the service never imports training, whose
+# package imports torch): lowercased words with inner apostrophes, numbers -> "N". Unlike
+# training, no "<eos>" is appended: a request's text is a prefix, not a finished paragraph.
+_WORD = re.compile(r"[a-z]+(?:'[a-z]+)?|\d+(?:[.,]\d+)*")
+UNK, EOS = "<unk>", "<eos>"
+
+
+def tokenize(text: str) -> list[str]:
+    return ["N" if w[0].isdigit() else w for w in _WORD.findall(text.lower())]
+
+
+@dataclass
+class ModelSpec:
+    """What the HTTP layer needs to validate requests and shape answers (from the manifest)."""
+
+    name: str
+    version: int
+    task: str  # classify | regress | seq2seq | lm
+    arch: str
+    kind: str  # float | tokens
+    feature_size: int
+    max_length: int
+    output_name: str  # logits | value
+    output_size: int
+    state_size: int
+    labels: list[str] | None
+    vocabulary: list[str] | None = None
+    token_ids: dict[str, int] = field(default_factory=dict)
+    io: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_manifest(cls, manifest: dict, package: Path, max_token_length: int) -> ModelSpec:
+        try:
+            inputs, outputs = manifest["input_spec"], manifest["output_spec"]
+            task = manifest["task"]
+            spec = cls(
+                name=manifest["name"], version=int(manifest["version"]), task=task,
+                arch=manifest["arch"], kind=inputs["kind"],
+                feature_size=int(inputs["feature_size"]),
+                max_length=int(inputs.get("max_length") or 0),
+                output_name="value" if task == "regress" else "logits",
+                output_size=int(outputs["size"]), state_size=int(outputs["state_size"]),
+                labels=manifest.get("labels"), io=manifest["io"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise PackageError(f"manifest field missing or invalid: {error}") from None
+        if spec.kind not in ("float", "tokens") or task not in ("classify", "regress",
+                                                               "seq2seq", "lm"):
+            raise PackageError(f"unsupported input kind {spec.kind!r} / task {task!r}")
+        if spec.kind == "tokens":
+            if not manifest.get("vocabulary_file"):
+                raise PackageError("a token model needs a vocabulary_file")
+            words = (package / manifest["vocabulary_file"]).read_text().split("\n")
+            if words and words[-1] == "":
+                words.pop()
+            spec.vocabulary = words
+            spec.token_ids = {w: i for i, w in enumerate(words)}
+            # the BPTT window is not a limit: the state carries across it
+            spec.max_length = max(spec.max_length, max_token_length)
+        if spec.max_length <= 0:
+            spec.max_length = max_token_length
+        return spec
+
+    def encode(self, text: str) -> list[int]:
+        unk = self.token_ids.get(UNK, 0)
+        return [self.token_ids.get(w, unk) for w in tokenize(text)]
+
+
+class Runtime:
+    """The onnxruntime sessions of one package version; thread-safe (onnxruntime's run is)."""
+
+    def __init__(self, package: Path, manifest: dict, providers: list[str], threads: int):
+        self.providers = providers
+        self.sessions = {}
+        for graph, filename in manifest["graphs"].items():
+            try:
+                self.sessions[graph] = session_from_bytes(str(package / filename), providers,
+                                                          threads)
+            except Exception as error:  # onnxruntime refuses the file
+                raise PackageError(f"onnxruntime cannot load {filename!r}: {error}") from None
+        if "model" not in self.sessions:
+            raise PackageError("the package has no 'model' graph")
+        self.output_names = {g: [o.name for o in s.get_outputs()]
+                             for g, s in self.sessions.items()}
+        # outputs with a time axis ([B, T, ...]) are cut per sequence
+        self.per_step = {o.name for o in self.sessions["model"].get_outputs()
+                         if len(o.shape) == 3}
+
+    def run(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        names = self.output_names[graph]
+        return dict(zip(names, self.sessions[graph].run(names, feeds), strict=True))
+
+    def run_padded(self, spec: ModelSpec, sequences: list[np.ndarray]) -> list[dict]:
+        """Run the full graph on sequences of any lengths padded into one batch; per
+        sequence, its rows of every output (time-axis outputs cut to its length)."""
+        lengths = np.array([len(s) for s in sequences], dtype=np.int64)
+        steps = int(lengths.max())
+        if spec.kind == "tokens":
+            x = np.zeros((len(sequences), steps), dtype=np.int64)
+        else:
+            x = np.zeros((len(sequences), steps, spec.feature_size), dtype=np.float32)
+        for i, s in enumerate(sequences):
+            x[i, :len(s)] = s
+        out = self.run("model", {"tokens" if spec.kind == "tokens" else "x": x,
+                                 "lengths": lengths})
+        return [{k: (v[i, :n] if k in self.per_step else v[i]) for k, v in out.items()}
+                for i, n in enumerate(lengths.tolist())]
+
+    def warm_up(self, spec: ModelSpec, batch: int) -> None:
+        steps = min(spec.max_length, 16)
+        if spec.kind == "tokens":
+            seqs = [np.zeros(steps, np.int64)] * batch
+        else:
+            seqs = [np.zeros((steps, spec.feature_size), np.float32)] * batch
+        self.run_padded(spec, seqs)
+        if "step" in self.sessions:
+            self.run("step", {"tokens": np.zeros((1, 1), np.int64),
+                              "state": np.zeros((1, spec.state_size), np.float32)})

@@ -1,0 +1,52 @@
+"""Running the app on uvicorn, with a graceful SIGTERM: readiness turns 503 at once,
+requests keep being accepted for ``shutdown_delay_s`` (load balancers see the 503 and
+stop sending), then the listener closes, in-flight requests finish (at most
+``drain_timeout_s``), the models are released and the process exits 0."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import uvicorn
+
+from .app import create_app
+from .settings import Settings
+
+log = logging.getLogger("orthornn.service")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app, delay: float):
+        super().__init__(config)
+        self.service_app = app
+        self.delay = delay
+        self._draining = False
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._draining or sig not in (signal.SIGTERM, signal.SIGINT):
+            return super().handle_exit(sig, frame)  # a second signal: uvicorn's own way
+        self._draining = True
+        self.service_app.state.draining = True
+        log.info("%s: readiness now 503; draining after %.1f s", signal.Signals(sig).name,
+                 self.delay)
+        if self.delay > 0:
+            threading.Timer(self.delay, lambda: setattr(self, "should_exit", True)).start()
+        else:
+            self.should_exit = True
+
+
+def serve(settings: Settings) -> int:
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not settings.repo.is_dir():
+        raise ValueError(f"repo {str(settings.repo)!r} is not a directory")
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port,
+                            log_level=settings.log_level, access_log=False,
+                            timeout_graceful_shutdown=settings.drain_timeout_s or None,
+                            limit_concurrency=None, timeout_keep_alive=30)
+    server = DrainingServer(config, app, settings.shutdown_delay_s)
+    server.run()
+    return 0

@@ -1,0 +1,79 @@
+"""Service settings: ``ORTHORNN_*`` environment variables, overridden by command-line flags
+(``orthornn serve --max-batch-size 16`` beats ``ORTHORNN_MAX_BATCH_SIZE=8``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ORTHORNN_", extra="forbid",
+                                      validate_default=True)
+
+    repo: Path = Field(description="model repository root: REPO/<name>/<version>/")
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
+    models: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="models that must be loaded for readiness (empty: every model found in "
+                    "the repository at start-up)")
+    version_policy: Literal["latest", "all"] = Field(
+        "latest", description="latest: serve the newest keep_versions verified versions; "
+                              "all: every verified version")
+    keep_versions: int = Field(1, ge=1, le=64,
+                               description="versions kept loaded under the 'latest' policy")
+    poll_interval_s: float = Field(
+        2.0, ge=0, le=3600, description="how often the repository is scanned for new versions "
+                                        "(0: never; only the repository API loads)")
+    batching: bool = Field(True, description="dynamic batching on or off")
+    max_batch_size: int = Field(32, ge=1, le=4096,
+                                description="sequences run together in one batch")
+    max_queue_delay_ms: float = Field(
+        2.0, ge=0, le=10_000,
+        description="how long a request waits for others to fill its batch")
+    max_queue_size: int = Field(
+        512, ge=1, le=1_000_000,
+        description="sequences waiting per model version; beyond it requests get 429")
+    max_request_sequences: int = Field(256, ge=1, le=100_000,
+                                       description="sequences in one request")
+    max_token_length: int = Field(
+        1024, ge=1, le=1_000_000,
+        description="token limit of language-model inputs when the manifest's max_length "
+                    "(the training BPTT window) is smaller: the hidden state carries")
+    max_new_tokens: int = Field(256, ge=1, le=100_000,
+                                description="upper bound of /generate's max_new_tokens")
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 31,
+                                description="request body limit (413 beyond it)")
+    inference_threads: int = Field(
+        1, ge=0, le=256,
+        description="onnxruntime intra-op threads per session (0: onnxruntime's default)")
+    inference_workers: int = Field(
+        2, ge=1, le=64, description="batches run concurrently (thread pool size)")
+    providers: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="onnxruntime execution providers (empty: CUDA when available, then CPU)")
+    admin_token: SecretStr | None = Field(
+        None, description="bearer token of the repository API (unset: the API is open)")
+    shutdown_delay_s: float = Field(
+        0.0, ge=0, le=600,
+        description="after SIGTERM, seconds readiness answers 503 while requests are still "
+                    "accepted (lets load balancers notice), before the listener closes")
+    drain_timeout_s: float = Field(30.0, ge=0, le=3600,
+                                   description="longest wait for in-flight requests on exit")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("models", "providers", mode="before")
+    @classmethod
+    def _comma_list(cls, value):
+        if isinstance(value, str):  # --models a,b or ORTHORNN_MODELS=a,b
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    @field_validator("admin_token", mode="before")
+    @classmethod
+    def _empty_token(cls, value):
+        return None if value == "" else value

@@ -1,0 +1,105 @@
+"""Helpers for the service tests: repositories built from the staged packages, a live
+uvicorn server on 127.0.0.1, and independent references (onnxruntime run directly on a
+package, the torch outputs in golden.npz)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import uvicorn
+
+from service.app import create_app
+from service.settings import Settings
+
+
+def make_repo(stage: Path, root: Path, models: dict[str, list[int]]) -> Path:
+    """REPO with the given staged versions of each model."""
+    for name, versions in models.items():
+        for v in versions:
+            publish_copy(stage / name / str(v), root / name, v)
+    return root
+
+
+def publish_copy(package: Path, model_dir: Path, version: int) -> Path:
+    """Publish a staged package as MODEL_DIR/<version> the way export does: build in a
+    hidden directory, then one atomic rename. The manifest keeps its own version, so a
+    package is copied to the version number it was exported as."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tmp = model_dir / f".tmp-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(package, tmp)
+    os.rename(tmp, model_dir / str(version))
+    return model_dir / str(version)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """The app on uvicorn in a thread, on a free loopback port."""
+
+    def __init__(self, **settings):
+        settings.setdefault("poll_interval_s", 0.1)
+        self.settings = Settings(host="127.0.0.1", port=free_port(), **settings)
+        self.app = create_app(self.settings)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1",
+                                                    port=self.settings.port,
+                                                    log_level="warning"))
+        self.url = f"http://127.0.0.1:{self.settings.port}"
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+        self.wait(lambda: self.app.state.registry.ready())
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    @staticmethod
+    def wait(condition, timeout: float = 30.0) -> None:
+        deadline = time.time() + timeout
+        while not condition():
+            if time.time() > deadline:
+                raise TimeoutError("condition not met in time")
+            time.sleep(0.02)
+
+
+def reference(package: Path, sequences: list[np.ndarray]) -> list[dict]:
+    """Each sequence run alone through onnxruntime on the package's model.onnx."""
+    sess = ort.InferenceSession(str(package / "model.onnx"),
+                                providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    tokens = sess.get_inputs()[0].name == "tokens"
+    out = []
+    for s in sequences:
+        x = np.asarray(s, dtype=np.int64 if tokens else np.float32)[None]
+        feeds = {"tokens" if tokens else "x": x, "lengths": np.array([len(s)], np.int64)}
+        out.append({k: v[0] for k, v in zip(names, sess.run(names, feeds), strict=True)})
+    return out
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    z = np.exp(x - x.max(-1, keepdims=True))
+    return z / z.sum(-1, keepdims=True)
+
+
+def golden(package: Path) -> dict[str, np.ndarray]:
+    with np.load(package / "golden.npz") as f:
+        return {k: f[k] for k in f.files}

@@ -1,0 +1,335 @@
+"""The service on a real uvicorn server on 127.0.0.1: tritonclient, dynamic batching under
+concurrency, hot-swap under load, refused versions, the predict client, SIGTERM."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as triton
+
+from export.package import sha256
+from service.cli import main as cli
+
+from .service_helpers import LiveServer, free_port, golden, make_repo, publish_copy, reference
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tritonclient_round_trip(service_packages, tmp_path):
+    repo = make_repo(service_packages, tmp_path, {"digits": [1], "words": [1]})
+    with LiveServer(repo=repo, admin_token="tok") as srv:
+        client = triton.InferenceServerClient(srv.url.removeprefix("http://"))
+        assert client.is_server_live() and client.is_server_ready()
+        assert client.is_model_ready("digits") and client.is_model_ready("digits", "1")
+        assert client.get_server_metadata()["name"] == "orthornn"
+        meta = client.get_model_metadata("digits")
+        assert [i["name"] for i in meta["inputs"]] == ["x", "lengths"]
+        assert client.get_model_config("digits")["max_batch_size"] > 0
+        g = golden(repo / "digits" / "1")
+        x, lengths = g["model/x"], g["model/lengths"]
+        ref = reference(repo / "digits" / "1", [s[:n] for s, n in zip(x, lengths, strict=True)])
+        for binary in (True, False):
+            inputs = [triton.InferInput("x", list(x.shape), "FP32"),
+                      triton.InferInput("lengths", [len(lengths)], "INT64")]
+            inputs[0].set_data_from_numpy(x, binary_data=binary)
+            inputs[1].set_data_from_numpy(lengths.astype(np.int64), binary_data=binary)
+            outputs = [triton.InferRequestedOutput("logits", binary_data=binary)]
+            result = client.infer("digits", inputs, outputs=outputs, request_id="7")
+            logits = result.as_numpy("logits")
+            assert logits.dtype == np.float32 and logits.shape == (4, 10)
+            np.testing.assert_allclose(logits, [r["logits"] for r in ref], atol=1e-6)
+            np.testing.assert_allclose(logits, g["model/logits"], atol=1e-4)
+            assert result.get_response()["id"] == "7"
+        # no outputs named: the client asks for every output in binary
+        tokens = np.array([[2, 3, 4]], dtype=np.int64)
+        inp = triton.InferInput("tokens", [1, 3], "INT64")
+        inp.set_data_from_numpy(tokens)
+        result = client.infer("words", [inp], model_version="1")
+        assert result.as_numpy("logits").shape[:2] == (1, 3)
+        np.testing.assert_allclose(result.as_numpy("state")[0],
+                                   reference(repo / "words" / "1", [tokens[0]])[0]["state"],
+                                   atol=1e-6)
+        with pytest.raises(triton.InferenceServerException, match="unknown input"):
+            bad = triton.InferInput("y", [1, 3], "INT64")
+            bad.set_data_from_numpy(tokens)
+            client.infer("words", [bad])
+        # the repository API with the token, as tritonclient sends it
+        auth = {"Authorization": "Bearer tok"}
+        index = client.get_model_repository_index(headers=auth)
+        assert {m["name"] for m in index} == {"digits", "words"}
+        client.unload_model("words", headers=auth)
+        assert not client.is_model_ready("words")
+        client.load_model("words", headers=auth)
+        assert client.is_model_ready("words")
+        with pytest.raises(triton.InferenceServerException):
+            client.unload_model("words")  # no token
+
+
+def _predict(url_or_client, body):
+    r = url_or_client.post("/predict", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_batched_answers_equal_unbatched(service_packages, tmp_path):
+    repo = make_repo(service_packages, tmp_path, {"digits": [1]})
+    rng = np.random.default_rng(0)
+    requests = [[rng.normal(size=int(rng.integers(1, 65))).round(4).tolist()
+                 for _ in range(int(rng.integers(1, 4)))] for _ in range(24)]
+    answers = {}
+    for batching in (True, False):
+        with LiveServer(repo=repo, batching=batching, max_queue_delay_ms=40,
+                        max_batch_size=16) as srv, \
+                httpx.Client(base_url=srv.url, timeout=30) as http:
+            with ThreadPoolExecutor(12) as pool:
+                answers[batching] = list(pool.map(
+                    lambda seqs, h=http: _predict(h, {"model": "digits", "inputs": seqs}),
+                    requests))
+            metrics = http.get("/metrics").text
+        sizes = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                 if line.startswith("orthornn_batch_size_sum")]
+        counts = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("orthornn_batch_size_count")]
+        if batching:  # requests really were run together
+            assert sizes[0] / counts[0] > 1.5
+    ref_pkg = repo / "digits" / "1"
+    for seqs, a, b in zip(requests, answers[True], answers[False], strict=True):
+        for out_a, out_b, ref in zip(a["outputs"], b["outputs"],
+                                     reference(ref_pkg, [np.array(s)[:, None] for s in seqs]),
+                                     strict=True):
+            np.testing.assert_allclose(out_a["probabilities"], out_b["probabilities"],
+                                       rtol=0, atol=1e-6)
+            np.testing.assert_allclose(out_a["probabilities"],
+                                       np.exp(ref["logits"]) / np.exp(ref["logits"]).sum(),
+                                       atol=1e-6)
+
+
+def test_hot_swap_of_five_versions_under_load(service_packages, tmp_path):
+    """Eight client threads send /predict and OIP requests while versions 2..5 are
+    published one by one; every answer must be 200 and equal to what onnxruntime gives
+    on the version that says it served it."""
+    stage = service_packages / "adding"
+    repo = make_repo(service_packages, tmp_path, {"adding": [1]})
+    rng = np.random.default_rng(1)
+    seqs = [rng.random((int(n), 2)).round(3) for n in rng.integers(1, 7, size=16)]
+    expected = {v: [r["value"][0] for r in reference(stage / str(v), seqs)]
+                for v in range(1, 6)}
+    for v in range(2, 6):
+        assert not np.allclose(expected[v], expected[v - 1], atol=1e-4)
+    failures, served = [], {v: 0 for v in range(1, 6)}
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def client(k: int):
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            i = k
+            while not stop.is_set():
+                j = i % len(seqs)
+                i += 1
+                try:
+                    if i % 3:
+                        r = http.post("/predict", json={"model": "adding",
+                                                        "inputs": [seqs[j].tolist()]})
+                        v = r.json()["version"]
+                        got = r.json()["outputs"][0]["value"]
+                    else:
+                        r = http.post("/v2/models/adding/infer", json={"inputs": [{
+                            "name": "x", "shape": [1, *seqs[j].shape], "datatype": "FP32",
+                            "data": seqs[j].ravel().tolist()}], "outputs": [{"name": "value"}]})
+                        v = int(r.json()["model_version"])
+                        got = r.json()["outputs"][0]["data"][0]
+                    ok = r.status_code == 200 and abs(got - expected[v][j]) < 1e-5
+                except Exception as e:  # every failure is recorded
+                    ok, v, got = False, None, repr(e)
+                with lock:
+                    if ok:
+                        served[v] += 1
+                    else:
+                        failures.append((v, j, got))
+
+    with LiveServer(repo=repo, poll_interval_s=0.05, max_queue_delay_ms=1) as srv:
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        registry = srv.app.state.registry
+        for v in range(2, 6):
+            before = served[v - 1]
+            srv.wait(lambda b=before, v=v: served[v - 1] > b + 20)  # the old one served
+            publish_copy(stage / str(v), repo / "adding", v)
+            srv.wait(lambda v=v: registry.serving().get("adding") == [v])
+        srv.wait(lambda: served[5] > 50)
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        metrics = httpx.get(srv.url + "/metrics").text
+    assert not failures, failures[:5]
+    assert all(served[v] > 0 for v in range(1, 6)), served
+    assert 'orthornn_model_swaps_total{model="adding"} 4.0' in metrics
+    assert 'orthornn_model_loaded{arch="svdrnn",mode="dense",model="adding",version="5"} 1.0' \
+        in metrics
+    assert 'version="4"} 1.0' not in metrics  # older versions released
+
+
+def _break_hash(package: Path) -> None:
+    data = bytearray((package / "model.onnx").read_bytes())
+    data[-5] ^= 0xFF
+    (package / "model.onnx").write_bytes(bytes(data))
+
+
+def _break_golden(package: Path) -> None:
+    g = golden(package)
+    g["model/value"] = g["model/value"] + 0.01
+    np.savez(package / "golden.npz", **g)
+    manifest = json.loads((package / "manifest.json").read_text())
+    manifest["files"]["golden.npz"] = sha256(package / "golden.npz")
+    (package / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_corrupt_or_half_written_versions_are_refused(service_packages, tmp_path):
+    stage = service_packages / "adding"
+    repo = make_repo(service_packages, tmp_path / "repo", {"adding": [1]})
+    probe = {"model": "adding", "inputs": [[[0.5, 1.0], [0.25, 1.0]]]}
+    want = reference(stage / "1", [np.array(probe["inputs"][0])])[0]["value"][0]
+    with LiveServer(repo=repo, poll_interval_s=0.05) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as http:
+        registry = srv.app.state.registry
+        def failed():
+            text = http.get("/metrics").text
+            line = [x for x in text.splitlines()
+                    if x.startswith('orthornn_model_load_failures_total{model="adding"}')]
+            return float(line[0].split()[-1]) if line else 0.0
+
+        # 2: a model.onnx that does not match its sha256; 3: wrong golden outputs (with a
+        # correct hash); 4: half-written, copied in place without the atomic rename
+        for n, (v, damage) in enumerate(((2, _break_hash), (3, _break_golden)), start=1):
+            tmp = tmp_path / f"broken-{v}"
+            publish_copy(stage / str(v), tmp, v)
+            damage(tmp / str(v))
+            os.rename(tmp / str(v), repo / "adding" / str(v))
+            srv.wait(lambda n=n: failed() >= n)
+            answer = _predict(http, probe)
+            assert answer["version"] == 1
+            assert answer["outputs"][0]["value"] == pytest.approx(want, abs=1e-6)
+            assert http.get("/v2/health/ready").status_code == 200
+        half = repo / "adding" / "4"
+        half.mkdir()
+        (half / "model.onnx").write_bytes((stage / "4" / "model.onnx").read_bytes()[:100])
+        srv.wait(lambda: failed() >= 3)
+        index = {m["version"]: m for m in http.post("/v2/repository/index").json()}
+        assert "sha256 mismatch for 'model.onnx'" in index["2"]["reason"]
+        assert "golden check failed" in index["3"]["reason"]
+        assert "no manifest.json" in index["4"]["reason"]
+        assert index["1"]["state"] == "READY"
+        time.sleep(0.3)  # refused versions are not retried while unchanged
+        assert failed() == 3 and registry.serving() == {"adding": [1]}
+        assert _predict(http, probe)["version"] == 1
+        # the explicit load API reports why; the half-written version, once complete, loads
+        r = http.post("/v2/repository/models/adding/load")
+        assert r.status_code == 200 and "version 4" in " ".join(r.json()["refused"])
+        for item in (stage / "4").iterdir():
+            (half / item.name).write_bytes(item.read_bytes())
+        srv.wait(lambda: registry.serving() == {"adding": [4]})
+        assert _predict(http, probe)["version"] == 4
+
+
+def test_predict_client_command(service_packages, tmp_path, capsys):
+    repo = make_repo(service_packages, tmp_path / "repo", {"digits": [1], "words": [1]})
+    np.savez(tmp_path / "x.npz", x=np.zeros((2, 5, 1), np.float32), lengths=np.array([5, 3]))
+    (tmp_path / "t.txt").write_text("the cat sat\nthe dog\n")
+    (tmp_path / "x.json").write_text(json.dumps([[0.1, 0.2], [[0.3]]]))
+    with LiveServer(repo=repo) as srv:
+        for name, model in (("x.npz", "digits"), ("t.txt", "words"), ("x.json", "digits")):
+            assert cli(["predict", "--url", srv.url, "--model", model, "--top-k", "2",
+                        str(tmp_path / name)]) == 0
+            answer = json.loads(capsys.readouterr().out)
+            assert answer["model"] == model and len(answer["outputs"]) == 2
+        assert cli(["predict", "--url", srv.url, "--model", "nope",
+                    str(tmp_path / "x.json")]) == 2
+        assert "HTTP 404: model 'nope' is not loaded" in capsys.readouterr().err
+    assert cli(["predict", "--url", "http://127.0.0.1:9", "--model", "m",
+                str(tmp_path / "x.json")]) == 2
+    assert "cannot reach" in capsys.readouterr().err
+    assert cli(["predict", "--url", "u", "--model", "m", str(tmp_path / "missing.json")]) == 2
+
+
+def _slow_request(port: int, body: bytes, sent_half: threading.Event, go_on: threading.Event,
+                  answer: list) -> None:
+    """POST /predict whose body arrives in two halves: in flight from the first byte."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:len(body) // 2])
+        sent_half.set()
+        go_on.wait(30)
+        sock.sendall(body[len(body) // 2:])
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
+                data.lower().split(b"content-length: ")[1].split(b"\r\n")[0]):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, payload = data.split(b"\r\n\r\n", 1)
+    answer.append((int(head[9:12]), json.loads(payload)))
+
+
+def test_sigterm_drains_in_flight_requests(service_packages, tmp_path):
+    repo = make_repo(service_packages, tmp_path / "repo", {"digits": [1]})
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve", "--repo", str(repo), "--port", str(port),
+         "--shutdown-delay-s", "0.5", "--log-level", "warning"], cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    seqs = [[0.1, 0.2, 0.3], [0.5] * 64]
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(url + "/v2/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline and proc.poll() is None, proc.stdout.read()
+            time.sleep(0.1)
+        answers, threads, halves, go_on = [], [], [], threading.Event()
+        for s in seqs:
+            body = json.dumps({"model": "digits", "inputs": [s]}).encode()
+            halves.append(threading.Event())
+            threads.append(threading.Thread(target=_slow_request,
+                                            args=(port, body, halves[-1], go_on, answers)))
+            threads[-1].start()
+        for h in halves:
+            assert h.wait(30)
+        proc.send_signal(signal.SIGTERM)  # two requests are half-way through their bodies
+        time.sleep(0.1)
+        assert httpx.get(url + "/v2/health/ready", timeout=5).status_code == 503
+        time.sleep(0.6)  # past the shutdown delay: the listener is closed, requests drain
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/v2/health/live", timeout=2)
+        assert proc.poll() is None  # still finishing the two requests
+        go_on.set()
+        for t in threads:
+            t.join(timeout=30)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert len(answers) == 2
+    ref = reference(repo / "digits" / "1", [np.array(s)[:, None] for s in seqs])
+    for status, body in answers:
+        assert status == 200
+        probs = np.array(body["outputs"][0]["probabilities"])
+        match = [r for r in ref if np.allclose(probs, np.exp(r["logits"])
+                                               / np.exp(r["logits"]).sum(), atol=1e-6)]
+        assert len(match) == 1, probs
