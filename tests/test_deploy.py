@@ -419,3 +419,20 @@ def test_wrong_type_fails_the_schema():
     result = run([tool("helm"), "template", RELEASE, str(CHART),
                   "--set-string", "replicaCount=two"])
     assert result.returncode != 0 and "schema" in result.stderr, result.stderr
+
+
+def test_readme_helm_examples_render():
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```sh\n(.*?)```", text, flags=re.S)
+    commands = []
+    for block in blocks:
+        for command in re.sub(r"\\\n\s*", " ", block).splitlines():
+            words = shlex.split(command, comments=True)
+            if words[:2] == ["helm", "install"]:
+                commands.append(words)
+    assert len(commands) >= 3
+    for words in commands:
+        _, _, release, chart, *flags = words
+        assert chart == "helm/orthornn"
+        result = run([tool("helm"), "template", release, str(CHART), *flags])
+        assert result.returncode == 0, f"{' '.join(words)}: {result.stderr}"
