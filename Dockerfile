@@ -100,6 +100,8 @@ RUN python3.12 -m venv /opt/venv \
        fi \
     && pip install "/src[train]" \
     && pip check
+# Mount points owned by the runtime user, so fresh Docker volumes are writable for it too.
+RUN install -d -o 10001 -g 10001 /models /runs
 WORKDIR /runs
 USER 10001:10001
 VOLUME ["/models", "/runs", "/tmp"]
@@ -120,6 +122,7 @@ ENV ORTHORNN_REPO=/models \
     ORTHORNN_HOST=0.0.0.0 \
     ORTHORNN_PORT=8000 \
     HOME=/tmp
+RUN install -d -o 10001 -g 10001 /models
 WORKDIR /tmp
 # A numeric user (no passwd entry needed): Kubernetes' runAsNonRoot can verify it.
 USER 10001:10001

@@ -436,3 +436,13 @@ def test_readme_helm_examples_render():
         assert chart == "helm/orthornn"
         result = run([tool("helm"), "template", release, str(CHART), *flags])
         assert result.returncode == 0, f"{' '.join(words)}: {result.stderr}"
+
+
+def test_notes_render_for_an_install():
+    result = run([tool("helm"), "install", RELEASE, str(CHART), "--dry-run=client",
+                  "--namespace", "ml", *[a for s in FULL for a in ("--set", s)]])
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert "rollout status deployment/rel-orthornn" in notes
+    assert "create job --from=cronjob/rel-orthornn-retrain" in notes
+    assert "orthornn:0.1.0-gpu" in notes
