@@ -8,11 +8,13 @@ with the reason; everything else is asserted.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 from functools import cache
 from pathlib import Path
@@ -48,8 +50,15 @@ def tool(name: str) -> str:
     return found
 
 
+# helm keeps its cache and configuration out of the user's home.
+HELM_HOME = Path(tempfile.gettempdir()) / "orthornn-helm"
+HELM_ENV = {f"HELM_{kind}_HOME": str(HELM_HOME / kind.lower())
+            for kind in ("CACHE", "CONFIG", "DATA")}
+
+
 def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, timeout=120, **kwargs)
+    env = {**os.environ, **HELM_ENV}
+    return subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, **kwargs)
 
 
 # ------------------------------------------------------------------------------ Dockerfile
