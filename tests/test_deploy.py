@@ -259,7 +259,8 @@ def test_server_probes_lifecycle_and_settings():
     assert c["envFrom"] == [{"configMapRef": {"name": config["metadata"]["name"]}}]
     assert set(config["data"]) == {
         "ORTHORNN_REPO", "ORTHORNN_HOST", "ORTHORNN_PORT", "ORTHORNN_LOG_LEVEL",
-        "ORTHORNN_MAX_BATCH_SIZE", "ORTHORNN_MAX_QUEUE_DELAY_MS", "ORTHORNN_POLL_INTERVAL_S"}
+        "ORTHORNN_MAX_BATCH_SIZE", "ORTHORNN_MAX_QUEUE_DELAY_MS", "ORTHORNN_POLL_INTERVAL_S",
+        "ORTHORNN_DRAIN_TIMEOUT_S"}
     assert config["data"]["ORTHORNN_REPO"] == "/models"
     assert config["data"]["ORTHORNN_PORT"] == "8000"
     (token,) = [e for e in c["env"] if e["name"] == "ORTHORNN_ADMIN_TOKEN"]
