@@ -33,9 +33,9 @@ bench: $(VENV)/.installed
 bench-ops: $(VENV)/.installed  # needs a CUDA device
 	$(BIN)/python bench/ops.py
 
-serve:
-	@echo "make serve: the inference service is not built yet (see the service and deployment issues)." >&2
-	@exit 2
+# The quickstart: default models (trained once, kept in .quickstart/) served on 127.0.0.1:8000.
+serve: $(VENV)/.installed
+	$(BIN)/orthornn quickstart --dir .quickstart
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     arch = sub.add_parser("architectures", help="list the architectures, their tasks and options")
     arch.set_defaults(run=_architectures)
     from export.cli import add_export_parser
-    from training.cli import add_plot_parser, add_train_parser
+    from training.cli import add_plot_parser, add_quickstart_parser, add_train_parser
 
     from .commands import add_serve_parsers
 
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plot_parser(sub)
     add_export_parser(sub)
     add_serve_parsers(sub)
+    add_quickstart_parser(sub)
     return parser
 
 

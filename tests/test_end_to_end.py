@@ -1,0 +1,160 @@
+"""End to end, with the real commands as separate processes: the quickstart and the
+README's curl example, and retraining hot-swapped into a running service."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.service_helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def orthornn(*args, timeout=600, check=True):
+    result = subprocess.run([sys.executable, "-m", "service.cli", *map(str, args)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def start(*args):
+    return subprocess.Popen([sys.executable, "-m", "service.cli", *map(str, args)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_ready(proc, url, timeout=120):
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/v2/health/ready", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"server not ready: {proc.stdout.read()[-3000:]}")
+        time.sleep(0.2)
+
+
+def stop(proc):
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
+def test_quickstart_serves_the_readme_curl_example(tmp_path):
+    root = tmp_path / "qs"
+    orthornn("quickstart", "--dir", root, "--no-serve")
+    assert (root / "models" / "digits" / "1" / "manifest.json").is_file()
+    assert (root / "models" / "words" / "1" / "step.onnx").is_file()
+    again = orthornn("quickstart", "--dir", root, "--no-serve", timeout=120)
+    assert "using" in again.stderr and "training" not in again.stderr  # reused
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Two commands"):readme.index("## The architectures")]
+    (curl,) = [b for b in re.findall(r"```sh\n(.*?)```", section, flags=re.S) if "curl" in b]
+    port = free_port()
+    proc = start("quickstart", "--dir", root, "--port", port)  # execs orthornn serve
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url)
+        result = subprocess.run(["bash", "-c", curl.replace(":8000", f":{port}")],
+                                capture_output=True, text=True, timeout=60)
+        answer = json.loads(result.stdout)
+        (output,) = answer["outputs"]
+        assert answer["model"] == "words" and len(output["next_tokens"]) == 5
+        assert output["perplexity"] > 1
+        digits = httpx.post(url + "/predict", json={"model": "digits",
+                                                    "inputs": [[0.0] * 20 + [0.5] * 44]})
+        assert digits.status_code == 200 and digits.json()["outputs"][0]["label"] in "0123456789"
+    finally:
+        stop(proc)
+
+
+def test_retrained_versions_swap_in_without_a_failed_request(tmp_path):
+    runs, repo = tmp_path / "runs", tmp_path / "repo"
+    common = ["--arch", "svdrnn", "--task", "adding", "--seq-len", "6", "--hidden", "8",
+              "--steps", "10", "--batch-size", "8", "--log-every", "5", "--no-progress"]
+    orthornn("train", *common, "--out", runs / "v1")
+    first = orthornn("export", runs / "v1", "--repo", repo, "--name", "adder").stdout.strip()
+    assert first == str(repo / "adder" / "1")
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start("serve", "--repo", repo, "--port", port, "--poll-interval-s", "0.2",
+                 "--log-level", "warning")
+    seen, failures, done = [], [], threading.Event()
+
+    def client():
+        body = {"model": "adder", "inputs": [[[0.5, 1], [0.2, 0], [0.3, 1]]]}
+        with httpx.Client(timeout=30) as http:
+            while not done.is_set():
+                try:
+                    r = http.post(url + "/predict", json=body)
+                    (seen if r.status_code == 200 else failures).append(
+                        r.json().get("version") if r.status_code == 200 else r.text)
+                except httpx.HTTPError as error:
+                    failures.append(repr(error))
+
+    try:
+        wait_ready(proc, url)
+        thread = threading.Thread(target=client)
+        thread.start()
+        orthornn("train", *common, "--seed", "1", "--out", runs / "v2")  # retraining
+        second = orthornn("export", runs / "v2", "--repo", repo, "--name", "adder").stdout
+        assert second.strip() == str(repo / "adder" / "2")
+        deadline = time.time() + 60
+        while 2 not in seen[-5:] and time.time() < deadline:
+            time.sleep(0.1)
+        assert 2 in seen, "the service never switched to version 2"
+
+        # a broken version 3 (model.onnx altered after its hash was taken) is refused
+        tmp = repo / "adder" / f".tmp-{uuid.uuid4().hex[:6]}"
+        shutil.copytree(repo / "adder" / "2", tmp)
+        manifest = json.loads((tmp / "manifest.json").read_text())
+        manifest["version"] = 3
+        (tmp / "manifest.json").write_text(json.dumps(manifest))
+        data = bytearray((tmp / "model.onnx").read_bytes())
+        data[-3] ^= 0xFF
+        (tmp / "model.onnx").write_bytes(bytes(data))
+        os.rename(tmp, repo / "adder" / "3")
+        deadline = time.time() + 60
+        failed = 0.0
+        while time.time() < deadline:
+            metrics = httpx.get(url + "/metrics").text
+            match = re.search(r'^orthornn_model_load_failures_total\{model="adder"\} (\S+)$',
+                              metrics, flags=re.M)
+            failed = float(match.group(1)) if match else 0.0
+            if failed >= 1:
+                break
+            time.sleep(0.2)
+        assert failed >= 1, "the broken version was not counted as a load failure"
+        time.sleep(0.5)
+        count = len(seen)
+        deadline = time.time() + 30
+        while len(seen) < count + 5 and time.time() < deadline:
+            time.sleep(0.05)
+        assert set(seen[count:]) == {2}  # version 2 keeps serving
+    finally:
+        done.set()
+        stop(proc)
+    thread.join(timeout=30)
+    assert failures == []
+    assert seen and set(seen) <= {1, 2} and seen[0] == 1
+    assert seen.index(2) == len(seen) - seen[::-1].index(1)  # 1 ... 1 2 ... 2: one switch
