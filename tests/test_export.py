@@ -88,12 +88,15 @@ def test_lm_step_graph_carries_state(arch):
         np.testing.assert_allclose(logits[:, 0], ref[:, t].numpy(), atol=1e-4, rtol=1e-4)
 
 
-def test_dense_graph_stores_the_recurrent_weight():
-    model = _model("scornn", "classify")
+@pytest.mark.parametrize("arch", [a for a in RECURRENT if a != "lstm"])
+def test_dense_graph_stores_the_recurrent_weight(arch):
+    import re
+
+    model = _model(arch, "classify")
     proto = build_graph(model, "dense")
-    stored = [onnx.numpy_helper.to_array(t) for t in proto.graph.initializer
-              if t.name.startswith("W_")]
-    np.testing.assert_array_equal(stored[0], model.recurrent_weight().detach().numpy())
+    (stored,) = [onnx.numpy_helper.to_array(t) for t in proto.graph.initializer
+                 if re.fullmatch(r"W_\d+", t.name)]
+    np.testing.assert_array_equal(stored, model.recurrent_weight().detach().numpy())
 
 
 def _function_output(fn, args):
