@@ -114,3 +114,34 @@ def test_fast_path_takes_well_formed_bodies(body):
 ])
 def test_fast_path_leaves_the_rest_to_pydantic(body):
     assert fast_predict_request(body) is None
+
+
+def test_direct_predict_route_answers_errors_like_the_app(service_packages, tmp_path,
+                                                          monkeypatch):
+    """POST /predict skips FastAPI's layers (Service.direct): a bug is still a logged 500
+    with a JSON error, counted in the metrics under the route."""
+    from fastapi.testclient import TestClient
+
+    from service import inputs
+    from service.app import create_app
+    from service.settings import Settings
+
+    from .service_helpers import make_repo
+
+    repo = make_repo(service_packages, tmp_path, {"digits": [1]})
+    app = create_app(Settings(repo=repo, poll_interval_s=0))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        app.state.registry.scanned.wait(60)
+        ok = c.post("/predict", json={"model": "digits", "inputs": [[0.1, 0.2]]})
+        assert ok.status_code == 200 and ok.headers["content-type"] == "application/json"
+
+        def broken(*args):
+            raise RuntimeError("boom")
+        monkeypatch.setattr(inputs, "shape_outputs", broken)
+        r = c.post("/predict", json={"model": "digits", "inputs": [[0.1, 0.2]]})
+        assert r.status_code == 500 and r.json() == {"error": "internal server error (logged)"}
+        text = c.get("/metrics").text
+        assert 'orthornn_requests_total{endpoint="/predict",model="digits",status="500",' \
+               'version="1"} 1.0' in text
+        assert 'orthornn_requests_total{endpoint="/predict",model="digits",status="200",' \
+               'version="1"} 1.0' in text
