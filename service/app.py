@@ -2,8 +2,10 @@
 
 Request bodies are read as bytes and validated with the pydantic schemas of
 ``service.protocol`` (one pass of pydantic's JSON parser); the OpenAPI document still
-describes them. Every client mistake is a 4xx with {"error": "..."}; anything else is a
-logged 500.
+describes them. The hot path, POST /predict, is answered by ``Service`` before FastAPI's
+layers and reads well-formed float sequences with orjson and numpy
+(``inputs.fast_predict_request``), falling back to pydantic for anything else. Every
+client mistake is a 4xx with {"error": "..."}; anything else is a logged 500.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 
@@ -72,19 +74,105 @@ class BodyTooLarge(Exception):
     pass
 
 
-class Observe:
-    """ASGI middleware: the body-size limit, in-flight gauge, request counter and
-    duration histogram (labels: the route template and the model/version a handler set)."""
+def known_error(exc: Exception, max_body: int) -> JSON | None:
+    """The answer to a client mistake raised by a handler (None: not one of ours)."""
+    if isinstance(exc, ClientError):
+        return error(exc.status, str(exc))
+    if isinstance(exc, NotFound):
+        return error(404, str(exc))
+    if isinstance(exc, QueueFull):
+        return error(429, str(exc), headers={"Retry-After": "1"})
+    if isinstance(exc, BodyTooLarge):
+        return error(413, f"body: larger than the limit of {max_body} bytes")
+    return None
 
-    def __init__(self, app, metrics: Metrics, max_body: int):
-        self.app, self.metrics, self.max_body = app, metrics, max_body
+
+class Observer:
+    """The body-size limit, in-flight gauge, request counter and duration histogram
+    (labels: the route template and the model/version a handler set), for the Observe
+    middleware and the direct routes of Service. Label children are cached."""
+
+    def __init__(self, metrics: Metrics, max_body: int):
+        self.metrics, self.max_body = metrics, max_body
+        self._counters: dict[tuple, object] = {}
+        self._durations: dict[str, object] = {}
+
+    def too_large(self, scope) -> JSON | None:
+        """413 at once when Content-Length says so."""
+        for key, value in scope["headers"]:
+            if key == b"content-length":
+                if not value.isdigit() or int(value) > self.max_body:
+                    return error(413, f"body: larger than the limit of {self.max_body} bytes")
+                break
+        return None
+
+    def record(self, scope, endpoint: str, status: int, start: float) -> None:
+        model, ver = (scope.get("state") or {}).get("labels", (UNKNOWN, ""))
+        key = (model, ver, endpoint, status)
+        counter = self._counters.get(key)
+        if counter is None:
+            counter = self._counters[key] = self.metrics.requests.labels(
+                model, ver, endpoint, str(status))
+        counter.inc()
+        histogram = self._durations.get(endpoint)
+        if histogram is None:
+            histogram = self._durations[endpoint] = self.metrics.request_duration.labels(
+                endpoint)
+        histogram.observe(time.perf_counter() - start)
+
+    async def direct(self, handler, scope, receive, send) -> None:
+        """Answer a request with handler(body, state) -> Response, without the framework's
+        routing, dependency and middleware layers; errors answer like the app's handlers."""
+        start = time.perf_counter()
+        status = 500
+        self.metrics.inflight.inc()
+        try:
+            response = self.too_large(scope)
+            if response is None:
+                try:
+                    body = await self._read(receive)
+                    if body is None:
+                        return  # the client went away
+                    response = await handler(body, scope.setdefault("state", {}))
+                except Exception as exc:
+                    response = known_error(exc, self.max_body)
+                    if response is None:
+                        log.error("internal error on %s %s", scope["method"], scope["path"],
+                                  exc_info=exc)
+                        response = error(500, "internal server error (logged)")
+            status = response.status_code
+            await response(scope, receive, send)
+        finally:
+            self.metrics.inflight.dec()
+            self.record(scope, scope["path"], status, start)
+
+    async def _read(self, receive) -> bytes | None:
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise BodyTooLarge
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class Observe:
+    """ASGI middleware: the Observer's accounting for every request the app routes."""
+
+    def __init__(self, app, observer: Observer):
+        self.app, self.observer = app, observer
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = time.perf_counter()
         status = 500
-        length = dict(scope["headers"]).get(b"content-length")
+        observer = self.observer
 
         async def send_wrapper(message):
             nonlocal status
@@ -99,24 +187,40 @@ class Observe:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_body:
+                if received > observer.max_body:
                     raise BodyTooLarge
             return message
 
-        self.metrics.inflight.inc()
+        observer.metrics.inflight.inc()
         try:
-            if length is not None and (not length.isdigit() or int(length) > self.max_body):
-                await error(413, f"body: larger than the limit of {self.max_body} bytes")(
-                    scope, receive, send_wrapper)
+            too_large = observer.too_large(scope)
+            if too_large is not None:
+                await too_large(scope, receive, send_wrapper)
             else:
                 await self.app(scope, limited_receive, send_wrapper)
         finally:
-            self.metrics.inflight.dec()
+            observer.metrics.inflight.dec()
             route = scope.get("route")
-            endpoint = getattr(route, "path", None) or "other"
-            model, ver = (scope.get("state") or {}).get("labels", (UNKNOWN, ""))
-            self.metrics.requests.labels(model, ver, endpoint, str(status)).inc()
-            self.metrics.request_duration.labels(endpoint).observe(time.perf_counter() - start)
+            observer.record(scope, getattr(route, "path", None) or "other", status, start)
+
+
+class Service(FastAPI):
+    """The FastAPI app, with ``direct`` routes (POST path -> handler(body, state)) answered
+    before the framework's layers: the hot /predict path. Their FastAPI routes stay for
+    the OpenAPI document (and for apps mounted under a root_path)."""
+
+    def __init__(self, *, observer: Observer, **kwargs):
+        super().__init__(**kwargs)
+        self.observer = observer
+        self.direct: dict = {}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not self.root_path \
+                and not scope.get("root_path"):
+            handler = self.direct.get(scope["path"])
+            if handler is not None:
+                return await self.observer.direct(handler, scope, receive, send)
+        await super().__call__(scope, receive, send)
 
 
 def parse(model: type[BaseModel], body: bytes, allow_empty: bool = False):
@@ -142,6 +246,11 @@ def _describe(e: ValidationError) -> str:
         else:
             where += f".{part}" if where else part
     return f"{where or 'body'}: {first['msg']}"
+
+
+def _state(request: Request) -> dict:
+    """The request's scope["state"] (what request.state shows)."""
+    return request.scope.setdefault("state", {})
 
 
 def _version_param(value) -> int | None:
@@ -184,8 +293,9 @@ def create_app(settings: Settings) -> FastAPI:
         await registry.close()
         executor.shutdown(wait=True)
 
-    app = FastAPI(title="orthornn inference service", version=_version(), lifespan=lifespan,
-                  default_response_class=JSON,
+    observer = Observer(metrics, settings.max_body_bytes)
+    app = Service(observer=observer, title="orthornn inference service", version=_version(),
+                  lifespan=lifespan, default_response_class=JSON,
                   description="Predictions from orthogonal RNNs exported as ONNX packages: "
                               "a simple /predict API, /generate for language models and the "
                               "Open Inference Protocol (v2, REST).")
@@ -193,12 +303,14 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.metrics = metrics
     app.state.registry = registry
     app.state.draining = False
-    app.add_middleware(Observe, metrics=metrics, max_body=settings.max_body_bytes)
+    app.add_middleware(Observe, observer=observer)
 
     @contextmanager
-    def hold(request: Request, name: str, version: int | None):
+    def hold(state: dict, name: str, version: int | None):
+        """Acquire a model version; state (the request's scope["state"]) gets the metric
+        labels."""
         mv = registry.acquire(name, version)
-        request.state.labels = (name, str(mv.version))
+        state["labels"] = (name, str(mv.version))
         try:
             yield mv
         finally:
@@ -206,21 +318,11 @@ def create_app(settings: Settings) -> FastAPI:
 
     # -- errors -------------------------------------------------------------------
 
-    @app.exception_handler(ClientError)
-    async def _client_error(request, exc: ClientError):
-        return error(exc.status, str(exc))
+    async def _known(request, exc: Exception):
+        return known_error(exc, settings.max_body_bytes)
 
-    @app.exception_handler(NotFound)
-    async def _not_found(request, exc: NotFound):
-        return error(404, str(exc))
-
-    @app.exception_handler(QueueFull)
-    async def _queue_full(request, exc: QueueFull):
-        return error(429, str(exc), headers={"Retry-After": "1"})
-
-    @app.exception_handler(BodyTooLarge)
-    async def _too_large(request, exc):
-        return error(413, f"body: larger than the limit of {settings.max_body_bytes} bytes")
+    for kind in (ClientError, NotFound, QueueFull, BodyTooLarge):
+        app.add_exception_handler(kind, _known)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
@@ -239,23 +341,38 @@ def create_app(settings: Settings) -> FastAPI:
 
     # -- the simple API ---------------------------------------------------------------
 
-    @app.post("/predict", response_model=PredictResponse, responses=INFER_ERRORS,
-              openapi_extra=_body(PredictRequest), summary="predict from sequences or text")
-    async def predict(request: Request):
-        req = parse(PredictRequest, await request.body())
-        with hold(request, req.model, _version_param(req.version)) as mv:
+    async def predict_body(body: bytes, state: dict) -> JSON:
+        # the common body (float sequences) without pydantic; anything it does not take,
+        # and every mistake, goes through pydantic and the checks that name the field
+        fast = inputs.fast_predict_request(body)
+        req = fast or parse(PredictRequest, body)
+        with hold(state, req.model, _version_param(req.version)) as mv:
             spec = mv.spec
-            seqs = inputs.predict_sequences(spec, req, settings.max_request_sequences)
+            seqs = None
+            if fast is not None and spec.kind == "float":
+                with suppress(ClientError):
+                    seqs = inputs.predict_sequences(spec, fast, settings.max_request_sequences)
+            if seqs is None:
+                if fast is not None:
+                    req = parse(PredictRequest, body)
+                seqs = inputs.predict_sequences(spec, req, settings.max_request_sequences)
             outputs = await mv.batcher.submit(
                 seqs, lambda rows: inputs.shape_outputs(spec, rows, seqs, req.top_k))
         return JSON({"model": mv.name, "version": mv.version, "outputs": outputs})
+
+    app.direct = {"/predict": predict_body}
+
+    @app.post("/predict", response_model=PredictResponse, responses=INFER_ERRORS,
+              openapi_extra=_body(PredictRequest), summary="predict from sequences or text")
+    async def predict(request: Request):
+        return await predict_body(await request.body(), _state(request))
 
     @app.post("/generate", response_model=GenerateResponse, responses=INFER_ERRORS,
               openapi_extra=_body(GenerateRequest),
               summary="language models: sample text, carrying the hidden state")
     async def generate_text(request: Request):
         req = parse(GenerateRequest, await request.body())
-        with hold(request, req.model, _version_param(req.version)) as mv:
+        with hold(_state(request), req.model, _version_param(req.version)) as mv:
             prompt = generate.prompt_ids(mv.spec, req, settings.max_new_tokens)
             loop = asyncio.get_running_loop()
             result = await loop.run_in_executor(executor, generate.generate, mv.runtime,
@@ -351,7 +468,7 @@ def create_app(settings: Settings) -> FastAPI:
             body, tail = body[:int(header)], body[int(header):]
         req = parse(InferenceRequest, body)
         binaries = inputs.binary_chunks(req, tail)
-        with hold(request, name, _version_param(version)) as mv:
+        with hold(_state(request), name, _version_param(version)) as mv:
             spec, runtime = mv.spec, mv.runtime
             names = runtime.output_names["model"]
             wanted = [o.name for o in req.outputs] if req.outputs else names

@@ -59,6 +59,11 @@ class Batcher:
         self.enabled = enabled
         self.metrics = metrics
         self.model = model
+        if metrics is not None:  # label children looked up once, not per request
+            self._depth = metrics.queue_depth.labels(model)
+            self._queue_hist = metrics.queue_duration.labels(model)
+            self._inference_hist = metrics.inference_duration.labels(model)
+            self._batch_hist = metrics.batch_size.labels(model)
         self.pending = 0  # sequences accepted and not yet taken into a batch
         self._workers = workers
         self._queue: asyncio.Queue[_Item] | None = None
@@ -103,12 +108,12 @@ class Batcher:
     def _add_pending(self, n: int) -> None:
         self.pending += n
         if self.metrics is not None:
-            self.metrics.queue_depth.labels(self.model).inc(n)
+            self._depth.inc(n)
 
     def _observe_queue(self, items: list[_Item]) -> None:
         if self.metrics is not None:
             now = time.perf_counter()
-            hist = self.metrics.queue_duration.labels(self.model)
+            hist = self._queue_hist
             for item in items:
                 hist.observe(now - item.enqueued)
 
@@ -175,9 +180,8 @@ class Batcher:
                     failed.setdefault(flat[i][0], error)
                 continue
             if self.metrics is not None:
-                self.metrics.inference_duration.labels(self.model).observe(
-                    time.perf_counter() - start)
-                self.metrics.batch_size.labels(self.model).observe(len(group))
+                self._inference_hist.observe(time.perf_counter() - start)
+                self._batch_hist.observe(len(group))
             for i, row in zip(group, out, strict=True):
                 rows[i] = row
         outcomes: list[tuple[bool, Any]] = []

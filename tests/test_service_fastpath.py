@@ -1,0 +1,147 @@
+"""The /predict fast path (orjson + numpy instead of pydantic) against the pydantic path:
+whatever the body, when the fast path gives sequences they are those of pydantic's
+request, bit for bit, and pydantic accepts the body too."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from service.inputs import ClientError, fast_predict_request, predict_sequences
+from service.protocol import PredictRequest
+from service.runtime import ModelSpec
+
+
+def _spec(d: int) -> ModelSpec:
+    return ModelSpec(name="m", version=1, task="classify", arch="lstm", kind="float",
+                     feature_size=d, max_length=64, output_name="logits", output_size=3,
+                     state_size=4, labels=None)
+
+
+def _sequences(spec, req):
+    try:
+        return predict_sequences(spec, req, 16)
+    except ClientError:
+        return None
+
+
+def _agrees(body: bytes) -> bool:
+    """True when the fast path took the body (and agreed with pydantic)."""
+    fast = fast_predict_request(body)
+    if fast is None:
+        return False
+    slow = PredictRequest.model_validate_json(body)  # must not raise
+    assert (fast.model, fast.version, fast.top_k, fast.text) == \
+        (slow.model, slow.version, slow.top_k, slow.text)
+    for d in (1, 2, 3):
+        spec = _spec(d)
+        got = _sequences(spec, fast)
+        if got is None:
+            continue  # the caller falls back to pydantic's request and its messages
+        want = _sequences(spec, slow)
+        assert want is not None and len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype == np.float32 and a.shape == b.shape
+            assert a.tobytes() == b.tobytes()
+    return True
+
+
+numbers = (st.floats(allow_nan=False, allow_infinity=False) | st.integers(-2**63, 2**64 - 1)
+           | st.sampled_from([0, 1, 0.0, 1.0, -0.0, 3.4028235e38, 3.4028236e38, 1e39, 2**53 + 1]))
+finite = st.floats(-1e30, 1e30) | st.integers(-2**63, 2**64 - 1) | st.sampled_from([0, 1, -0.0])
+leaf = numbers | st.booleans() | st.none() | st.sampled_from(["1.5", "nan", "", "0"])
+step = leaf | st.lists(leaf, max_size=3) | st.lists(st.lists(numbers, max_size=2), max_size=2)
+sequence = st.lists(step, max_size=6) | st.lists(st.lists(numbers, min_size=2, max_size=2),
+                                                 min_size=1, max_size=6)
+# mostly well-formed, so the fast path takes many: [B][T][d] numbers, sometimes one odd leaf
+clean = st.integers(1, 3).flatmap(lambda d: st.lists(st.lists(
+    st.lists(finite, min_size=d, max_size=d) | (finite if d == 1 else st.nothing()),
+    min_size=1, max_size=5), min_size=1, max_size=3))
+
+
+def _spoil(batch: list, value) -> list:
+    """The batch with its first number replaced by value (a boolean, null, string...)."""
+    first = batch[0][0]
+    step = [value, *first[1:]] if isinstance(first, list) else value
+    return [[step, *batch[0][1:]], *batch[1:]]
+
+
+odd = st.builds(_spoil, clean, leaf)
+extras = st.dictionaries(
+    st.sampled_from(["version", "top_k", "text", "foo"]),
+    st.none() | st.booleans() | st.integers(-2, 2**63) | st.sampled_from(["2", "x", 1.0])
+    | st.lists(st.text(max_size=3), max_size=2), max_size=2)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(model=st.sampled_from(["m", 'a"b', "true", "", "x" * 129]) | st.text(max_size=5),
+       inputs=clean | odd | st.lists(sequence, max_size=3) | leaf,
+       extra=st.just({}) | extras)
+def test_fast_path_takes_only_what_pydantic_takes_and_agrees(model, inputs, extra):
+    body = json.dumps({"model": model, "inputs": inputs, **extra}).encode()
+    try:
+        _agrees(body)
+    except ValidationError as e:
+        pytest.fail(f"the fast path took a body pydantic refuses: {body!r}: {e}")
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "m", "inputs": [[[0.5, 1], [0.25, 0]]]}',
+    b'{"model": "m", "version": 2, "top_k": 3, "inputs": [[0.5, 1, 2], [[1], [2]]]}',
+    b' {"inputs": [[[1e-7, -2.5e3]]], "text": null, "model": "m\\u00e9"} ',
+])
+def test_fast_path_takes_well_formed_bodies(body):
+    assert _agrees(body)
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "m", "inputs": [[[0.5, true]]]}',  # a boolean is no number
+    b'{"model": "m", "inputs": [[[0.5, "1"]]]}',  # nor is a string
+    b'{"model": "m", "inputs": [[[0.5, null]]]}',
+    b'{"model": "m", "inputs": [[[0.5, 1], [0.5]]]}',  # ragged steps
+    b'{"model": "m", "inputs": [[[0.5, 1e39]]]}',  # beyond float32: pydantic names it
+    b'{"model": "m", "model": "n", "inputs": [[[0.5]]]}',
+    b'{"model": "m", "version": "2", "inputs": [[[0.5]]]}',
+    b'{"model": "m", "text": ["a b"]}',
+    b'{"model": "m", "inputs": [[[0.5]]], "foo": 1}',
+    b'{"model": "m", "inputs": [[[NaN]]]}',
+    b'[1, 2]',
+    b'{not json',
+])
+def test_fast_path_leaves_the_rest_to_pydantic(body):
+    assert fast_predict_request(body) is None
+
+
+def test_direct_predict_route_answers_errors_like_the_app(service_packages, tmp_path,
+                                                          monkeypatch):
+    """POST /predict skips FastAPI's layers (Service.direct): a bug is still a logged 500
+    with a JSON error, counted in the metrics under the route."""
+    from fastapi.testclient import TestClient
+
+    from service import inputs
+    from service.app import create_app
+    from service.settings import Settings
+
+    from .service_helpers import make_repo
+
+    repo = make_repo(service_packages, tmp_path, {"digits": [1]})
+    app = create_app(Settings(repo=repo, poll_interval_s=0))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        app.state.registry.scanned.wait(60)
+        ok = c.post("/predict", json={"model": "digits", "inputs": [[0.1, 0.2]]})
+        assert ok.status_code == 200 and ok.headers["content-type"] == "application/json"
+
+        def broken(*args):
+            raise RuntimeError("boom")
+        monkeypatch.setattr(inputs, "shape_outputs", broken)
+        r = c.post("/predict", json={"model": "digits", "inputs": [[0.1, 0.2]]})
+        assert r.status_code == 500 and r.json() == {"error": "internal server error (logged)"}
+        text = c.get("/metrics").text
+        assert 'orthornn_requests_total{endpoint="/predict",model="digits",status="500",' \
+               'version="1"} 1.0' in text
+        assert 'orthornn_requests_total{endpoint="/predict",model="digits",status="200",' \
+               'version="1"} 1.0' in text
