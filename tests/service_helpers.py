@@ -39,6 +39,24 @@ def publish_copy(package: Path, model_dir: Path, version: int) -> Path:
     return model_dir / str(version)
 
 
+def wait_ready(proc, url: str, timeout: float = 120.0) -> None:
+    """Poll URL/v2/health/ready until 200; fail with the server's output if the
+    process ends or the time runs out."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/v2/health/ready", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"server not ready: {proc.stdout.read()[-3000:]}")
+        time.sleep(0.1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

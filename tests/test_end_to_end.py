@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service_helpers import free_port
+from tests.service_helpers import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,20 +32,6 @@ def orthornn(*args, timeout=600, check=True):
 def start(*args):
     return subprocess.Popen([sys.executable, "-m", "service.cli", *map(str, args)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def wait_ready(proc, url, timeout=120):
-    deadline = time.time() + timeout
-    while True:
-        try:
-            if httpx.get(url + "/v2/health/ready", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise AssertionError(f"server not ready: {proc.stdout.read()[-3000:]}")
-        time.sleep(0.2)
 
 
 def stop(proc):

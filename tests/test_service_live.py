@@ -19,7 +19,15 @@ import tritonclient.http as triton
 from export.package import sha256
 from service.cli import main as cli
 
-from .service_helpers import LiveServer, free_port, golden, make_repo, publish_copy, reference
+from .service_helpers import (
+    LiveServer,
+    free_port,
+    golden,
+    make_repo,
+    publish_copy,
+    reference,
+    wait_ready,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -293,15 +301,7 @@ def test_sigterm_drains_in_flight_requests(service_packages, tmp_path):
     url = f"http://127.0.0.1:{port}"
     seqs = [[0.1, 0.2, 0.3], [0.5] * 64]
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(url + "/v2/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline and proc.poll() is None, proc.stdout.read()
-            time.sleep(0.1)
+        wait_ready(proc, url, timeout=60)
         answers, threads, halves, go_on = [], [], [], threading.Event()
         for s in seqs:
             body = json.dumps({"model": "digits", "inputs": [s]}).encode()
