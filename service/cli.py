@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _architectures(args: argparse.Namespace) -> int:
@@ -24,6 +25,26 @@ def _architectures(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCHMARKS = ("models", "ops", "export", "reproduce", "service")
+SOURCE_TREE = Path(__file__).resolve().parents[1]
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run bench/<name>.py of the source checkout with the remaining arguments."""
+    script = SOURCE_TREE / "bench" / f"{args.name}.py"
+    if not script.is_file():
+        raise ValueError(f"the benchmarks live in the source tree (bench/{args.name}.py); "
+                         f"run orthornn from a checkout of the repository")
+    import runpy
+
+    sys.argv = [str(script), *args.args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as done:
+        return int(done.code or 0)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="orthornn",
@@ -31,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     arch = sub.add_parser("architectures", help="list the architectures, their tasks and options")
     arch.set_defaults(run=_architectures)
+    bench = sub.add_parser("bench", help="run a benchmark of bench/ (prints a table, writes "
+                           "JSON)", description="orthornn bench NAME [ARGS...] runs "
+                           "bench/NAME.py; NAME --help lists its options.")
+    bench.add_argument("name", choices=BENCHMARKS)
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
+    bench.set_defaults(run=_bench)
     from export.cli import add_export_parser
     from training.cli import add_plot_parser, add_quickstart_parser, add_train_parser
 

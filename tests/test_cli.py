@@ -45,3 +45,18 @@ def test_serve_bad_settings_exit_2(capsys, tmp_path):
     assert "is not a directory" in capsys.readouterr().err
     assert main(["serve", "--repo", str(tmp_path), "--max-batch-size", "0"]) == 2
     assert "max_batch_size" in capsys.readouterr().err
+
+
+def test_bench_runs_a_benchmark_script(tmp_path, capsys):
+    out = tmp_path / "m.json"
+    assert main(["bench", "models", "--hidden", "8", "--steps", "3", "--batch", "2", "--reps",
+                 "1", "--factored-reps", "1", "--out", str(out)]) == 0
+    assert "time / nn.RNN(relu)" in capsys.readouterr().out and out.is_file()
+
+
+def test_bench_rejects_unknown_names(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "nope"])
+    assert exit_info.value.code == 2 and "invalid choice" in capsys.readouterr().err
