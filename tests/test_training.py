@@ -14,7 +14,7 @@ from service.cli import main as cli
 from training import checkpoint
 from training.config import TrainConfig
 from training.tasks import make_task
-from training.trainer import evaluate, train
+from training.trainer import evaluate, improves, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -179,3 +179,12 @@ def test_build_from_config_matches_build_model(tmp_path):
     reference = build_model("dizzyrnn", "regress", input_size=2, hidden_size=8, rotations=3)
     assert {k: v.shape for k, v in reference.state_dict().items()} == \
         {k: v.shape for k, v in model.state_dict().items()}
+
+
+def test_best_checkpoint_rule():
+    assert improves((0.9, 0.5), None, True)
+    assert improves((0.95, 0.9), (0.9, 0.1), True)  # a better accuracy wins
+    assert not improves((0.85, 0.01), (0.9, 0.5), True)
+    assert improves((1.0, 0.2), (1.0, 0.3), True)  # same accuracy: the lower loss wins
+    assert not improves((1.0, 0.3), (1.0, 0.3), True)
+    assert improves((0.1, 0.1), (0.2, 0.2), False)  # lower is better for mse / perplexity
