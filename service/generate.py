@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from export.vocabulary import EOS
+
 from .inputs import ClientError
 from .protocol import GenerateRequest
-from .runtime import EOS, ModelSpec, Runtime
+from .runtime import ModelSpec, Runtime
 
 
 def prompt_ids(spec: ModelSpec, req: GenerateRequest, max_new_tokens: int) -> list[int]:

@@ -4,13 +4,13 @@ and running its graphs on padded batches. Torch-free; sessions come from
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from export.package import PackageError, session_from_bytes
+from export.vocabulary import UNK, words
 
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 NUMPY_TYPES = {"FP32": np.float32, "INT64": np.int64}
@@ -35,15 +35,9 @@ def select_providers(requested: list[str] | None = None) -> list[str]:
     return [p for p in (CUDA, CPU) if p in available] or available
 
 
-# The tokenizer of training/corpus.py:tokenize (the service never imports training, whose
-# package imports torch): lowercased words with inner apostrophes, numbers -> "N". Unlike
-# training, no "<eos>" is appended: a request's text is a prefix, not a finished paragraph.
-_WORD = re.compile(r"[a-z]+(?:'[a-z]+)?|\d+(?:[.,]\d+)*")
-UNK, EOS = "<unk>", "<eos>"
-
-
-def tokenize(text: str) -> list[str]:
-    return ["N" if w[0].isdigit() else w for w in _WORD.findall(text.lower())]
+# Training's word tokenizer (export.vocabulary). Unlike training, no "<eos>" is appended:
+# a request's text is a prefix, not a finished paragraph.
+tokenize = words
 
 
 @dataclass

@@ -17,14 +17,15 @@ import re
 from collections import Counter
 from pathlib import Path
 
-UNK, EOS = "<unk>", "<eos>"
-_WORD = re.compile(r"[a-z]+(?:'[a-z]+)?|\d+(?:[.,]\d+)*")
+from export.vocabulary import EOS, UNK, words
+
 BUNDLED = "gensim-wiki-news"
 
 
 def tokenize(paragraph: str) -> list[str]:
-    words = ["N" if w[0].isdigit() else w for w in _WORD.findall(paragraph.lower())]
-    return [*words, EOS] if words else []
+    """A paragraph's words (export.vocabulary.words, shared with the service) and <eos>."""
+    found = words(paragraph)
+    return [*found, EOS] if found else []
 
 
 def _gensim_test_data() -> Path:
