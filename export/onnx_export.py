@@ -101,27 +101,40 @@ def _activation(body: Graph, kind: str, z: str, act) -> str:
                                                                        bias)))
 
 
-def _scan(g: Graph, layer, w_t: str, u: str, mask: str, h0: str) -> tuple[str, str]:
-    """Scan over time (axis 1) of one step of models.ops.rnn_scan."""
+def _scan(g: Graph, layer, w_t: str, u: str, lengths: str, h0: str) -> tuple[str, str]:
+    """Scan over time (axis 1) of one step of models.ops.rnn_scan. The loop body is the
+    step alone (one Gemm, the activation, the gates): padded steps run too, and the
+    lengths are applied once afterwards, in bulk: each sequence's state is read at its own
+    length (h0 for length 0) and its outputs past it are zeros, as rnn_scan gives them.
+    Padded steps never reach a valid step's result (they come after it)."""
     body = Graph("step_")
-    z = body.op("Add", "u_t", body.op("MatMul", "h_in", w_t))
+    z = body.op("Gemm", "h_in", w_t, "u_t")  # h W^T + (W_in x_t + b), fused
     new = _activation(body, layer.activation.kind, z, layer.activation)
     if layer.gates is not None:
         a, b2 = (t.item() for t in layer.gates())
         new = body.op("Add", body.op("Mul", body.const(a, "a"), new),
                       body.op("Mul", body.const(b2, "b2"), "h_in"))
-    keep = body.op("Mul", "m_t", new)
-    body.nodes.append(helper.make_node("Add", [keep, body.op(
-        "Mul", body.op("Sub", body.const(1.0, "one"), "m_t"), "h_in")], ["h_out"]))
-    body.nodes.append(helper.make_node("Identity", [keep], ["y_t"]))
+    body.nodes.append(helper.make_node("Identity", [new], ["h_out"]))
+    body.nodes.append(helper.make_node("Identity", [new], ["y_t"]))
     # Explicit shapes: onnxruntime needs them on Scan outputs when W comes from a function.
     n = layer.hidden_size
     graph = body.subgraph("recurrence_step",
-                          [value("h_in", shape=["batch", n]), value("u_t", shape=["batch", n]),
-                           value("m_t", shape=["batch", 1])],
+                          [value("h_in", shape=["batch", n]), value("u_t", shape=["batch", n])],
                           [value("h_out", shape=["batch", n]), value("y_t", shape=["batch", n])])
-    last, states = g.op("Scan", h0, u, mask, outputs=2, body=graph, num_scan_inputs=2,
-                        scan_input_axes=[1, 1], scan_output_axes=[1])
+    _, ys = g.op("Scan", h0, u, outputs=2, body=graph, num_scan_inputs=1,
+                 scan_input_axes=[1], scan_output_axes=[1])
+    steps = g.op("Squeeze", g.op("Slice", g.op("Shape", u), g.const([1], "s", "int64"),
+                                 g.const([2], "e", "int64")), g.const([0], "ax", "int64"))
+    # [B, 1 + T, n] with h0 first, so that index length is the state after `length` steps
+    trail = g.op("Concat", g.op("Unsqueeze", h0, g.const([1], "ax", "int64")), ys, axis=1)
+    at = g.op("Unsqueeze", g.op("Min", lengths, steps), g.const([1], "ax", "int64"))
+    last = g.op("GatherND", trail, at, batch_dims=1)
+    valid = g.op("Less", g.op("Unsqueeze", g.op("Range", g.const(0, "zero", "int64"), steps,
+                                                g.const(1, "one", "int64")),
+                              g.const([0], "ax", "int64")),
+                 g.op("Unsqueeze", lengths, g.const([1], "ax", "int64")))
+    states = g.op("Where", g.op("Unsqueeze", valid, g.const([2], "ax", "int64")), ys,
+                  g.const(0.0, "zero_f"))
     return states, last
 
 
@@ -210,16 +223,7 @@ def build_graph(model, mode: str = "dense", *, step: bool = False, recurrence: s
         else:
             u = g.op("Add", g.op("MatMul", x, g.const(_np(layer.input.weight).T, "W_in_T")),
                      g.const(_np(layer.input.bias), "b_in"))
-            steps = g.op("Range", g.const(0, "zero", "int64"),
-                         g.op("Squeeze", g.op("Slice", g.op("Shape", x), g.const([1], "s", "int64"),
-                                              g.const([2], "e", "int64")),
-                              g.const([0], "ax", "int64")),
-                         g.const(1, "one", "int64"))
-            mask = g.op("Cast", g.op("Less", g.op("Unsqueeze", steps, g.const([0], "ax", "int64")),
-                                     g.op("Unsqueeze", lengths, g.const([1], "ax", "int64"))),
-                        to=TensorProto.FLOAT)
-            mask = g.op("Unsqueeze", mask, g.const([2], "ax", "int64"))
-            states, last = _scan(g, layer, g.op("Transpose", w, perm=[1, 0]), u, mask, h0)
+            states, last = _scan(g, layer, g.op("Transpose", w, perm=[1, 0]), u, lengths, h0)
 
     head_w = g.const(_np(model.head.weight).T, "head_W_T")
     head_b = g.const(_np(model.head.bias), "head_b")
