@@ -4,12 +4,10 @@ the Open Inference Protocol. Every violation raises ClientError naming the field
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from itertools import chain
 from typing import Any
 
 import numpy as np
-import orjson
+import simdjson
 
 from .protocol import InferenceRequest, PredictRequest
 from .runtime import NUMPY_TYPES, ModelSpec
@@ -99,81 +97,68 @@ def predict_sequences(spec: ModelSpec, req: PredictRequest, max_sequences: int
 
 
 _PREDICT_KEYS = frozenset(PredictRequest.model_fields)
+_NUMBER_ERRORS = (TypeError, ValueError, RuntimeError)  # what simdjson raises on non-numbers
 
 
 def fast_predict_request(body: bytes) -> PredictRequest | None:
-    """The common /predict body (float sequences, no text) read with orjson and numpy,
-    skipping pydantic's per-number validation, or None when anything is unusual.
+    """The common /predict body (float sequences, no text) read with simdjson, whose
+    ``as_buffer`` turns a nested array of numbers into doubles without making a Python
+    object per number, or None when anything is unusual.
 
-    It accepts only bodies that PredictRequest accepts too, and gives the same numbers:
-    strings anywhere but the keys and the model name, and JSON booleans among the
-    numbers, are refused here (numpy would convert them); so is every shape numpy cannot
-    read in one go. A None, or a ClientError from predict_sequences on this request,
-    sends the caller back to pydantic, whose messages name the field.
+    It accepts only bodies that PredictRequest accepts too, and gives the same numbers
+    (simdjson and pydantic both round each number to the nearest double): strings,
+    booleans, nulls and objects among the numbers, numbers beyond 64-bit integers or
+    doubles, duplicate keys, ragged steps and arrays nested deeper than
+    [sequence][step][feature] are refused here. A None, or a ClientError from
+    predict_sequences on this request, sends the caller back to pydantic, whose messages
+    name the field.
     """
     try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
+        data = simdjson.Parser().parse(body)  # a parser per call: thread-safe, cheap
+    except _NUMBER_ERRORS:
         return None
-    if type(data) is not dict or not data.keys() <= _PREDICT_KEYS:
+    if type(data) is not simdjson.Object:
         return None
+    keys = set(data.keys())
+    if len(keys) != len(data) or not keys <= _PREDICT_KEYS:
+        return None  # a duplicate key (pydantic keeps the last) or an unknown one
     model, version, top_k = data.get("model"), data.get("version"), data.get("top_k")
     seqs = data.get("inputs")
-    if type(model) is not str or not 1 <= len(model) <= 128 or '"' in model \
-            or data.get("text") is not None or type(seqs) is not list:
+    if type(model) is not str or not 1 <= len(model) <= 128 or "[" in model \
+            or data.get("text") is not None or type(seqs) is not simdjson.Array:
         return None
     if version is not None and not (type(version) is int and 1 <= version <= 2**62):
         return None  # strings ("2") and mistakes: pydantic
     if top_k is not None and not (type(top_k) is int and 1 <= top_k <= 1_000_000):
         return None
-    # the only JSON strings are the keys and the model name (a '"' inside a string is
-    # escaped, so it counts too, and names with one were refused above)
-    if body.count(b'"') != 2 * len(data) + 2:
-        return None
-    found: list[bool] = []
-
-    def booleans() -> bool:  # does the body hold a JSON true or false (once, when asked)?
-        if not found:
-            found.append(b"true" in body or b"false" in body)
-        return found[0]
-
-    arrays = []
+    arrays, brackets = [], 1 + len(seqs)  # '[' of inputs and of each sequence
     for seq in seqs:
-        arr = _fast_floats(seq, booleans)
-        if arr is None:
+        if type(seq) is not simdjson.Array:
             return None
-        arrays.append(arr)
+        shape: tuple[int, ...] = (len(seq),)
+        if shape[0] and type(seq[0]) is simdjson.Array:  # [T, d]: every step a list of d
+            width = len(seq[0])
+            try:
+                widths = [len(step) for step in seq]
+            except TypeError:  # a number among the steps
+                return None
+            if widths.count(width) != shape[0]:
+                return None
+            shape, brackets = (shape[0], width), brackets + shape[0]
+        try:  # strings, booleans, nulls and objects raise
+            flat = np.frombuffer(seq.as_buffer(of_type="d"), dtype=np.float64)
+        except _NUMBER_ERRORS:
+            return None
+        if flat.size != math.prod(shape) or (flat.size and not
+                                             -F32_MAX <= flat.min() <= flat.max() <= F32_MAX):
+            return None  # nested deeper, or beyond float32: the checks below name it
+        arrays.append(flat.astype(np.float32).reshape(shape))
+    # as_buffer flattens any nesting: a '[' beyond the expected ones is a deeper array (the
+    # keys and the model name hold none)
+    if body.count(b"[") != brackets:
+        return None
     return PredictRequest.model_construct(model=model, version=version, inputs=arrays,
                                           text=None, top_k=top_k)
-
-
-def _fast_floats(seq, booleans: Callable[[], bool]) -> np.ndarray | None:
-    """One sequence of numbers or equal-length lists of numbers as float32, converted like
-    pydantic (int -> float64) and then np.asarray(..., float32); None if it is not one."""
-    if type(seq) is not list:
-        return None
-    if not seq:
-        return np.zeros(0, dtype=np.float32)
-    if type(seq[0]) is list:
-        width = len(seq[0])
-        for step in seq:
-            if type(step) is not list or len(step) != width:
-                return None
-        shape: tuple[int, ...] = (len(seq), width)
-        flat = chain.from_iterable(seq)
-    else:
-        shape, flat = (len(seq),), iter(seq)
-    # numbers become float64 like pydantic's floats; nested lists and dicts are errors,
-    # a null becomes NaN, a boolean 0 or 1
-    try:
-        arr = np.fromiter(flat, dtype=np.float64, count=math.prod(shape))
-    except (TypeError, ValueError):
-        return None
-    if not (np.abs(arr) <= F32_MAX).all():
-        return None  # a null, or beyond float32: the checks below name it
-    if ((arr == 0) | (arr == 1)).any() and booleans():
-        return None  # perhaps a boolean (it would be a 0 or 1 now): pydantic refuses it
-    return arr.astype(np.float32).reshape(shape)
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The /predict fast path (orjson + numpy instead of pydantic) against the pydantic path:
+"""The /predict fast path (simdjson + numpy instead of pydantic) against the pydantic path:
 whatever the body, when the fast path gives sequences they are those of pydantic's
 request, bit for bit, and pydantic accepts the body too."""
 
@@ -109,6 +109,13 @@ def test_fast_path_takes_well_formed_bodies(body):
     b'{"model": "m", "text": ["a b"]}',
     b'{"model": "m", "inputs": [[[0.5]]], "foo": 1}',
     b'{"model": "m", "inputs": [[[NaN]]]}',
+    b'{"model": "m", "inputs": [[[[], [1, 2]], [3, 4]]]}',  # as_buffer would flatten these
+    b'{"model": "m", "inputs": [[[[7], 1], [2, 3]]]}',
+    b'{"model": "m", "inputs": [[1, [2], 3]]}',
+    b'{"model": "m", "inputs": [[[1, 2], [3, 4, 5], 6], [[[7], 1], [2, 3]]]}',
+    b'{"model": "m[", "inputs": [[[0.5]]]}',
+    b'{"model": "m", "inputs": [[[0.5]]], "inputs": [[[1.5]]]}',
+    b'{"model": "m", "inputs": [[[18446744073709551616]]]}',  # beyond 64-bit integers
     b'[1, 2]',
     b'{not json',
 ])
