@@ -70,9 +70,9 @@ class Batcher:
         self._task: asyncio.Task | None = None
         self._slots: asyncio.Semaphore | None = None
         self._running: set[asyncio.Task] = set()
-        self._running_items = 0
-        #: how many requests hold this model version (queued, running or still being
-        #: parsed); the worker stops waiting for more when no other one can come
+        self._submitted = 0  # batched requests inside submit(): queued, running or answered
+        #: how many requests hold this model version (being parsed, or inside submit());
+        #: the worker stops waiting for more when no other one can come
         self.holders: Callable[[], int] | None = None
 
     async def submit(self, sequences: list[np.ndarray], post: Callable[[list[dict]], Any]):
@@ -96,7 +96,11 @@ class Batcher:
             self._queue = asyncio.Queue()
             self._task = loop.create_task(self._loop())
         self._queue.put_nowait(item)
-        return self._unwrap(await item.future)
+        self._submitted += 1
+        try:
+            return self._unwrap(await item.future)
+        finally:
+            self._submitted -= 1
 
     @staticmethod
     def _unwrap(outcome):
@@ -132,8 +136,8 @@ class Batcher:
             while count < self.max_batch_size:
                 if queue.empty():
                     remaining = deadline - time.perf_counter()
-                    if remaining <= 0 or (self.holders is not None and self.holders()
-                                          <= len(items) + self._running_items):
+                    if remaining <= 0 or (self.holders is not None
+                                          and self.holders() <= self._submitted):
                         break  # the window is over, or no other request is on its way
                     try:
                         async with asyncio.timeout(remaining):
@@ -145,7 +149,6 @@ class Batcher:
                 items.append(item)
                 count += len(item.sequences)
             self._add_pending(-count)
-            self._running_items += len(items)
             self._observe_queue(items)
             task = loop.create_task(self._dispatch(items))
             self._running.add(task)
@@ -159,7 +162,6 @@ class Batcher:
             outcomes = [(False, error)] * len(items)
         finally:
             self._slots.release()
-            self._running_items -= len(items)
         for item, outcome in zip(items, outcomes, strict=True):
             if not item.future.done():
                 item.future.set_result(outcome)
