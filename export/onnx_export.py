@@ -102,11 +102,12 @@ def _activation(body: Graph, kind: str, z: str, act) -> str:
 
 
 def _scan(g: Graph, layer, w_t: str, u: str, lengths: str, h0: str) -> tuple[str, str]:
-    """Scan over time (axis 1) of one step of models.ops.rnn_scan. The loop body is the
-    step alone (one Gemm, the activation, the gates): padded steps run too, and the
-    lengths are applied once afterwards, in bulk: each sequence's state is read at its own
-    length (h0 for length 0) and its outputs past it are zeros, as rnn_scan gives them.
-    Padded steps never reach a valid step's result (they come after it)."""
+    """Scan over time (axis 1) of one step of models.ops.rnn_scan: (every step's state
+    [B, T, n], the state at each sequence's length [B, n]). The loop body is the step alone
+    (one Gemm, the activation, the gates): padded steps run too, and the lengths are
+    applied afterwards, once. Padded steps come after a sequence's last valid one, so they
+    never reach its results; its steps past the length are zeroed by _zero_padded_steps
+    where a graph outputs them."""
     body = Graph("step_")
     z = body.op("Gemm", "h_in", w_t, "u_t")  # h W^T + (W_in x_t + b), fused
     new = _activation(body, layer.activation.kind, z, layer.activation)
@@ -114,8 +115,10 @@ def _scan(g: Graph, layer, w_t: str, u: str, lengths: str, h0: str) -> tuple[str
         a, b2 = (t.item() for t in layer.gates())
         new = body.op("Add", body.op("Mul", body.const(a, "a"), new),
                       body.op("Mul", body.const(b2, "b2"), "h_in"))
-    body.nodes.append(helper.make_node("Identity", [new], ["h_out"]))
-    body.nodes.append(helper.make_node("Identity", [new], ["y_t"]))
+    # the step's last node writes h_out itself: one copy per step (for y_t), not two
+    assert body.nodes[-1].output[0] == new
+    body.nodes[-1].output[0] = "h_out"
+    body.nodes.append(helper.make_node("Identity", ["h_out"], ["y_t"]))
     # Explicit shapes: onnxruntime needs them on Scan outputs when W comes from a function.
     n = layer.hidden_size
     graph = body.subgraph("recurrence_step",
@@ -125,17 +128,27 @@ def _scan(g: Graph, layer, w_t: str, u: str, lengths: str, h0: str) -> tuple[str
                  scan_input_axes=[1], scan_output_axes=[1])
     steps = g.op("Squeeze", g.op("Slice", g.op("Shape", u), g.const([1], "s", "int64"),
                                  g.const([2], "e", "int64")), g.const([0], "ax", "int64"))
-    # [B, 1 + T, n] with h0 first, so that index length is the state after `length` steps
-    trail = g.op("Concat", g.op("Unsqueeze", h0, g.const([1], "ax", "int64")), ys, axis=1)
-    at = g.op("Unsqueeze", g.op("Min", lengths, steps), g.const([1], "ax", "int64"))
-    last = g.op("GatherND", trail, at, batch_dims=1)
+    # the state after `length` steps: ys[:, length - 1], or h0 for length 0
+    length = g.op("Min", lengths, steps)
+    one = g.const(1, "one", "int64")
+    at = g.op("Max", g.op("Sub", length, one), g.const(0, "zero", "int64"))
+    last = g.op("Where", g.op("Unsqueeze", g.op("Equal", length, g.const(0, "zero", "int64")),
+                              g.const([1], "ax", "int64")),
+                h0, g.op("GatherND", ys, g.op("Unsqueeze", at, g.const([1], "ax", "int64")),
+                         batch_dims=1))
+    return ys, last
+
+
+def _zero_padded_steps(g: Graph, ys: str, lengths: str) -> str:
+    """ys [B, T, n] with the steps past each sequence's length set to zero."""
+    steps = g.op("Squeeze", g.op("Slice", g.op("Shape", ys), g.const([1], "s", "int64"),
+                                 g.const([2], "e", "int64")), g.const([0], "ax", "int64"))
     valid = g.op("Less", g.op("Unsqueeze", g.op("Range", g.const(0, "zero", "int64"), steps,
                                                 g.const(1, "one", "int64")),
                               g.const([0], "ax", "int64")),
                  g.op("Unsqueeze", lengths, g.const([1], "ax", "int64")))
-    states = g.op("Where", g.op("Unsqueeze", valid, g.const([2], "ax", "int64")), ys,
-                  g.const(0.0, "zero_f"))
-    return states, last
+    return g.op("Where", g.op("Unsqueeze", valid, g.const([2], "ax", "int64")), ys,
+                g.const(0.0, "zero_f"))
 
 
 def _rnn_op(g: Graph, layer, w: str, x: str, lengths32: str, h0: str) -> tuple[str, str]:
@@ -223,7 +236,9 @@ def build_graph(model, mode: str = "dense", *, step: bool = False, recurrence: s
         else:
             u = g.op("Add", g.op("MatMul", x, g.const(_np(layer.input.weight).T, "W_in_T")),
                      g.const(_np(layer.input.bias), "b_in"))
-            states, last = _scan(g, layer, g.op("Transpose", w, perm=[1, 0]), u, lengths, h0)
+            ys, last = _scan(g, layer, g.op("Transpose", w, perm=[1, 0]), u, lengths, h0)
+            states = ys if task in ("classify", "regress") else \
+                _zero_padded_steps(g, ys, lengths)  # classify/regress read `last` only
 
     head_w = g.const(_np(model.head.weight).T, "head_W_T")
     head_b = g.const(_np(model.head.bias), "head_b")
