@@ -1,19 +1,28 @@
 """Dynamic batching for one model version.
 
-Requests put their sequences on a queue; a worker takes everything that arrives within
-``max_queue_delay_ms`` of the first waiting request (or until ``max_batch_size``
-sequences are there), sorts the sequences by length and runs them in groups of at most
-``max_batch_size`` whose longest sequence is at most twice their shortest, so padding
-stays small. The graphs take ``lengths`` and padded steps never change a result, so an
-answer does not depend on what it was batched with. While ``inference_workers`` batches
-run, the next one gathers. More than ``max_queue_size`` waiting sequences: QueueFull (429).
+Requests put their sequences on a queue. Up to ``workers`` drain jobs run in the
+inference executor; each takes what is queued (up to ``max_batch_size`` sequences), runs
+it, hands the answers to the event loop (one callback per batch) and takes the next batch
+at once. Batches follow each other without a round trip through the event loop, so the
+model does not idle while answers are sent and new requests are read: the requests that
+arrive while a batch runs form the next one. A job that finds fewer than max_batch_size
+sequences waits for more only while another request holding this model version is still
+on its way to the queue, and at most ``max_queue_delay_ms`` after the first waiting one.
+
+Sequences are sorted by length and run in groups of at most ``max_batch_size`` whose
+longest sequence is at most twice their shortest, so padding stays small. The graphs take
+``lengths`` and padded steps never change a result, so an answer does not depend on what
+it was batched with. More than ``max_queue_size`` waiting sequences: QueueFull (429).
+Batching off: every request runs alone, bounded by the same queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -53,10 +62,11 @@ class Batcher:
                  workers: int, enabled: bool = True, metrics=None, model: str = ""):
         self.run = run
         self.executor = executor
-        self.max_batch_size = max_batch_size if enabled else 1 << 30
-        self.delay = max_queue_delay_ms / 1000
-        self.max_queue_size = max_queue_size
         self.enabled = enabled
+        # batching off: one request per run (its own sequences still run together)
+        self.max_batch_size = max_batch_size if enabled else 1 << 30
+        self.delay = max_queue_delay_ms / 1000 if enabled else 0.0
+        self.max_queue_size = max_queue_size
         self.metrics = metrics
         self.model = model
         if metrics is not None:  # label children looked up once, not per request
@@ -64,111 +74,114 @@ class Batcher:
             self._queue_hist = metrics.queue_duration.labels(model)
             self._inference_hist = metrics.inference_duration.labels(model)
             self._batch_hist = metrics.batch_size.labels(model)
-        self.pending = 0  # sequences accepted and not yet taken into a batch
         self._workers = workers
-        self._queue: asyncio.Queue[_Item] | None = None
-        self._task: asyncio.Task | None = None
-        self._slots: asyncio.Semaphore | None = None
-        self._running: set[asyncio.Task] = set()
-        self._submitted = 0  # batched requests inside submit(): queued, running or answered
+        self._queue: deque[_Item] = deque()
+        self._ready = threading.Condition()  # guards _queue, pending and _jobs
+        self.pending = 0  # sequences queued and not yet taken into a batch
+        self._jobs = 0  # drain jobs submitted to the executor and not finished
+        self._idle = asyncio.Event()  # no job running (close() waits for it)
+        self._idle.set()
+        self._submitted = 0  # requests inside submit(): queued, running or answered
         #: how many requests hold this model version (being parsed, or inside submit());
-        #: the worker stops waiting for more when no other one can come
+        #: a job stops waiting for more when no other one can come
         self.holders: Callable[[], int] | None = None
 
     async def submit(self, sequences: list[np.ndarray], post: Callable[[list[dict]], Any]):
         """post(rows) runs in the inference thread on this request's output rows (one dict
         per sequence, in order); its result is returned."""
-        if self.pending + len(sequences) > self.max_queue_size:
-            raise QueueFull(f"the queue of model {self.model!r} is full "
-                            f"({self.pending} sequences waiting); retry later")
         loop = asyncio.get_running_loop()
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self._workers)
         item = _Item(sequences, post, loop.create_future())
-        self._add_pending(len(sequences))
-        if not self.enabled:  # each request runs alone, still bounded by the same queue
-            async with self._slots:
-                self._add_pending(-len(sequences))
-                self._observe_queue([item])
-                outcome = (await loop.run_in_executor(self.executor, self._execute, [item]))[0]
-            return self._unwrap(outcome)
-        if self._task is None:
-            self._queue = asyncio.Queue()
-            self._task = loop.create_task(self._loop())
-        self._queue.put_nowait(item)
-        self._submitted += 1
+        with self._ready:
+            if self.pending + len(sequences) > self.max_queue_size:
+                raise QueueFull(f"the queue of model {self.model!r} is full "
+                                f"({self.pending} sequences waiting); retry later")
+            self._queue.append(item)
+            self.pending += len(sequences)
+            self._submitted += 1
+            start = self._jobs < self._workers
+            if start:
+                self._jobs += 1
+                self._idle.clear()
+            self._ready.notify()
+        if self.metrics is not None:
+            self._depth.inc(len(sequences))
+        if start:
+            try:
+                self.executor.submit(self._drain, loop)
+            except RuntimeError as error:  # the executor is shut down: nothing will run
+                self._drain_failed(error)
         try:
-            return self._unwrap(await item.future)
+            ok, value = await item.future
         finally:
             self._submitted -= 1
-
-    @staticmethod
-    def _unwrap(outcome):
-        ok, value = outcome
         if not ok:
             raise value
         return value
 
-    def _add_pending(self, n: int) -> None:
-        self.pending += n
-        if self.metrics is not None:
-            self._depth.inc(n)
-
-    def _observe_queue(self, items: list[_Item]) -> None:
-        if self.metrics is not None:
-            now = time.perf_counter()
-            hist = self._queue_hist
-            for item in items:
-                hist.observe(now - item.enqueued)
-
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        queue = self._queue
-        while True:
-            await self._slots.acquire()
-            try:
-                first = await queue.get()
-            except asyncio.CancelledError:
-                self._slots.release()
-                raise
-            items, count = [first], len(first.sequences)
-            deadline = first.enqueued + self.delay
-            while count < self.max_batch_size:
-                if queue.empty():
-                    remaining = deadline - time.perf_counter()
-                    if remaining <= 0 or (self.holders is not None
-                                          and self.holders() <= self._submitted):
-                        break  # the window is over, or no other request is on its way
-                    try:
-                        async with asyncio.timeout(remaining):
-                            item = await queue.get()
-                    except TimeoutError:
-                        break
-                else:
-                    item = queue.get_nowait()
-                items.append(item)
-                count += len(item.sequences)
-            self._add_pending(-count)
-            self._observe_queue(items)
-            task = loop.create_task(self._dispatch(items))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
-
-    async def _dispatch(self, items: list[_Item]) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            outcomes = await loop.run_in_executor(self.executor, self._execute, items)
-        except BaseException as error:  # the executor itself failed: answer everyone
-            outcomes = [(False, error)] * len(items)
-        finally:
-            self._slots.release()
-        for item, outcome in zip(items, outcomes, strict=True):
+    def _drain_failed(self, error: BaseException) -> None:
+        with self._ready:
+            items = list(self._queue)
+            self._queue.clear()
+            self.pending = 0
+            self._jobs -= 1
+        for item in items:
             if not item.future.done():
-                item.future.set_result(outcome)
+                item.future.set_result((False, error))
+        self._job_done()
+
+    # -- the inference threads --------------------------------------------------------
+
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A job in the executor: run batches until the queue is empty."""
+        while True:
+            with self._ready:
+                items = self._take()
+                if not items:
+                    self._jobs -= 1
+                    last = self._jobs == 0
+                    break
+            try:
+                outcomes = self._execute(items)
+            except BaseException as error:  # answer everyone, then go on
+                outcomes = [(False, error)] * len(items)
+            self._call(loop, self._deliver, items, outcomes)
+        if last:
+            self._call(loop, self._job_done)
+
+    @staticmethod
+    def _call(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for answers
+            loop.call_soon_threadsafe(callback, *args)
+
+    def _take(self) -> list[_Item]:
+        """The next batch (under the lock): at most max_batch_size sequences, waiting for
+        more while a request is on its way and the first one's window is open."""
+        queue = self._queue
+        if not queue:
+            return []
+        deadline = queue[0].enqueued + self.delay
+        while self.pending < self.max_batch_size:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0 or self.holders is None or self.holders() <= self._submitted:
+                break
+            self._ready.wait(remaining)
+        items, count = [], 0
+        while queue and (not items or (self.enabled and count + len(queue[0].sequences)
+                                       <= self.max_batch_size)):
+            item = queue.popleft()
+            items.append(item)
+            count += len(item.sequences)
+        self.pending -= count
+        if self.metrics is not None:
+            self._depth.dec(count)
+            now = time.perf_counter()
+            for item in items:
+                self._queue_hist.observe(now - item.enqueued)
+        return items
 
     def _execute(self, items: list[_Item]) -> list[tuple[bool, Any]]:
-        """In an inference thread: run every sequence of the items in length groups, then
-        each item's post-processing. Returns (ok, result or exception) per item."""
+        """Run every sequence of the items in length groups, then each item's
+        post-processing. Returns (ok, result or exception) per item."""
         flat = [(k, j) for k, item in enumerate(items) for j in range(len(item.sequences))]
         seqs = [items[k].sequences[j] for k, j in flat]
         rows: list[dict | None] = [None] * len(seqs)
@@ -200,11 +213,22 @@ class Batcher:
             offset += n
         return outcomes
 
+    # -- back on the event loop -------------------------------------------------------
+
+    @staticmethod
+    def _deliver(items: list[_Item], outcomes: list[tuple[bool, Any]]) -> None:
+        for item, outcome in zip(items, outcomes, strict=True):
+            if not item.future.done():  # not cancelled (the client went away)
+                item.future.set_result(outcome)
+
+    def _job_done(self) -> None:
+        with self._ready:
+            if self._jobs == 0:
+                self._idle.set()
+
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._running:
-            await asyncio.gather(*self._running, return_exceptions=True)
+        """Wait until no batch runs (queued requests are answered first)."""
+        with self._ready:
+            idle = self._jobs == 0
+        if not idle:
+            await self._idle.wait()
