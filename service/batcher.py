@@ -1,13 +1,14 @@
 """Dynamic batching for one model version.
 
 Requests put their sequences on a queue. Up to ``workers`` drain jobs run in the
-inference executor; each takes what is queued (up to ``max_batch_size`` sequences), runs
-it, hands the answers to the event loop (one callback per batch) and takes the next batch
-at once. Batches follow each other without a round trip through the event loop, so the
-model does not idle while answers are sent and new requests are read: the requests that
-arrive while a batch runs form the next one. A job that finds fewer than max_batch_size
-sequences waits for more only while another request holding this model version is still
-on its way to the queue, and at most ``max_queue_delay_ms`` after the first waiting one.
+inference executor (shared by all models); each takes what is queued (up to
+``max_batch_size`` sequences), runs it, hands the answers to the event loop (one callback
+per batch) and queues itself again for the next batch. Batches follow each other without
+a round trip through the event loop, so the model does not idle while answers are sent
+and new requests are read: the requests that arrive while a batch runs form the next one.
+A job that finds fewer than max_batch_size sequences waits for more only while another
+request holding this model version is still on its way to the queue, and at most
+``max_queue_delay_ms`` after the first waiting one.
 
 Sequences are sorted by length and run in groups of at most ``max_batch_size`` whose
 longest sequence is at most twice their shortest, so padding stays small. The graphs take
@@ -132,7 +133,8 @@ class Batcher:
     # -- the inference threads --------------------------------------------------------
 
     def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
-        """A job in the executor: run batches until the queue is empty."""
+        """A job in the executor: run the next batch, then queue itself again behind the
+        other models' jobs while requests wait (each model gets its turn on a thread)."""
         while True:
             with self._ready:
                 items = self._take()
@@ -145,6 +147,11 @@ class Batcher:
             except BaseException as error:  # answer everyone, then go on
                 outcomes = [(False, error)] * len(items)
             self._call(loop, self._deliver, items, outcomes)
+            try:
+                self.executor.submit(self._drain, loop)
+                return
+            except RuntimeError:  # the executor is shutting down: finish the queue here
+                continue
         if last:
             self._call(loop, self._job_done)
 

@@ -23,7 +23,7 @@ SERVE_FLAGS = [
     ("--max-request-sequences", int, "sequences per request (default 256)"),
     ("--max-body-bytes", int, "request body limit (default 16 MiB)"),
     ("--inference-threads", int, "onnxruntime intra-op threads per session (default 1)"),
-    ("--inference-workers", int, "batches run concurrently (default 2)"),
+    ("--inference-workers", int, "inference threads, batches run at once (default 1)"),
     ("--providers", str, "comma-separated onnxruntime providers (default: CUDA if present, "
                          "then CPU)"),
     ("--shutdown-delay-s", float, "seconds of 503 readiness after SIGTERM before draining"),

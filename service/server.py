@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 
 import uvicorn
@@ -42,6 +43,10 @@ def serve(settings: Settings) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not settings.repo.is_dir():
         raise ValueError(f"repo {str(settings.repo)!r} is not a directory")
+    # The event loop thread is busy with HTTP most of the time; an inference thread whose
+    # batch has finished needs the GIL for a moment to hand the answers over. CPython's
+    # default switch interval (5 ms) would keep it waiting that long, idling the model.
+    sys.setswitchinterval(0.0002)
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=False,

@@ -52,7 +52,9 @@ class Settings(BaseSettings):
         1, ge=0, le=256,
         description="onnxruntime intra-op threads per session (0: onnxruntime's default)")
     inference_workers: int = Field(
-        2, ge=1, le=64, description="batches run concurrently (thread pool size)")
+        1, ge=1, le=64,
+        description="inference threads (batches run at once, over all models); on a small "
+                    "machine one leaves the other cores to HTTP, more suit many cores")
     providers: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="onnxruntime execution providers (empty: CUDA when available, then CPU)")
