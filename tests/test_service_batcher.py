@@ -1,0 +1,218 @@
+"""The batcher on its own (no HTTP): which requests run together, in what order, and that
+every request gets its own answer or its own error."""
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from service.batcher import Batcher, QueueFull
+
+
+class Model:
+    """A fake run(): records each call's sequence count; answers 2 * the sequence; the
+    first call can be held until released."""
+
+    def __init__(self, hold_first: bool = False, delay: float = 0.0):
+        self.calls: list[int] = []
+        self.release = threading.Event()
+        self.started = threading.Event()
+        if not hold_first:
+            self.release.set()
+        self.delay = delay
+
+    def __call__(self, seqs):
+        self.started.set()
+        self.release.wait(30)
+        time.sleep(self.delay)
+        self.calls.append(len(seqs))
+        return [{"y": 2 * s} for s in seqs]
+
+
+def seq(v: float) -> np.ndarray:
+    return np.full((3, 1), v, dtype=np.float32)
+
+
+def batcher(model, executor, **kw) -> Batcher:
+    options = {"max_batch_size": 32, "max_queue_delay_ms": 0, "max_queue_size": 64,
+               "workers": 1, **kw}
+    b = Batcher(model, executor, **options)
+    b.holders = lambda: b._submitted  # nobody else is on the way unless a test says so
+    return b
+
+
+def own(rows):
+    return [float(r["y"][0, 0]) for r in rows]
+
+
+async def _started(model):
+    while not model.started.is_set():
+        await asyncio.sleep(0.001)
+
+
+def test_requests_that_arrive_while_a_batch_runs_form_the_next_batch():
+    async def main():
+        model = Model(hold_first=True)
+        with ThreadPoolExecutor(1) as pool:
+            b = batcher(model, pool)
+            first = asyncio.ensure_future(b.submit([seq(1)], own))
+            await _started(model)  # the first request runs alone, held
+            rest = [asyncio.ensure_future(b.submit([seq(v)], own)) for v in range(2, 7)]
+            await asyncio.sleep(0.05)
+            model.release.set()
+            answers = await asyncio.gather(first, *rest)
+        assert answers == [[2.0 * v] for v in range(1, 7)]
+        assert model.calls == [1, 5]
+    asyncio.run(main())
+
+
+def test_max_batch_size_bounds_every_run():
+    async def main():
+        model = Model(hold_first=True)
+        with ThreadPoolExecutor(1) as pool:
+            b = batcher(model, pool, max_batch_size=4)
+            first = asyncio.ensure_future(b.submit([seq(0)], own))
+            await _started(model)
+            rest = [asyncio.ensure_future(b.submit([seq(v), seq(-v)], own))
+                    for v in range(1, 6)]
+            await asyncio.sleep(0.05)
+            model.release.set()
+            answers = await asyncio.gather(first, *rest)
+        assert answers == [[0.0]] + [[2.0 * v, -2.0 * v] for v in range(1, 6)]
+        assert model.calls[0] == 1 and max(model.calls) <= 4 and sum(model.calls) == 11
+    asyncio.run(main())
+
+
+def test_a_lone_request_does_not_wait_for_the_window():
+    async def main():
+        with ThreadPoolExecutor(1) as pool:
+            b = batcher(Model(), pool, max_queue_delay_ms=20_000)
+            start = time.perf_counter()
+            assert await b.submit([seq(1)], own) == [2.0]
+            return time.perf_counter() - start
+    assert asyncio.run(main()) < 10  # not the 20 s window: nobody else was on the way
+
+
+def test_the_window_waits_for_a_request_still_on_its_way():
+    async def main():
+        model = Model()
+        with ThreadPoolExecutor(1) as pool:
+            b = batcher(model, pool, max_queue_delay_ms=20_000)
+            on_the_way = [1]
+            b.holders = lambda: b._submitted + on_the_way[0]
+            first = asyncio.ensure_future(b.submit([seq(1)], own))
+            await asyncio.sleep(0.1)
+            assert not first.done()  # waiting for the second one
+            on_the_way[0] = 0
+            second = asyncio.ensure_future(b.submit([seq(2)], own))
+            answers = await asyncio.gather(first, second)
+        assert answers == [[2.0], [4.0]] and model.calls == [2]
+    asyncio.run(main())
+
+
+def test_models_take_turns_on_one_inference_thread():
+    async def main():
+        busy, other = Model(delay=0.02), Model()
+        with ThreadPoolExecutor(1) as pool:
+            a = batcher(busy, pool, max_batch_size=1)
+            b = batcher(other, pool)
+            stream = [asyncio.ensure_future(a.submit([seq(v)], own)) for v in range(20)]
+            await asyncio.sleep(0.01)
+            done_b = await b.submit([seq(7)], own)
+            remaining = sum(not f.done() for f in stream)
+            await asyncio.gather(*stream)
+        assert done_b == [14.0]
+        assert remaining > 5  # b did not wait for a's whole queue
+    asyncio.run(main())
+
+
+def test_batching_off_runs_each_request_alone():
+    async def main():
+        model = Model(hold_first=True)
+        with ThreadPoolExecutor(1) as pool:
+            b = batcher(model, pool, enabled=False)
+            first = asyncio.ensure_future(b.submit([seq(0)], own))
+            await _started(model)
+            two = asyncio.ensure_future(b.submit([seq(1), seq(2)], own))
+            three = asyncio.ensure_future(b.submit([seq(3), seq(4), seq(5)], own))
+            await asyncio.sleep(0.05)
+            model.release.set()
+            answers = await asyncio.gather(first, two, three)
+        assert answers == [[0.0], [2.0, 4.0], [6.0, 8.0, 10.0]]
+        assert model.calls == [1, 2, 3]  # a request's own sequences still run together
+    asyncio.run(main())
+
+
+def test_a_full_queue_refuses_and_recovers():
+    async def main():
+        model = Model(hold_first=True)
+        with ThreadPoolExecutor(1) as pool:
+            b = batcher(model, pool, max_queue_size=2)
+            first = asyncio.ensure_future(b.submit([seq(0)], own))
+            await _started(model)  # taken: the queue is empty again
+            queued = asyncio.ensure_future(b.submit([seq(1), seq(2)], own))
+            await asyncio.sleep(0.01)
+            with pytest.raises(QueueFull, match="queue of model"):
+                await b.submit([seq(3)], own)
+            model.release.set()
+            await asyncio.gather(first, queued)
+            assert b.pending == 0
+            assert await b.submit([seq(4), seq(5)], own) == [8.0, 10.0]
+    asyncio.run(main())
+
+
+def test_errors_reach_only_their_own_requests():
+    calls = []
+
+    def run(seqs):
+        calls.append(len(seqs))
+        if any(s.shape[0] == 7 for s in seqs):
+            raise ValueError("bad group")
+        return [{"y": s} for s in seqs]
+
+    def post(rows):
+        if float(rows[0]["y"][0, 0]) == 9:
+            raise KeyError("bad post")
+        return own(rows)
+
+    async def main():
+        with ThreadPoolExecutor(1) as pool:
+            b = batcher(run, pool, max_queue_delay_ms=20_000)
+            b.holders = lambda: 3  # the window stays open until all three are queued
+            results = await asyncio.gather(
+                b.submit([np.ones((7, 1), np.float32)], post),  # a length group of its own
+                b.submit([seq(9)], post), b.submit([seq(4)], post), return_exceptions=True)
+        assert isinstance(results[0], ValueError) and isinstance(results[1], KeyError)
+        assert results[2] == [4.0]
+        assert sorted(calls) == [1, 2]  # one batch, two length groups
+    asyncio.run(main())
+
+
+def test_a_shut_down_executor_answers_with_its_error_and_close_returns():
+    async def main():
+        pool = ThreadPoolExecutor(1)
+        pool.shutdown()
+        b = batcher(Model(), pool)
+        with pytest.raises(RuntimeError, match="shutdown"):
+            await b.submit([seq(1)], own)
+        await asyncio.wait_for(b.close(), 5)
+    asyncio.run(main())
+
+
+def test_close_waits_for_the_running_batch():
+    async def main():
+        model = Model(hold_first=True)
+        with ThreadPoolExecutor(1) as pool:
+            b = batcher(model, pool)
+            request = asyncio.ensure_future(b.submit([seq(1)], own))
+            await _started(model)
+            closing = asyncio.ensure_future(b.close())
+            await asyncio.sleep(0.05)
+            assert not closing.done()
+            model.release.set()
+            await asyncio.wait_for(closing, 5)
+            assert await request == [2.0]
+    asyncio.run(main())
