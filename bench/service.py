@@ -3,13 +3,14 @@
 Builds a classifier package (svdrnn, n = 128, T = 128, 9 features; one training step on
 random data: speed does not depend on accuracy), starts ``orthornn serve`` as a separate
 process with dynamic batching on and then off, and drives it from this process with a
-small asyncio HTTP/1.1 keep-alive client: for each concurrency (default 1, 8, 32) first
-``GET /v2/health/live`` (the HTTP ceiling of the machine: same server, same client, no
-model work), then ``POST /predict`` with one sequence per request. Prints a table and
-writes bench/results/service.json. Client and server share the machine's cores, as a
+small asyncio HTTP/1.1 keep-alive client: for each concurrency (default 1, 8, 32),
+alternating rounds of ``GET /v2/health/live`` (the HTTP ceiling of the machine: same
+server, same client, no model work) and ``POST /predict`` with one sequence per request;
+the ratio is the median of the rounds' ratios. Prints a table and writes
+bench/results/service.json. Client and server share the machine's cores, as a
 load balancer's sidecar would not: the ceiling is a ceiling for this setup only.
 
-    python bench/service.py [--duration 3] [--concurrency 1 8 32] [--hidden 128]
+    python bench/service.py [--duration 3] [--rounds 3] [--concurrency 1 8 32] [--hidden 128]
 """
 
 from __future__ import annotations
@@ -120,26 +121,49 @@ async def _worker(port: int, requests: list[bytes], stop_at: float, max_requests
 
 
 async def _load(port: int, requests: list[bytes], concurrency: int, duration: float,
-                max_requests: int) -> dict:
-    # warm-up, not measured
-    await asyncio.gather(*[_worker(port, requests, time.perf_counter() + 0.3, 10**9, [], [], k)
+                max_requests: int) -> tuple[float, list[float], list[str]]:
+    """(seconds, latencies, errors) of one measurement, after a short warm-up."""
+    await asyncio.gather(*[_worker(port, requests, time.perf_counter() + 0.2, 10**9, [], [], k)
                            for k in range(concurrency)])
     latencies: list[float] = []
     errors: list[str] = []
     start = time.perf_counter()
     await asyncio.gather(*[_worker(port, requests, start + duration, max_requests, latencies,
                                    errors, k) for k in range(concurrency)])
-    wall = time.perf_counter() - start
-    lat = np.array(latencies) * 1000
-    return {"requests": len(latencies), "errors": len(errors), "seconds": round(wall, 3),
-            "throughput": round(len(latencies) / wall, 1),
+    return time.perf_counter() - start, latencies, errors
+
+
+def _summary(runs: list[tuple[float, list[float], list[str]]]) -> dict:
+    """Throughput: the median over the rounds; latency percentiles over all requests."""
+    lat = np.concatenate([np.array(r[1]) for r in runs]) * 1000
+    return {"requests": int(lat.size), "errors": sum(len(r[2]) for r in runs),
+            "seconds": round(sum(r[0] for r in runs), 3),
+            "throughput": round(float(np.median([len(r[1]) / r[0] for r in runs])), 1),
             "p50_ms": round(float(np.percentile(lat, 50)), 2),
             "p99_ms": round(float(np.percentile(lat, 99)), 2)}
 
 
+def measure(port: int, health: list[bytes], bodies: list[bytes], concurrency: int,
+            duration: float, rounds: int, max_requests: int) -> dict:
+    """GET /v2/health/live and POST /predict in alternating rounds (this machine's load
+    drifts; alternating keeps the two comparable), each pair's ratio, and the median."""
+    runs: dict[str, list] = {"health": [], "predict": []}
+    for _ in range(rounds):
+        for name, requests in (("health", health), ("predict", bodies)):
+            runs[name].append(asyncio.run(_load(port, requests, concurrency,
+                                                duration / rounds, max_requests)))
+    ratios = [len(p[1]) / p[0] / max(len(h[1]) / h[0], 1e-9)
+              for h, p in zip(runs["health"], runs["predict"], strict=True)]
+    return {"concurrency": concurrency, "health": _summary(runs["health"]),
+            "predict": _summary(runs["predict"]), "ratio": round(float(np.median(ratios)), 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=3.0, help="seconds per measurement")
+    parser.add_argument("--duration", type=float, default=3.0,
+                        help="seconds per endpoint and concurrency (split into the rounds)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating health/predict rounds; the ratio is their median")
     parser.add_argument("--max-requests", type=int, default=200_000)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--hidden", type=int, default=128)
@@ -168,14 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 server.wait_ready()
                 for c in args.concurrency:
-                    ceiling = asyncio.run(_load(server.port, health, c, args.duration,
-                                                args.max_requests))
-                    predict = asyncio.run(_load(server.port, bodies, c, args.duration,
-                                                args.max_requests))
-                    rows.append({"batching": batching, "concurrency": c,
-                                 "health": ceiling, "predict": predict,
-                                 "ratio": round(predict["throughput"]
-                                                / max(ceiling["throughput"], 1e-9), 3)})
+                    rows.append({"batching": batching, **measure(
+                        server.port, health, bodies, c, args.duration, args.rounds,
+                        args.max_requests)})
                     print(_row(rows[-1]), flush=True)
             finally:
                 server.stop()
@@ -183,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     result = {"model": {"arch": "svdrnn", "hidden": args.hidden, "steps": args.steps,
                         "features": args.features},
-              "duration_s": args.duration, "cpus": os.cpu_count(),
+              "duration_s": args.duration, "rounds": args.rounds, "cpus": os.cpu_count(),
               "machine": platform.platform(), "server_args": args.server_arg, "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
