@@ -128,11 +128,12 @@ def _scan(g: Graph, layer, w_t: str, u: str, lengths: str, h0: str) -> tuple[str
                  scan_input_axes=[1], scan_output_axes=[1])
     steps = g.op("Squeeze", g.op("Slice", g.op("Shape", u), g.const([1], "s", "int64"),
                                  g.const([2], "e", "int64")), g.const([0], "ax", "int64"))
-    # the state after `length` steps: ys[:, length - 1], or h0 for length 0
+    # the state after `length` steps: ys[:, length - 1], or h0 for length 0 (or less)
     length = g.op("Min", lengths, steps)
     one = g.const(1, "one", "int64")
     at = g.op("Max", g.op("Sub", length, one), g.const(0, "zero", "int64"))
-    last = g.op("Where", g.op("Unsqueeze", g.op("Equal", length, g.const(0, "zero", "int64")),
+    last = g.op("Where", g.op("Unsqueeze", g.op("LessOrEqual", length,
+                                                g.const(0, "zero", "int64")),
                               g.const([1], "ax", "int64")),
                 h0, g.op("GatherND", ys, g.op("Unsqueeze", at, g.const([1], "ax", "int64")),
                          batch_dims=1))

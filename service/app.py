@@ -374,9 +374,14 @@ def create_app(settings: Settings) -> FastAPI:
         req = parse(GenerateRequest, await request.body())
         with hold(_state(request), req.model, _version_param(req.version)) as mv:
             prompt = generate.prompt_ids(mv.spec, req, settings.max_new_tokens)
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(executor, generate.generate, mv.runtime,
-                                                mv.spec, prompt, req)
+            # a thread of its own (asyncio's default pool): a long generation must not hold
+            # the inference threads, and the batcher must not wait for it
+            mv.generating += 1
+            try:
+                result = await asyncio.to_thread(generate.generate, mv.runtime, mv.spec,
+                                                 prompt, req)
+            finally:
+                mv.generating -= 1
         return JSON({"model": mv.name, "version": mv.version, **result})
 
     # -- Open Inference Protocol -------------------------------------------------------

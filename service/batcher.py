@@ -6,9 +6,10 @@ inference executor (shared by all models); each takes what is queued (up to
 per batch) and queues itself again for the next batch. Batches follow each other without
 a round trip through the event loop, so the model does not idle while answers are sent
 and new requests are read: the requests that arrive while a batch runs form the next one.
-A job that finds fewer than max_batch_size sequences waits for more only while another
-request holding this model version is still on its way to the queue, and at most
-``max_queue_delay_ms`` after the first waiting one.
+A batch of fewer than max_batch_size sequences waits for more only while another request
+holding this model version is still on its way to the queue, and at most
+``max_queue_delay_ms`` after the first waiting one; that wait is a timer on the event
+loop, never an inference thread held idle.
 
 Sequences are sorted by length and run in groups of at most ``max_batch_size`` whose
 longest sequence is at most twice their shortest, so padding stays small. The graphs take
@@ -76,15 +77,17 @@ class Batcher:
             self._inference_hist = metrics.inference_duration.labels(model)
             self._batch_hist = metrics.batch_size.labels(model)
         self._workers = workers
+        self._lock = threading.Lock()  # guards _queue, pending and _jobs (loop and threads)
         self._queue: deque[_Item] = deque()
-        self._ready = threading.Condition()  # guards _queue, pending and _jobs
         self.pending = 0  # sequences queued and not yet taken into a batch
         self._jobs = 0  # drain jobs submitted to the executor and not finished
+        # event loop only:
         self._idle = asyncio.Event()  # no job running (close() waits for it)
         self._idle.set()
+        self._timer: asyncio.TimerHandle | None = None  # the end of the first one's window
         self._submitted = 0  # requests inside submit(): queued, running or answered
-        #: how many requests hold this model version (being parsed, or inside submit());
-        #: a job stops waiting for more when no other one can come
+        #: how many requests hold this model version and will submit (being parsed, or
+        #: inside submit()); a batch waits for more only while one of them is on its way
         self.holders: Callable[[], int] | None = None
 
     async def submit(self, sequences: list[np.ndarray], post: Callable[[list[dict]], Any]):
@@ -92,26 +95,17 @@ class Batcher:
         per sequence, in order); its result is returned."""
         loop = asyncio.get_running_loop()
         item = _Item(sequences, post, loop.create_future())
-        with self._ready:
+        with self._lock:
             if self.pending + len(sequences) > self.max_queue_size:
                 raise QueueFull(f"the queue of model {self.model!r} is full "
                                 f"({self.pending} sequences waiting); retry later")
             self._queue.append(item)
             self.pending += len(sequences)
-            self._submitted += 1
-            start = self._jobs < self._workers
-            if start:
-                self._jobs += 1
-                self._idle.clear()
-            self._ready.notify()
         if self.metrics is not None:
             self._depth.inc(len(sequences))
-        if start:
-            try:
-                self.executor.submit(self._drain, loop)
-            except RuntimeError as error:  # the executor is shut down: nothing will run
-                self._drain_failed(error)
+        self._submitted += 1
         try:
+            self._start(loop)
             ok, value = await item.future
         finally:
             self._submitted -= 1
@@ -119,12 +113,43 @@ class Batcher:
             raise value
         return value
 
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """(Event loop.) Start a drain job if a worker slot is free and the queue should
+        not wait: the batch is full, no other request is on its way, or the first waiting
+        request's window is over (a timer comes back then). Waiting happens here, on the
+        event loop, never in an inference thread."""
+        with self._lock:
+            if self._jobs >= self._workers or not self._queue:
+                return
+            if self.pending < self.max_batch_size and self.holders is not None \
+                    and self.holders() > self._submitted:
+                remaining = self._queue[0].enqueued + self.delay - time.perf_counter()
+                if remaining > 0:
+                    if self._timer is None:
+                        self._timer = loop.call_later(remaining, self._window_over, loop)
+                    return
+            self._jobs += 1
+        self._idle.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        try:
+            self.executor.submit(self._drain, loop)
+        except RuntimeError as error:  # the executor is shut down: nothing will run
+            self._drain_failed(error)
+
+    def _window_over(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        self._start(loop)
+
     def _drain_failed(self, error: BaseException) -> None:
-        with self._ready:
+        with self._lock:
             items = list(self._queue)
             self._queue.clear()
-            self.pending = 0
+            taken, self.pending = self.pending, 0
             self._jobs -= 1
+        if self.metrics is not None:
+            self._depth.dec(taken)
         for item in items:
             if not item.future.done():
                 item.future.set_result((False, error))
@@ -134,15 +159,16 @@ class Batcher:
 
     def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
         """A job in the executor: run the next batch, then queue itself again behind the
-        other models' jobs while requests wait (each model gets its turn on a thread)."""
+        other models' jobs while requests wait (each model gets its turn on a thread).
+        The requests that arrived while a batch ran form the next one at once."""
         while True:
-            with self._ready:
+            with self._lock:
                 items = self._take()
-                if not items:
+                if not items:  # checked and counted under one lock: no request strands
                     self._jobs -= 1
-                    last = self._jobs == 0
                     break
             try:
+                self._observe_taken(items)
                 outcomes = self._execute(items)
             except BaseException as error:  # answer everyone, then go on
                 outcomes = [(False, error)] * len(items)
@@ -152,8 +178,7 @@ class Batcher:
                 return
             except RuntimeError:  # the executor is shutting down: finish the queue here
                 continue
-        if last:
-            self._call(loop, self._job_done)
+        self._call(loop, self._job_done)
 
     @staticmethod
     def _call(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
@@ -161,17 +186,9 @@ class Batcher:
             loop.call_soon_threadsafe(callback, *args)
 
     def _take(self) -> list[_Item]:
-        """The next batch (under the lock): at most max_batch_size sequences, waiting for
-        more while a request is on its way and the first one's window is open."""
+        """(Under the lock.) The next batch: queued requests, at most max_batch_size
+        sequences (the first request whatever its size)."""
         queue = self._queue
-        if not queue:
-            return []
-        deadline = queue[0].enqueued + self.delay
-        while self.pending < self.max_batch_size:
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0 or self.holders is None or self.holders() <= self._submitted:
-                break
-            self._ready.wait(remaining)
         items, count = [], 0
         while queue and (not items or (self.enabled and count + len(queue[0].sequences)
                                        <= self.max_batch_size)):
@@ -179,12 +196,14 @@ class Batcher:
             items.append(item)
             count += len(item.sequences)
         self.pending -= count
+        return items
+
+    def _observe_taken(self, items: list[_Item]) -> None:
         if self.metrics is not None:
-            self._depth.dec(count)
             now = time.perf_counter()
             for item in items:
+                self._depth.dec(len(item.sequences))
                 self._queue_hist.observe(now - item.enqueued)
-        return items
 
     def _execute(self, items: list[_Item]) -> list[tuple[bool, Any]]:
         """Run every sequence of the items in length groups, then each item's
@@ -229,13 +248,17 @@ class Batcher:
                 item.future.set_result(outcome)
 
     def _job_done(self) -> None:
-        with self._ready:
-            if self._jobs == 0:
-                self._idle.set()
+        self._start(asyncio.get_running_loop())  # anything queued meanwhile (normally none)
+        with self._lock:
+            idle = self._jobs == 0
+        if idle:
+            self._idle.set()
 
     async def close(self) -> None:
         """Wait until no batch runs (queued requests are answered first)."""
-        with self._ready:
+        if self._timer is not None:  # start what waits for its window now
+            self._window_over(asyncio.get_running_loop())
+        with self._lock:
             idle = self._jobs == 0
         if not idle:
             await self._idle.wait()

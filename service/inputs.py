@@ -114,6 +114,8 @@ def fast_predict_request(body: bytes) -> PredictRequest | None:
     predict_sequences on this request, sends the caller back to pydantic, whose messages
     name the field.
     """
+    if body.startswith(b"\xef\xbb\xbf"):  # simdjson skips a UTF-8 BOM, pydantic refuses it
+        return None
     try:
         data = simdjson.Parser().parse(body)  # a parser per call: thread-safe, cheap
     except _NUMBER_ERRORS:

@@ -43,7 +43,8 @@ class ModelVersion:
     runtime: Runtime
     batcher: Batcher
     loaded_at: float = field(default_factory=time.time)
-    inflight: int = 0
+    inflight: int = 0  # requests holding this version (acquire() .. release())
+    generating: int = 0  # of those, /generate calls (they never reach the batcher)
     retired: bool = False
     released: bool = False
 
@@ -178,7 +179,7 @@ class Registry:
                           max_queue_size=s.max_queue_size, workers=s.inference_workers,
                           enabled=s.batching, metrics=self.metrics, model=name)
         mv = ModelVersion(name, version, path, manifest, spec, runtime, batcher)
-        batcher.holders = lambda: mv.inflight
+        batcher.holders = lambda: mv.inflight - mv.generating
         return mv
 
     def sync_model(self, name: str) -> list[str]:

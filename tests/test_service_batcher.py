@@ -216,3 +216,44 @@ def test_close_waits_for_the_running_batch():
             await asyncio.wait_for(closing, 5)
             assert await request == [2.0]
     asyncio.run(main())
+
+
+def test_a_batch_waiting_for_its_window_does_not_hold_the_inference_thread():
+    async def main():
+        with ThreadPoolExecutor(1) as pool:
+            a_model, b_model = Model(), Model()
+            a = batcher(a_model, pool, max_queue_delay_ms=20_000)
+            on_the_way = [1]
+            a.holders = lambda: a._submitted + on_the_way[0]
+            waiting = asyncio.ensure_future(a.submit([seq(1)], own))
+            await asyncio.sleep(0.05)
+            b = batcher(b_model, pool)
+            assert await asyncio.wait_for(b.submit([seq(3)], own), 5) == [6.0]
+            assert not waiting.done()  # still in its window, on the event loop
+            on_the_way[0] = 0
+            assert await a.submit([seq(2)], own) == [4.0]
+            assert await waiting == [2.0] and a_model.calls == [2]
+    asyncio.run(main())
+
+
+class Interrupt(BaseException):
+    pass
+
+
+def test_a_failing_batch_answers_its_requests_and_the_model_keeps_serving():
+    calls = []
+
+    def run(seqs):
+        calls.append(len(seqs))
+        if len(calls) == 1:
+            raise Interrupt("not an Exception")
+        return [{"y": 2 * s} for s in seqs]
+
+    async def main():
+        with ThreadPoolExecutor(1) as pool:
+            b = batcher(run, pool)
+            with pytest.raises(Interrupt):
+                await b.submit([seq(1)], own)
+            assert await b.submit([seq(2)], own) == [4.0]
+            await asyncio.wait_for(b.close(), 5)
+    asyncio.run(main())

@@ -118,6 +118,7 @@ def test_fast_path_takes_well_formed_bodies(body):
     b'{"model": "m", "inputs": [[[18446744073709551616]]]}',  # beyond 64-bit integers
     b'[1, 2]',
     b'{not json',
+    b'\xef\xbb\xbf{"model": "m", "inputs": [[[0.5]]]}',  # a BOM: pydantic refuses it
 ])
 def test_fast_path_leaves_the_rest_to_pydantic(body):
     assert fast_predict_request(body) is None
