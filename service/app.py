@@ -484,7 +484,8 @@ def create_app(settings: Settings) -> FastAPI:
             seqs, steps = inputs.infer_sequences(spec, req, binaries, spec.io["model"],
                                                  settings.max_request_sequences)
             tensors = await mv.batcher.submit(
-                seqs, lambda rows: inputs.outputs_to_tensors(rows, steps, runtime.per_step))
+                seqs, lambda rows: inputs.outputs_to_tensors(rows, names, steps,
+                                                             runtime.per_step))
         binary_all = bool((req.parameters or {}).get("binary_data_output"))
         binary = {o.name: bool((o.parameters or {}).get("binary_data", binary_all))
                   for o in req.outputs} if req.outputs else dict.fromkeys(wanted, binary_all)

@@ -61,8 +61,10 @@ def groups(lengths: list[int], max_batch_size: int) -> list[list[int]]:
 class Batcher:
     def __init__(self, run: Callable[[list[np.ndarray]], list[dict]], executor: Executor, *,
                  max_batch_size: int, max_queue_delay_ms: float, max_queue_size: int,
-                 workers: int, enabled: bool = True, metrics=None, model: str = ""):
+                 workers: int, enabled: bool = True, metrics=None, model: str = "",
+                 prepare: Callable[[list[dict]], None] | None = None):
         self.run = run
+        self.prepare = prepare  # once per batch, on all its output rows, before the posts
         self.executor = executor
         self.enabled = enabled
         # batching off: one request per run (its own sequences still run together)
@@ -225,6 +227,8 @@ class Batcher:
                 self._batch_hist.observe(len(group))
             for i, row in zip(group, out, strict=True):
                 rows[i] = row
+        if self.prepare is not None:
+            self.prepare([r for r in rows if r is not None])
         outcomes: list[tuple[bool, Any]] = []
         offset = 0
         for k, item in enumerate(items):

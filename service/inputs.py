@@ -178,23 +178,39 @@ def _label(spec: ModelSpec, i: int) -> str:
     return spec.labels[i] if spec.labels and i < len(spec.labels) else str(i)
 
 
+PROBABILITIES, INDEX = "_probabilities", "_index"  # added to classify rows by prepare_rows
+
+
+def prepare_rows(spec: ModelSpec, rows: list[dict]) -> None:
+    """Once per batch, in the inference thread: every classify row's probabilities (as a
+    list) and most likely class, from one softmax over the batch instead of one per row."""
+    if spec.task != "classify" or not rows:
+        return
+    p = _softmax(np.stack([r[spec.output_name] for r in rows]).astype(np.float64))
+    for row, probabilities, index in zip(rows, p.tolist(), p.argmax(axis=-1).tolist(),
+                                         strict=True):
+        row[PROBABILITIES], row[INDEX] = probabilities, index
+
+
 def shape_outputs(spec: ModelSpec, rows: list[dict], sequences: list[np.ndarray],
                   top_k: int | None) -> list[dict]:
     """Per sequence, the /predict answer from its output rows (runs in the inference
     thread)."""
+    if rows and spec.task == "classify" and PROBABILITIES not in rows[0]:
+        prepare_rows(spec, rows)  # not batched through the batcher's prepare step
     out = []
     for row, seq in zip(rows, sequences, strict=True):
-        y = row[spec.output_name].astype(np.float64)
         if spec.task == "classify":
-            p = _softmax(y)
-            i = int(np.argmax(p))
-            item: dict[str, Any] = {"label": _label(spec, i), "index": i,
-                                    "probabilities": p.tolist()}
-            if top_k:
-                best = np.argsort(-p, kind="stable")[:top_k]
-                item["top_k"] = [{"label": _label(spec, int(j)), "index": int(j),
-                                  "probability": float(p[j])} for j in best]
-        elif spec.task == "regress":
+            p, i = row[PROBABILITIES], row[INDEX]
+            item: dict[str, Any] = {"label": _label(spec, i), "index": i, "probabilities": p}
+            if top_k:  # most likely first; ties keep the class order (a stable sort)
+                best = sorted(range(len(p)), key=lambda j: -p[j])[:top_k]
+                item["top_k"] = [{"label": _label(spec, j), "index": j, "probability": p[j]}
+                                 for j in best]
+            out.append(item)
+            continue
+        y = row[spec.output_name].astype(np.float64)
+        if spec.task == "regress":
             item = {"value": float(y[0]) if y.size == 1 else y.tolist()}
         elif spec.task == "seq2seq":
             idx = np.argmax(y, axis=-1)
@@ -321,11 +337,12 @@ def infer_sequences(spec: ModelSpec, req: InferenceRequest, binaries: dict[str, 
     return [x[i, :int(n)] for i, n in enumerate(lengths)], steps
 
 
-def outputs_to_tensors(rows: list[dict], steps: int, per_step: set[str]) -> dict[str, np.ndarray]:
-    """Stack per-sequence output rows back into [B, ...] tensors; time-axis outputs are
-    padded to the request's T with zeros past each sequence's length."""
+def outputs_to_tensors(rows: list[dict], names: list[str], steps: int,
+                       per_step: set[str]) -> dict[str, np.ndarray]:
+    """Stack the named outputs of per-sequence rows back into [B, ...] tensors; time-axis
+    outputs are padded to the request's T with zeros past each sequence's length."""
     out = {}
-    for name in rows[0]:
+    for name in names:
         if name in per_step:
             first = rows[0][name]
             arr = np.zeros((len(rows), steps, *first.shape[1:]), dtype=first.dtype)

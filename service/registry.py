@@ -22,6 +22,7 @@ from export.package import PackageError, check_hashes, golden_check, read_manife
 from export.repository import NAME, versions
 
 from .batcher import Batcher
+from .inputs import prepare_rows
 from .metrics import Metrics
 from .runtime import ModelSpec, Runtime
 from .settings import Settings
@@ -177,7 +178,8 @@ class Registry:
                           max_batch_size=s.max_batch_size,
                           max_queue_delay_ms=s.max_queue_delay_ms,
                           max_queue_size=s.max_queue_size, workers=s.inference_workers,
-                          enabled=s.batching, metrics=self.metrics, model=name)
+                          enabled=s.batching, metrics=self.metrics, model=name,
+                          prepare=lambda rows: prepare_rows(spec, rows))
         mv = ModelVersion(name, version, path, manifest, spec, runtime, batcher)
         batcher.holders = lambda: mv.inflight - mv.generating
         return mv
