@@ -126,8 +126,7 @@ def _scan(g: Graph, layer, w_t: str, u: str, lengths: str, h0: str) -> tuple[str
                           [value("h_out", shape=["batch", n]), value("y_t", shape=["batch", n])])
     _, ys = g.op("Scan", h0, u, outputs=2, body=graph, num_scan_inputs=1,
                  scan_input_axes=[1], scan_output_axes=[1])
-    steps = g.op("Squeeze", g.op("Slice", g.op("Shape", u), g.const([1], "s", "int64"),
-                                 g.const([2], "e", "int64")), g.const([0], "ax", "int64"))
+    steps = _time_steps(g, u)
     # the state after `length` steps: ys[:, length - 1], or h0 for length 0 (or less)
     length = g.op("Min", lengths, steps)
     one = g.const(1, "one", "int64")
@@ -140,10 +139,15 @@ def _scan(g: Graph, layer, w_t: str, u: str, lengths: str, h0: str) -> tuple[str
     return ys, last
 
 
+def _time_steps(g: Graph, x: str) -> str:
+    """T of x [B, T, ...], a scalar."""
+    return g.op("Squeeze", g.op("Slice", g.op("Shape", x), g.const([1], "s", "int64"),
+                                g.const([2], "e", "int64")), g.const([0], "ax", "int64"))
+
+
 def _zero_padded_steps(g: Graph, ys: str, lengths: str) -> str:
     """ys [B, T, n] with the steps past each sequence's length set to zero."""
-    steps = g.op("Squeeze", g.op("Slice", g.op("Shape", ys), g.const([1], "s", "int64"),
-                                 g.const([2], "e", "int64")), g.const([0], "ax", "int64"))
+    steps = _time_steps(g, ys)
     valid = g.op("Less", g.op("Unsqueeze", g.op("Range", g.const(0, "zero", "int64"), steps,
                                                 g.const(1, "one", "int64")),
                               g.const([0], "ax", "int64")),
