@@ -3,7 +3,7 @@
 Request bodies are read as bytes and validated with the pydantic schemas of
 ``service.protocol`` (one pass of pydantic's JSON parser); the OpenAPI document still
 describes them. The hot path, POST /predict, is answered by ``Service`` before FastAPI's
-layers and reads well-formed float sequences with orjson and numpy
+layers and reads well-formed float sequences with simdjson and numpy
 (``inputs.fast_predict_request``), falling back to pydantic for anything else. Every
 client mistake is a 4xx with {"error": "..."}; anything else is a logged 500.
 """
