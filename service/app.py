@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager, suppress
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
+from typing import Any
 
 import numpy as np
 import orjson
@@ -120,9 +122,11 @@ class Observer:
                 endpoint)
         histogram.observe(time.perf_counter() - start)
 
-    async def direct(self, handler, scope, receive, send) -> None:
-        """Answer a request with handler(body, state) -> Response, without the framework's
-        routing, dependency and middleware layers; errors answer like the app's handlers."""
+    async def direct(self, handler, endpoint: str, params: dict, scope, receive,
+                     send) -> None:
+        """Answer a request with handler(body, scope, **params) -> Response, without the
+        framework's routing, dependency and middleware layers; errors answer like the
+        app's handlers; metrics count it under the route template ``endpoint``."""
         start = time.perf_counter()
         status = 500
         self.metrics.inflight.inc()
@@ -133,7 +137,7 @@ class Observer:
                     body = await self._read(receive)
                     if body is None:
                         return  # the client went away
-                    response = await handler(body, scope.setdefault("state", {}))
+                    response = await handler(body, scope, **params)
                 except Exception as exc:
                     response = known_error(exc, self.max_body)
                     if response is None:
@@ -144,7 +148,7 @@ class Observer:
             await response(scope, receive, send)
         finally:
             self.metrics.inflight.dec()
-            self.record(scope, scope["path"], status, start)
+            self.record(scope, endpoint, status, start)
 
     async def _read(self, receive) -> bytes | None:
         chunks, size, more = [], 0, True
@@ -205,21 +209,29 @@ class Observe:
 
 
 class Service(FastAPI):
-    """The FastAPI app, with ``direct`` routes (POST path -> handler(body, state)) answered
-    before the framework's layers: the hot /predict path. Their FastAPI routes stay for
-    the OpenAPI document (and for apps mounted under a root_path)."""
+    """The FastAPI app, with ``direct`` routes answered before the framework's layers: the
+    inference paths (POST /predict and the OIP infer routes). Each is (path template,
+    handler(body, scope, **path parameters)); their FastAPI routes stay for the OpenAPI
+    document (and for apps mounted under a root_path)."""
 
     def __init__(self, *, observer: Observer, **kwargs):
         super().__init__(**kwargs)
         self.observer = observer
-        self.direct: dict = {}
+        self._direct: list[tuple[re.Pattern, str, Any]] = []
+
+    def add_direct(self, template: str, handler) -> None:
+        """template: a POST path with {name} parameters (one path segment each)."""
+        pattern = re.sub(r"\\{(\w+)\\}", r"(?P<\1>[^/]+)", re.escape(template))
+        self._direct.append((re.compile(pattern), template, handler))
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not self.root_path \
                 and not scope.get("root_path"):
-            handler = self.direct.get(scope["path"])
-            if handler is not None:
-                return await self.observer.direct(handler, scope, receive, send)
+            for pattern, template, handler in self._direct:
+                match = pattern.fullmatch(scope["path"])
+                if match is not None:
+                    return await self.observer.direct(handler, template, match.groupdict(),
+                                                      scope, receive, send)
         await super().__call__(scope, receive, send)
 
 
@@ -246,6 +258,14 @@ def _describe(e: ValidationError) -> str:
         else:
             where += f".{part}" if where else part
     return f"{where or 'body'}: {first['msg']}"
+
+
+def _header(scope, name: bytes) -> str | None:
+    """A request header (name in lower case) from the ASGI scope, or None."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
 
 
 def _state(request: Request) -> dict:
@@ -341,12 +361,12 @@ def create_app(settings: Settings) -> FastAPI:
 
     # -- the simple API ---------------------------------------------------------------
 
-    async def predict_body(body: bytes, state: dict) -> JSON:
+    async def predict_body(body: bytes, scope: dict) -> JSON:
         # the common body (float sequences) without pydantic; anything it does not take,
         # and every mistake, goes through pydantic and the checks that name the field
         fast = inputs.fast_predict_request(body)
         req = fast or parse(PredictRequest, body)
-        with hold(state, req.model, _version_param(req.version)) as mv:
+        with hold(scope.setdefault("state", {}), req.model, _version_param(req.version)) as mv:
             spec = mv.spec
             seqs = None
             if fast is not None and spec.kind == "float":
@@ -360,12 +380,12 @@ def create_app(settings: Settings) -> FastAPI:
                 seqs, lambda rows: inputs.shape_outputs(spec, rows, seqs, req.top_k))
         return JSON({"model": mv.name, "version": mv.version, "outputs": outputs})
 
-    app.direct = {"/predict": predict_body}
+    app.add_direct("/predict", predict_body)
 
     @app.post("/predict", response_model=PredictResponse, responses=INFER_ERRORS,
               openapi_extra=_body(PredictRequest), summary="predict from sequences or text")
     async def predict(request: Request):
-        return await predict_body(await request.body(), _state(request))
+        return await predict_body(await request.body(), request.scope)
 
     @app.post("/generate", response_model=GenerateResponse, responses=INFER_ERRORS,
               openapi_extra=_body(GenerateRequest),
@@ -462,9 +482,8 @@ def create_app(settings: Settings) -> FastAPI:
                      "version_policy": {settings.version_policy: {
                          "num_versions": settings.keep_versions}}})
 
-    async def infer(request: Request, name: str, version: str | None):
-        body = await request.body()
-        header = request.headers.get("inference-header-content-length")
+    async def infer(body: bytes, scope: dict, name: str, version: str | None = None):
+        header = _header(scope, b"inference-header-content-length")
         tail = b""
         if header is not None:
             if not header.isdigit() or int(header) > len(body):
@@ -473,7 +492,7 @@ def create_app(settings: Settings) -> FastAPI:
             body, tail = body[:int(header)], body[int(header):]
         req = parse(InferenceRequest, body)
         binaries = inputs.binary_chunks(req, tail)
-        with hold(_state(request), name, _version_param(version)) as mv:
+        with hold(scope.setdefault("state", {}), name, _version_param(version)) as mv:
             spec, runtime = mv.spec, mv.runtime
             names = runtime.output_names["model"]
             wanted = [o.name for o in req.outputs] if req.outputs else names
@@ -514,13 +533,16 @@ def create_app(settings: Settings) -> FastAPI:
               responses=INFER_ERRORS, openapi_extra=_body(InferenceRequest),
               summary="inference (newest loaded version)")
     async def infer_model(name: str, request: Request):
-        return await infer(request, name, None)
+        return await infer(await request.body(), request.scope, name)
 
     @app.post("/v2/models/{name}/versions/{version}/infer", response_model=InferenceResponse,
               responses=INFER_ERRORS, openapi_extra=_body(InferenceRequest),
               summary="inference on one version")
     async def infer_version(name: str, version: str, request: Request):
-        return await infer(request, name, version)
+        return await infer(await request.body(), request.scope, name, version)
+
+    app.add_direct("/v2/models/{name}/infer", infer)
+    app.add_direct("/v2/models/{name}/versions/{version}/infer", infer)
 
     # -- model repository API ----------------------------------------------------------
 

@@ -124,10 +124,9 @@ def test_fast_path_leaves_the_rest_to_pydantic(body):
     assert fast_predict_request(body) is None
 
 
-def test_direct_predict_route_answers_errors_like_the_app(service_packages, tmp_path,
-                                                          monkeypatch):
-    """POST /predict skips FastAPI's layers (Service.direct): a bug is still a logged 500
-    with a JSON error, counted in the metrics under the route."""
+def test_direct_routes_answer_errors_like_the_app(service_packages, tmp_path, monkeypatch):
+    """POST /predict and the OIP infer routes skip FastAPI's layers (Service.add_direct): a
+    bug is still a logged 500 with a JSON error, counted in the metrics under the route."""
     from fastapi.testclient import TestClient
 
     from service import inputs
@@ -148,8 +147,20 @@ def test_direct_predict_route_answers_errors_like_the_app(service_packages, tmp_
         monkeypatch.setattr(inputs, "shape_outputs", broken)
         r = c.post("/predict", json={"model": "digits", "inputs": [[0.1, 0.2]]})
         assert r.status_code == 500 and r.json() == {"error": "internal server error (logged)"}
+        # the OIP infer routes are direct too, counted under their path templates
+        x = {"name": "x", "shape": [1, 2, 1], "datatype": "FP32", "data": [0.1, 0.2]}
+        assert c.post("/v2/models/digits/versions/1/infer",
+                      json={"inputs": [x]}).status_code == 200
+        bad = c.post("/v2/models/digits/infer", content=b'{"inputs": []}',
+                     headers={"Inference-Header-Content-Length": "x"})
+        assert bad.status_code == 400 and "Inference-Header-Content-Length" in bad.json()["error"]
+        assert c.post("/v2/models/digits/extra/infer", json={"inputs": [x]}).status_code == 404
         text = c.get("/metrics").text
         assert 'orthornn_requests_total{endpoint="/predict",model="digits",status="500",' \
                'version="1"} 1.0' in text
         assert 'orthornn_requests_total{endpoint="/predict",model="digits",status="200",' \
                'version="1"} 1.0' in text
+        assert 'orthornn_requests_total{endpoint="/v2/models/{name}/versions/{version}/infer",' \
+               'model="digits",status="200",version="1"} 1.0' in text
+        assert 'orthornn_requests_total{endpoint="/v2/models/{name}/infer",model="_unknown",' \
+               'status="400",version=""} 1.0' in text
