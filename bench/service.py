@@ -5,8 +5,10 @@ random data: speed does not depend on accuracy), starts ``orthornn serve`` as a 
 process with dynamic batching on and then off, and drives it from this process with a
 small asyncio HTTP/1.1 keep-alive client: for each concurrency (default 1, 8, 32),
 alternating rounds of ``GET /v2/health/live`` (the HTTP ceiling of the machine: same
-server, same client, no model work) and ``POST /predict`` with one sequence per request;
-the ratio is the median of the rounds' ratios. Prints a table and writes
+server, same client, no model work), ``POST /predict`` with one sequence per request
+(JSON numbers) and the same sequence as an Open Inference Protocol binary tensor
+(``POST /v2/models/bench/infer``); each ratio is the median of the rounds' ratios to
+the ceiling. Prints a table and writes
 bench/results/service.json. Client and server share the machine's cores, as a
 load balancer's sidecar would not: the ceiling is a ceiling for this setup only.
 
@@ -143,19 +145,35 @@ def _summary(runs: list[tuple[float, list[float], list[str]]]) -> dict:
             "p99_ms": round(float(np.percentile(lat, 99)), 2)}
 
 
-def measure(port: int, health: list[bytes], bodies: list[bytes], concurrency: int,
-            duration: float, rounds: int, max_requests: int) -> dict:
-    """GET /v2/health/live and POST /predict in alternating rounds (this machine's load
-    drifts; alternating keeps the two comparable), each pair's ratio, and the median."""
-    runs: dict[str, list] = {"health": [], "predict": []}
+def measure(port: int, targets: dict[str, list[bytes]], concurrency: int, duration: float,
+            rounds: int, max_requests: int) -> dict:
+    """Each target (the first is the health ceiling) in alternating rounds (this machine's
+    load drifts; alternating keeps them comparable); per target after the first, its
+    summary and the median over the rounds of its throughput / the ceiling's."""
+    runs: dict[str, list] = {name: [] for name in targets}
     for _ in range(rounds):
-        for name, requests in (("health", health), ("predict", bodies)):
+        for name, requests in targets.items():
             runs[name].append(asyncio.run(_load(port, requests, concurrency,
                                                 duration / rounds, max_requests)))
-    ratios = [len(p[1]) / p[0] / max(len(h[1]) / h[0], 1e-9)
-              for h, p in zip(runs["health"], runs["predict"], strict=True)]
-    return {"concurrency": concurrency, "health": _summary(runs["health"]),
-            "predict": _summary(runs["predict"]), "ratio": round(float(np.median(ratios)), 3)}
+    ceiling, *others = targets
+    out = {"concurrency": concurrency, ceiling: _summary(runs[ceiling])}
+    for name in others:
+        ratios = [len(r[1]) / r[0] / max(len(c[1]) / c[0], 1e-9)
+                  for c, r in zip(runs[ceiling], runs[name], strict=True)]
+        out[name] = {**_summary(runs[name]), "ratio": round(float(np.median(ratios)), 3)}
+    return out
+
+
+def _infer_binary(x: np.ndarray) -> bytes:
+    """POST /v2/models/bench/infer with x as an OIP binary tensor (no JSON numbers)."""
+    blob = x.astype("<f4").tobytes()
+    head = json.dumps({"inputs": [{"name": "x", "shape": [1, *x.shape], "datatype": "FP32",
+                                   "parameters": {"binary_data_size": len(blob)}}],
+                       "outputs": [{"name": "logits"}]}).encode()
+    return (f"POST /v2/models/bench/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Length: {len(head) + len(blob)}\r\n"
+            f"Content-Type: application/octet-stream\r\n"
+            f"Inference-Header-Content-Length: {len(head)}\r\n\r\n").encode() + head + blob
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,17 +201,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         repo = build_package(Path(tmp), args.hidden, args.steps, args.features)
         rng = np.random.default_rng(1)
-        bodies = [_request("POST", "/predict", json.dumps(
-            {"model": "bench", "inputs": [rng.normal(size=(args.steps, args.features))
-                                          .round(4).tolist()]}).encode()) for _ in range(64)]
-        health = [_request("GET", "/v2/health/live")]
+        xs = [rng.normal(size=(args.steps, args.features)).round(4) for _ in range(64)]
+        targets = {
+            "health": [_request("GET", "/v2/health/live")],
+            "predict": [_request("POST", "/predict", json.dumps(
+                {"model": "bench", "inputs": [x.tolist()]}).encode()) for x in xs],
+            "infer_binary": [_infer_binary(x) for x in xs]}
         for batching in (True, False):
             server = Server(repo, batching, args.server_arg)
             try:
                 server.wait_ready()
                 for c in args.concurrency:
                     rows.append({"batching": batching, **measure(
-                        server.port, health, bodies, c, args.duration, args.rounds,
+                        server.port, targets, c, args.duration, args.rounds,
                         args.max_requests)})
                     print(_row(rows[-1]), flush=True)
             finally:
@@ -212,17 +232,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _row(r: dict) -> str:
-    p, h = r["predict"], r["health"]
+    p, h, b = r["predict"], r["health"], r["infer_binary"]
     return (f"| {'on' if r['batching'] else 'off':8} | {r['concurrency']:11} | "
-            f"{h['throughput']:14.0f} | {p['throughput']:14.0f} | {r['ratio']:5.2f} | "
-            f"{p['p50_ms']:7.2f} | {p['p99_ms']:7.2f} | {p['errors'] + h['errors']:6} |")
+            f"{h['throughput']:12.0f} | {p['throughput']:13.0f} | {p['ratio']:5.2f} | "
+            f"{p['p50_ms']:6.2f} | {p['p99_ms']:6.2f} | {b['throughput']:10.0f} | "
+            f"{b['ratio']:5.2f} | {b['p99_ms']:6.2f} | "
+            f"{p['errors'] + h['errors'] + b['errors']:6} |")
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| batching | concurrency | health req/s   | predict req/s  | ratio | p50 ms  "
-            "| p99 ms  | errors |\n"
-            "| -------- | ----------- | -------------- | -------------- | ----- | ------- "
-            "| ------- | ------ |")
+    head = ("| batching | concurrency | health req/s | predict req/s | ratio | p50 ms | p99 ms "
+            "| OIP binary | ratio | p99 ms | errors |\n"
+            "| -------- | ----------- | ------------ | ------------- | ----- | ------ | ------ "
+            "| ---------- | ----- | ------ | ------ |")
     return "\n".join([head, *(_row(r) for r in rows)])
 
 

@@ -40,4 +40,7 @@ def test_service_benchmark_runs(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batching"], r["concurrency"]) for r in rows] == [
         (True, 1), (True, 2), (False, 1), (False, 2)]
-    assert all(r["predict"]["errors"] == 0 and r["predict"]["requests"] > 0 for r in rows)
+    for r in rows:
+        for name in ("health", "predict", "infer_binary"):
+            assert r[name]["errors"] == 0 and r[name]["requests"] > 0, (name, r)
+        assert r["predict"]["ratio"] > 0 and r["infer_binary"]["ratio"] > 0
