@@ -268,9 +268,9 @@ def _header(scope, name: bytes) -> str | None:
     return None
 
 
-def _state(request: Request) -> dict:
+def _state(scope: dict) -> dict:
     """The request's scope["state"] (what request.state shows)."""
-    return request.scope.setdefault("state", {})
+    return scope.setdefault("state", {})
 
 
 def _version_param(value) -> int | None:
@@ -366,7 +366,7 @@ def create_app(settings: Settings) -> FastAPI:
         # and every mistake, goes through pydantic and the checks that name the field
         fast = inputs.fast_predict_request(body)
         req = fast or parse(PredictRequest, body)
-        with hold(scope.setdefault("state", {}), req.model, _version_param(req.version)) as mv:
+        with hold(_state(scope), req.model, _version_param(req.version)) as mv:
             spec = mv.spec
             seqs = None
             if fast is not None and spec.kind == "float":
@@ -392,7 +392,7 @@ def create_app(settings: Settings) -> FastAPI:
               summary="language models: sample text, carrying the hidden state")
     async def generate_text(request: Request):
         req = parse(GenerateRequest, await request.body())
-        with hold(_state(request), req.model, _version_param(req.version)) as mv:
+        with hold(_state(request.scope), req.model, _version_param(req.version)) as mv:
             prompt = generate.prompt_ids(mv.spec, req, settings.max_new_tokens)
             # a thread of its own (asyncio's default pool): a long generation must not hold
             # the inference threads, and the batcher must not wait for it
@@ -492,7 +492,7 @@ def create_app(settings: Settings) -> FastAPI:
             body, tail = body[:int(header)], body[int(header):]
         req = parse(InferenceRequest, body)
         binaries = inputs.binary_chunks(req, tail)
-        with hold(scope.setdefault("state", {}), name, _version_param(version)) as mv:
+        with hold(_state(scope), name, _version_param(version)) as mv:
             spec, runtime = mv.spec, mv.runtime
             names = runtime.output_names["model"]
             wanted = [o.name for o in req.outputs] if req.outputs else names
