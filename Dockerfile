@@ -44,6 +44,7 @@ ARG VARIANT
 ARG ONNXRUNTIME_VERSION=1.31.1
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY orthornn ./orthornn
 COPY models ./models
 COPY training ./training
 COPY export ./export
@@ -88,6 +89,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     MPLCONFIGDIR=/tmp/matplotlib
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY orthornn ./orthornn
 COPY models ./models
 COPY training ./training
 COPY export ./export

@@ -21,7 +21,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 tools: $(VENV)/.installed
 	bash scripts/ci-tools.sh $(VENV)
 
-test: $(VENV)/.installed tools
+test: $(VENV)/.installed tools lint
 	$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed

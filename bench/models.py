@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from orthornn.models import ARCHITECTURES, build_model
+
 from bench.common import seconds, write_result
-from models import ARCHITECTURES, build_model
 
 ORTHOGONAL = ("ornn", "svdrnn", "scornn", "dizzyrnn", "vprnn", "sgornn")
 

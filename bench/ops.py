@@ -38,8 +38,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from orthornn.models.ops import householder_matrix, rnn_scan, rnn_scan_steps
+
 from bench.common import write_result
-from models.ops import householder_matrix, rnn_scan, rnn_scan_steps
 
 METHODS = ("fused", "loop", "autograd", "cudnn")
 

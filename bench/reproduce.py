@@ -28,9 +28,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from orthornn.training.config import TrainConfig
+from orthornn.training.trainer import train
+
 from bench.common import write_result
-from training.config import TrainConfig
-from training.trainer import train
 
 GROUPS = ("adding", "copy", "ucr", "digits", "lm")
 

@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def build_package(work: Path, hidden: int, steps: int, features: int) -> Path:
-    from export.exporter import export_run
-    from training.config import TrainConfig
-    from training.trainer import train
+    from orthornn.export.exporter import export_run
+    from orthornn.training.config import TrainConfig
+    from orthornn.training.trainer import train
 
     rng = np.random.default_rng(0)
     data = work / "data.npz"
@@ -62,7 +62,7 @@ def free_port() -> int:
 class Server:
     def __init__(self, repo: Path, batching: bool, extra: list[str]):
         self.port = free_port()
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--repo", str(repo),
+        cmd = [sys.executable, "-m", "orthornn", "serve", "--repo", str(repo),
                "--port", str(self.port), "--log-level", "warning",
                "--batching" if batching else "--no-batching", *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,

@@ -27,8 +27,8 @@ def run_export(args: argparse.Namespace) -> int:
         from .package import verify_package
 
         manifest = verify_package(args.verify_only)
-        print(f"{args.verify_only}: ok ({manifest['name']} version {manifest['version']}, "
-              f"{manifest['arch']} {manifest['mode']})")
+        print(f"{args.verify_only}: ok ({manifest.name} version {manifest.version}, "
+              f"{manifest.arch} {manifest.mode})")
         return 0
     missing = [flag for flag, v in (("RUN_DIR", args.run_dir), ("--repo", args.repo),
                                     ("--name", args.name)) if not v]

@@ -12,16 +12,16 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
 import onnx
 import torch
+from orthornn.models import spectral_summary
+from orthornn.models.cells import LSTMLayer
+from orthornn.training.checkpoint import load_model, read_vocabulary
 
-from models.cells import LSTMLayer
-from training.checkpoint import load_model, read_vocabulary
-from training.trainer import spectral_summary
+from orthornn import __version__
 
 from . import package, repository
 from .onnx_export import MODES, RNN_ACTIVATIONS, build_graph
@@ -44,7 +44,7 @@ def _golden_inputs(model, config: dict, seed: int = 0) -> dict[str, np.ndarray]:
 
 @torch.no_grad()
 def _torch_outputs(model, feeds: dict, step: bool) -> dict[str, np.ndarray]:
-    out_name = "value" if model.task == "regress" else "logits"
+    out_name = package.output_name(model.task)
     if step:
         out, last = model(torch.from_numpy(feeds["tokens"]), h0=torch.from_numpy(feeds["state"]),
                           return_state=True)
@@ -90,13 +90,6 @@ def _io_spec(proto: onnx.ModelProto) -> tuple[list, list]:
         datatype = {onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.INT64: "INT64"}[t.elem_type]
         return {"name": v.name, "datatype": datatype, "shape": dims}
     return [spec(v) for v in proto.graph.input], [spec(v) for v in proto.graph.output]
-
-
-def _orthornn_version() -> str:
-    try:
-        return version("orthornn")
-    except PackageNotFoundError:  # running from a source tree
-        return "0+unknown"
 
 
 def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "dense",
@@ -147,30 +140,22 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
             files["vocab.txt"] = package.sha256(tmp / "vocab.txt")
         io = {key: dict(zip(("inputs", "outputs"), _io_spec(proto), strict=True))
               for key, proto in graphs.items()}
-        manifest = {
-            "format": package.FORMAT,
-            "name": name, "version": version_number,
-            "arch": model.arch, "task": model.task, "task_name": config.get("task_name"),
-            "mode": mode, "opset": opset, "recurrence": recurrence,
-            "graphs": {key: f"{key}.onnx" for key in graphs},
-            "io": io,
-            "input_spec": config["input_spec"],
-            "output_spec": {"kind": {"classify": "logits", "regress": "value",
-                                     "seq2seq": "logits", "lm": "logits"}[model.task],
-                            "size": model.num_outputs, "state_size": model.state_size},
-            "labels": config.get("labels"),
-            "vocabulary_file": "vocab.txt" if vocabulary is not None else None,
-            "hidden_size": model.hidden_size,
-            "files": files,
-            "spectral": spectral_summary(model),
-            "training": json.loads(summary_path.read_text()) if summary_path.is_file()
-            else None,
-            "source": {"run_dir": str(run_dir.resolve()),
-                       "checkpoint_sha256": package.sha256(run_dir / "model.safetensors")},
-            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "orthornn_version": _orthornn_version(),
-        }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        manifest = package.Manifest(
+            name=name, version=version_number, arch=model.arch, task=model.task,
+            task_name=config.get("task_name"), mode=mode, opset=opset, recurrence=recurrence,
+            graphs={key: f"{key}.onnx" for key in graphs}, io=io,
+            input_spec=package.InputSpec.from_dict(config["input_spec"]),
+            output_spec=package.OutputSpec.for_task(model.task, model.num_outputs,
+                                                    model.state_size),
+            labels=config.get("labels"),
+            vocabulary_file="vocab.txt" if vocabulary is not None else None,
+            hidden_size=model.hidden_size, files=files, spectral=spectral_summary(model),
+            training=json.loads(summary_path.read_text()) if summary_path.is_file() else None,
+            source={"run_dir": str(run_dir.resolve()),
+                    "checkpoint_sha256": package.sha256(run_dir / "model.safetensors")},
+            created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            orthornn_version=__version__)
+        (tmp / "manifest.json").write_text(manifest.to_json())
         package.verify_package(tmp)  # never publish what onnxruntime cannot reproduce
 
     return repository.publish(repo, name, build)

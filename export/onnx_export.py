@@ -20,21 +20,21 @@ import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper
-
-from models.cells import LSTMLayer
-from models.parametrizations import (
-    BoundedSingularValues,
+from orthornn.models.activations import check_kind
+from orthornn.models.cells import LSTMLayer
+from orthornn.models.parametrizations import (
     DenseTransition,
     HouseholderChain,
     PackedGivens,
+    Parametrization,
     RotationPermutation,
     ScaledCayley,
     SVDForm,
 )
-from models.parametrizations.givens import pair_coefficients
 
 from . import functions
 from .graph import DOMAIN, IR_VERSION, Graph, value
+from .package import output_name
 
 MODES = ("dense", "factored")
 RNN_ACTIVATIONS = {"tanh": "Tanh", "relu": "Relu", "leaky_relu": "LeakyRelu"}
@@ -46,59 +46,49 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 # -- where W comes from -------------------------------------------------------------------
 
-def factored_matrix(g: Graph, p, used: set) -> str:
-    """W [n, n] computed in the graph from p's parameters; ``used`` collects the
+# the ai.orthornn function (export/functions.py) that rebuilds each parametrization's
+# matrix() from its factors(), taken in the order factors() lists them
+FUNCTIONS = {HouseholderChain: "HouseholderChain", PackedGivens: "PackedGivens",
+             RotationPermutation: "RotationPermutation", ScaledCayley: "ScaledCayley"}
+INT_FACTORS = {"order", "partner", "permutations", "upper_index"}
+
+
+def factored_matrix(g: Graph, p: Parametrization, used: set) -> str:
+    """W [n, n] computed in the graph from p.factors(); ``used`` collects the
     ai.orthornn functions the graph calls."""
+    factors = p.factors()
     if isinstance(p, DenseTransition):
-        return g.const(_np(p.weight), "W")
-    if isinstance(p, HouseholderChain):
-        used.add("HouseholderChain")
-        return g.op("HouseholderChain", g.const(_np(p.reflector_matrix()), "reflectors"),
-                    domain=DOMAIN)
-    if isinstance(p, PackedGivens | RotationPermutation):
-        _, _, partner = pair_coefficients(p.angles, p.first, p.second)
-        order = torch.argsort(torch.cat([p.first, p.second], dim=1), dim=1)
-        args = [g.const(_np(p.angles), "angles"), g.const(_np(order), "order", "int64"),
-                g.const(_np(partner), "partner", "int64")]
-        name = "PackedGivens"
-        if isinstance(p, RotationPermutation):
-            name = "RotationPermutation"
-            args.append(g.const(_np(p.permutations), "perms", "int64"))
-        used.add(name)
-        return g.op(name, *args, domain=DOMAIN)
-    if isinstance(p, ScaledCayley):
-        used.add("ScaledCayley")
-        return g.op("ScaledCayley", g.const(_np(p.skew), "skew"),
-                    g.const(_np(p.upper_index), "upper_index", "int64"),
-                    g.const(_np(p.diagonal), "D"), domain=DOMAIN)
-    if isinstance(p, SVDForm):
-        u, v = factored_matrix(g, p.left, used), factored_matrix(g, p.right, used)
-        if isinstance(p.singular, BoundedSingularValues):  # eq. 7, from the logits
-            sv = p.singular
-            s = g.op("Add", g.op("Mul", g.const(2 * sv.r, "two_r"),
-                                 g.op("Sub", g.op("Sigmoid", g.const(_np(sv.logits), "logits")),
-                                      g.const(0.5, "half"))),
-                     g.const(sv.sigma_star, "sigma_star"))
-        else:
-            s = g.const(_np(p.singular_values()), "singular_values")
+        return g.const(_np(factors["weight"]), "W")
+    if isinstance(p, SVDForm):  # U[:, :k] diag(s) V[:, :k]^T (square here: k = n)
+        u = factored_matrix(g, factors["left"], used)
+        v = factored_matrix(g, factors["right"], used)
+        s = g.const(_np(factors["singular_values"]), "singular_values")
         return g.op("MatMul", g.op("Mul", u, s), g.op("Transpose", v, perm=[1, 0]))
-    raise ValueError(f"no factored export for {type(p).__name__}")
+    name = FUNCTIONS.get(type(p))
+    if name is None:
+        raise ValueError(f"no factored export for {type(p).__name__}")
+    used.add(name)
+    args = [g.const(_np(t), key, "int64" if key in INT_FACTORS else "float32")
+            for key, t in factors.items()]
+    return g.op(name, *args, domain=DOMAIN)
 
 
 # -- the recurrence ---------------------------------------------------------------------
 
+# the ONNX form of each activation kind of models.activations (keyed the same)
+ACTIVATIONS = {
+    "tanh": lambda body, z, act: body.op("Tanh", z),
+    "relu": lambda body, z, act: body.op("Relu", z),
+    "leaky_relu": lambda body, z, act: body.op("LeakyRelu", z, alpha=act.negative_slope),
+    "abs": lambda body, z, act: body.op("Abs", z),
+    # sign(z) relu(|z| + b)
+    "modrelu": lambda body, z, act: body.op("Mul", body.op("Sign", z), body.op(
+        "Relu", body.op("Add", body.op("Abs", z), body.const(_np(act.bias), "modrelu_bias")))),
+}
+
+
 def _activation(body: Graph, kind: str, z: str, act) -> str:
-    if kind == "tanh":
-        return body.op("Tanh", z)
-    if kind == "relu":
-        return body.op("Relu", z)
-    if kind == "leaky_relu":
-        return body.op("LeakyRelu", z, alpha=act.negative_slope)
-    if kind == "abs":
-        return body.op("Abs", z)
-    bias = body.const(_np(act.bias), "modrelu_bias")  # sign(z) relu(|z| + b)
-    return body.op("Mul", body.op("Sign", z), body.op("Relu", body.op("Add", body.op("Abs", z),
-                                                                       bias)))
+    return ACTIVATIONS[check_kind(kind)](body, z, act)
 
 
 def _scan(g: Graph, layer, w_t: str, u: str, lengths: str, h0: str) -> tuple[str, str]:
@@ -257,7 +247,7 @@ def build_graph(model, mode: str = "dense", *, step: bool = False, recurrence: s
     else:
         out = g.op("Add", g.op("MatMul", states, head_w), head_b)
         out_shape = ["batch", 1 if step else "time", model.num_outputs]
-    out_name = "value" if task == "regress" else "logits"
+    out_name = output_name(task)
     g.nodes.append(helper.make_node("Identity", [out], [out_name]))
     g.nodes.append(helper.make_node("Identity", [last], ["state"] if not step else ["next_state"]))
     outputs = [value(out_name, TensorProto.FLOAT, out_shape),

@@ -5,26 +5,150 @@
         step.onnx        language models: one step, state in and out
         vocab.txt        language models: one token per line
         golden.npz       "<graph>/<tensor>" inputs and the outputs torch computed
-        manifest.json    what the package is (see export/exporter.py), with the
-                         sha256 of every other file
+        manifest.json    what the package is (``Manifest`` below), with the sha256 of
+                         every other file
 
-``verify_package`` checks the hashes and runs onnxruntime on the golden inputs.
+``Manifest`` is the one schema of manifest.json: the exporter builds it, the service
+reads it (``read_manifest``). ``verify_package`` checks the hashes and runs
+onnxruntime on the golden inputs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 FORMAT = "orthornn-package/1"
 TOLERANCE = 1e-4
+TASKS = ("classify", "regress", "seq2seq", "lm")
+INPUT_KINDS = ("float", "tokens")
 
 
 class PackageError(ValueError):
     """A package that must not be served; the message says what is wrong."""
+
+
+def output_name(task: str) -> str:
+    """The name of a graph's prediction output: "value" for regress, else "logits"."""
+    return "value" if task == "regress" else "logits"
+
+
+def _check(name: str, value, kind, allowed=None):
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise PackageError(f"manifest field {name!r} must be {getattr(kind, '__name__', kind)}; "
+                           f"got {value!r}")
+    if allowed is not None and value not in allowed:
+        raise PackageError(f"manifest field {name!r} must be one of {', '.join(allowed)}; "
+                           f"got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What a graph reads: ``float`` features [B, T, feature_size], or ``tokens`` ids
+    [B, T] below feature_size (the vocabulary size). max_length: the longest sequence
+    trained on (0: any; for language models the BPTT window, not a limit)."""
+
+    kind: str
+    feature_size: int
+    max_length: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> InputSpec:
+        _check("input_spec", d, dict)
+        return cls(kind=_check("input_spec.kind", d.get("kind"), str, INPUT_KINDS),
+                   feature_size=_check("input_spec.feature_size", d.get("feature_size"), int),
+                   max_length=_check("input_spec.max_length", d.get("max_length") or 0, int))
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """The prediction output: its name (``output_name``), its last dimension and the size of
+    the recurrent state [B, state_size] every graph also returns."""
+
+    kind: str
+    size: int
+    state_size: int
+
+    @classmethod
+    def for_task(cls, task: str, size: int, state_size: int) -> OutputSpec:
+        return cls(output_name(task), size, state_size)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> OutputSpec:
+        _check("output_spec", d, dict)
+        return cls(kind=_check("output_spec.kind", d.get("kind"), str, ("logits", "value")),
+                   size=_check("output_spec.size", d.get("size"), int),
+                   state_size=_check("output_spec.state_size", d.get("state_size"), int))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """manifest.json of a model package."""
+
+    name: str
+    version: int
+    arch: str
+    task: str
+    mode: str  # dense | factored
+    opset: int
+    recurrence: str  # rnn | scan | lstm
+    graphs: dict  # graph key ("model", "step") -> file name
+    io: dict  # graph key -> {"inputs": [...], "outputs": [...]} (name, datatype, shape)
+    input_spec: InputSpec
+    output_spec: OutputSpec
+    files: dict  # file name -> sha256
+    hidden_size: int
+    task_name: str | None = None
+    labels: list | None = None
+    vocabulary_file: str | None = None
+    spectral: dict = field(default_factory=dict)
+    training: dict | None = None
+    source: dict = field(default_factory=dict)
+    created: str = ""
+    orthornn_version: str = ""
+    format: str = FORMAT
+
+    @property
+    def output_name(self) -> str:
+        return output_name(self.task)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Manifest:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise PackageError(f"not an orthornn package manifest ({FORMAT})")
+        known = {f.name for f in dataclasses.fields(cls)}
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                   and f.name not in d]
+        if missing:
+            raise PackageError(f"manifest field missing: {', '.join(missing)}")
+        values = {k: v for k, v in d.items() if k in known}  # newer fields are ignored
+        values["input_spec"] = InputSpec.from_dict(d["input_spec"])
+        values["output_spec"] = OutputSpec.from_dict(d["output_spec"])
+        manifest = cls(**values)
+        for name, kind in (("name", str), ("version", int), ("arch", str), ("mode", str),
+                           ("opset", int), ("recurrence", str), ("graphs", dict), ("io", dict),
+                           ("files", dict), ("hidden_size", int)):
+            _check(name, getattr(manifest, name), kind)
+        _check("task", manifest.task, str, TASKS)
+        if manifest.output_spec.kind != manifest.output_name:
+            raise PackageError(f"manifest field 'output_spec.kind' must be "
+                               f"{manifest.output_name!r} for task {manifest.task!r}")
+        if manifest.input_spec.kind == "tokens" and not manifest.vocabulary_file:
+            raise PackageError("manifest field 'vocabulary_file' is required for token inputs")
+        return manifest
 
 
 def sha256(path: str | Path) -> str:
@@ -35,23 +159,24 @@ def sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def read_manifest(package: str | Path) -> dict:
+def read_manifest(package: str | Path) -> Manifest:
     path = Path(package) / "manifest.json"
     if not path.is_file():
         raise PackageError(f"{str(package)!r} is not a model package (no manifest.json)")
     try:
-        manifest = json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except ValueError as error:
         raise PackageError(f"{str(path)!r} is not valid JSON: {error}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise PackageError(f"{str(path)!r} is not an orthornn package manifest ({FORMAT})")
-    return manifest
+    try:
+        return Manifest.from_dict(data)
+    except PackageError as error:
+        raise PackageError(f"{str(path)!r}: {error}") from None
 
 
-def check_hashes(package: str | Path, manifest: dict) -> None:
+def check_hashes(package: str | Path, manifest: Manifest) -> None:
     package = Path(package)
-    files = manifest.get("files") or {}
-    for name in manifest.get("graphs", {}).values():
+    files = manifest.files
+    for name in manifest.graphs.values():
         if name not in files:
             raise PackageError(f"manifest lists no sha256 for graph {name!r}")
     for name, expected in files.items():
@@ -79,14 +204,14 @@ def session_from_bytes(model, providers: list[str] | None = None, threads: int |
     return ort.InferenceSession(model, options, providers=providers or ["CPUExecutionProvider"])
 
 
-def golden_check(package: str | Path, manifest: dict, sessions: dict | None = None) -> float:
+def golden_check(package: str | Path, manifest: Manifest, sessions: dict | None = None) -> float:
     """Run every graph on its golden inputs; the largest deviation, or PackageError when
     an output differs from torch's by more than TOLERANCE (absolute + relative)."""
     package = Path(package)
     with np.load(package / "golden.npz", allow_pickle=False) as data:
         golden = {k: data[k] for k in data.files}
     worst = 0.0
-    for graph, filename in manifest["graphs"].items():
+    for graph, filename in manifest.graphs.items():
         sess = (sessions or {}).get(graph) or session(package / filename)
         feeds = {i.name: golden[f"{graph}/{i.name}"] for i in sess.get_inputs()}
         names = [o.name for o in sess.get_outputs()]
@@ -103,7 +228,7 @@ def golden_check(package: str | Path, manifest: dict, sessions: dict | None = No
     return worst
 
 
-def verify_package(package: str | Path) -> dict:
+def verify_package(package: str | Path) -> Manifest:
     """The manifest of a package whose files match their hashes and whose graphs
     reproduce the golden outputs; PackageError otherwise."""
     manifest = read_manifest(package)

@@ -14,7 +14,14 @@ from torch import nn
 
 from .validation import check_choice, check_float
 
+# The one table of activation kinds: the torch functions below, the Triton kernels
+# (models/ops/triton_scan.py, KIND = index here) and the ONNX builder
+# (export/onnx_export.py) are keyed by these names, and each raises on any other.
 KINDS = ("tanh", "relu", "leaky_relu", "modrelu", "abs")
+
+
+def check_kind(kind: str) -> str:
+    return check_choice("activation", kind, KINDS)
 
 
 def activation_forward(kind: str, z: torch.Tensor, slope: float = 0.01,
@@ -57,7 +64,7 @@ def modrelu_bias_grad(z: torch.Tensor, d_z: torch.Tensor) -> torch.Tensor:
 class Activation(nn.Module):
     def __init__(self, kind: str, size: int, negative_slope: float = 0.01):
         super().__init__()
-        self.kind = check_choice("activation", kind, KINDS)
+        self.kind = check_kind(kind)
         self.negative_slope = check_float("negative_slope", negative_slope, 0.0, 1.0)
         # modReLU's trainable bias (scoRNN section 4.1); None for the other kinds.
         self.bias = nn.Parameter(torch.zeros(size)) if kind == "modrelu" else None

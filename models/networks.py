@@ -128,6 +128,22 @@ class SequenceModel(_Network):
                              f"got {getattr(h0, 'shape', type(h0).__name__)}")
 
 
+def spectral_summary(model) -> dict:
+    """The spectrum of the transition matrix the forward pass uses (``recurrent_weight``):
+    min / max singular value, the spectral margin max|s_i - 1| and ||W^T W - I||_2;
+    {} for models without one. Training logs it, the model package's manifest carries it."""
+    with torch.no_grad():
+        w = model.recurrent_weight()
+        if w is None:
+            return {}
+        w = w.detach().double().cpu()
+        s = torch.linalg.svdvals(w)
+        eye = torch.eye(w.shape[0], dtype=torch.float64)
+        return {"sigma_min": s.min().item(), "sigma_max": s.max().item(),
+                "spectral_margin": (s - 1).abs().max().item(),
+                "orthogonality_error": torch.linalg.matrix_norm(w.T @ w - eye, ord=2).item()}
+
+
 class SVDLinear(nn.Module):
     """y = W x + b with W [out, in] in the rectangular SVD parametrization (Spectral-RNN
     eq. 15): 2 min(out, in) reflectors reach every matrix (Theorem 4)."""

@@ -433,7 +433,7 @@ def create_app(settings: Settings) -> FastAPI:
                 "parameters": {"version": str(mv.version), "task": mv.spec.task,
                                "arch": mv.spec.arch, "max_length": mv.spec.max_length,
                                "labels": mv.spec.labels,
-                               "spectral": mv.manifest.get("spectral") or {}}}
+                               "spectral": mv.manifest.spectral or {}}}
 
     @app.get("/v2/models/{name}", response_model=ModelMetadata, responses=ERRORS,
              summary="model metadata (newest loaded version)")

@@ -4,8 +4,7 @@ graph produces each new token from the carried hidden state (the prefix is never
 from __future__ import annotations
 
 import numpy as np
-
-from export.vocabulary import EOS
+from orthornn.export.vocabulary import EOS
 
 from .inputs import ClientError
 from .protocol import GenerateRequest

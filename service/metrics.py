@@ -59,20 +59,18 @@ class Metrics:
             "||W^T W - I||_2 of the transition matrix (from the manifest)",
             ["model", "version"], registry=r)
 
-    def model_loaded(self, manifest: dict) -> None:
-        name, version = manifest["name"], str(manifest["version"])
-        self.loaded.labels(name, version, manifest.get("arch", ""),
-                           manifest.get("mode", "")).set(1)
-        spectral = manifest.get("spectral") or {}
+    def model_loaded(self, manifest) -> None:
+        name, version = manifest.name, str(manifest.version)
+        self.loaded.labels(name, version, manifest.arch, manifest.mode).set(1)
+        spectral = manifest.spectral or {}
         for gauge, key in ((self.sigma_min, "sigma_min"), (self.sigma_max, "sigma_max"),
                            (self.orthogonality_error, "orthogonality_error")):
             if isinstance(spectral.get(key), int | float):
                 gauge.labels(name, version).set(float(spectral[key]))
 
-    def model_released(self, manifest: dict) -> None:
-        name, version = manifest["name"], str(manifest["version"])
-        for gauge, labels in ((self.loaded, (name, version, manifest.get("arch", ""),
-                                             manifest.get("mode", ""))),
+    def model_released(self, manifest) -> None:
+        name, version = manifest.name, str(manifest.version)
+        for gauge, labels in ((self.loaded, (name, version, manifest.arch, manifest.mode)),
                               (self.sigma_min, (name, version)), (self.sigma_max, (name, version)),
                               (self.orthogonality_error, (name, version))):
             with contextlib.suppress(KeyError):

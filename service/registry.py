@@ -18,8 +18,14 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from export.package import PackageError, check_hashes, golden_check, read_manifest
-from export.repository import NAME, versions
+from orthornn.export.package import (
+    Manifest,
+    PackageError,
+    check_hashes,
+    golden_check,
+    read_manifest,
+)
+from orthornn.export.repository import NAME, versions
 
 from .batcher import Batcher
 from .inputs import prepare_rows
@@ -39,7 +45,7 @@ class ModelVersion:
     name: str
     version: int
     path: Path
-    manifest: dict
+    manifest: Manifest
     spec: ModelSpec
     runtime: Runtime
     batcher: Batcher
@@ -160,9 +166,9 @@ class Registry:
         """Verify, load and warm one version; PackageError when it must not be served."""
         path = self.repo / name / str(version)
         manifest = read_manifest(path)
-        if manifest.get("name") != name or manifest.get("version") != version:
-            raise PackageError(f"manifest says {manifest.get('name')!r} version "
-                               f"{manifest.get('version')!r}, directory is {name}/{version}")
+        if manifest.name != name or manifest.version != version:
+            raise PackageError(f"manifest says {manifest.name!r} version "
+                               f"{manifest.version!r}, directory is {name}/{version}")
         check_hashes(path, manifest)
         spec = ModelSpec.from_manifest(manifest, path, self.settings.max_token_length)
         runtime = Runtime(path, manifest, self.providers, self.settings.inference_threads)
@@ -215,7 +221,7 @@ class Registry:
                     continue
                 self._failed.pop((name, v), None)
                 log.info("loaded %s version %d (%s, %s) in %.2f s", name, v,
-                         mv.manifest.get("arch"), mv.manifest.get("mode"),
+                         mv.manifest.arch, mv.manifest.mode,
                          time.perf_counter() - start)
                 keep[v] = mv
             self._swap(name, current, keep)

@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from export.package import PackageError, session_from_bytes
-from export.vocabulary import UNK, words
+from orthornn.export.package import Manifest, PackageError, session_from_bytes
+from orthornn.export.vocabulary import UNK, words
 
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 NUMPY_TYPES = {"FP32": np.float32, "INT64": np.int64}
@@ -60,27 +59,16 @@ class ModelSpec:
     io: dict = field(default_factory=dict)
 
     @classmethod
-    def from_manifest(cls, manifest: dict, package: Path, max_token_length: int) -> ModelSpec:
-        try:
-            inputs, outputs = manifest["input_spec"], manifest["output_spec"]
-            task = manifest["task"]
-            spec = cls(
-                name=manifest["name"], version=int(manifest["version"]), task=task,
-                arch=manifest["arch"], kind=inputs["kind"],
-                feature_size=int(inputs["feature_size"]),
-                max_length=int(inputs.get("max_length") or 0),
-                output_name="value" if task == "regress" else "logits",
-                output_size=int(outputs["size"]), state_size=int(outputs["state_size"]),
-                labels=manifest.get("labels"), io=manifest["io"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise PackageError(f"manifest field missing or invalid: {error}") from None
-        if spec.kind not in ("float", "tokens") or task not in ("classify", "regress",
-                                                               "seq2seq", "lm"):
-            raise PackageError(f"unsupported input kind {spec.kind!r} / task {task!r}")
+    def from_manifest(cls, manifest: Manifest, package: Path, max_token_length: int) -> ModelSpec:
+        inputs, outputs = manifest.input_spec, manifest.output_spec
+        spec = cls(
+            name=manifest.name, version=manifest.version, task=manifest.task,
+            arch=manifest.arch, kind=inputs.kind, feature_size=inputs.feature_size,
+            max_length=inputs.max_length, output_name=manifest.output_name,
+            output_size=outputs.size, state_size=outputs.state_size,
+            labels=manifest.labels, io=manifest.io)
         if spec.kind == "tokens":
-            if not manifest.get("vocabulary_file"):
-                raise PackageError("a token model needs a vocabulary_file")
-            words = (package / manifest["vocabulary_file"]).read_text().split("\n")
+            words = (package / manifest.vocabulary_file).read_text().split("\n")
             if words and words[-1] == "":
                 words.pop()
             spec.vocabulary = words
@@ -99,10 +87,10 @@ class ModelSpec:
 class Runtime:
     """The onnxruntime sessions of one package version; thread-safe (onnxruntime's run is)."""
 
-    def __init__(self, package: Path, manifest: dict, providers: list[str], threads: int):
+    def __init__(self, package: Path, manifest: Manifest, providers: list[str], threads: int):
         self.providers = providers
         self.sessions = {}
-        for graph, filename in manifest["graphs"].items():
+        for graph, filename in manifest.graphs.items():
             try:
                 self.sessions[graph] = session_from_bytes(str(package / filename), providers,
                                                           threads)

@@ -15,9 +15,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import uvicorn
-
-from service.app import create_app
-from service.settings import Settings
+from orthornn.service.app import create_app
+from orthornn.service.settings import Settings
 
 
 def make_repo(stage: Path, root: Path, models: dict[str, list[int]]) -> Path:

@@ -1,8 +1,9 @@
 import subprocess
 import sys
 
-from models import ARCHITECTURES
-from service.cli import main
+from orthornn.models import ARCHITECTURES
+
+from orthornn.cli import main
 
 
 def test_architectures_lists_every_name(capsys):
@@ -20,18 +21,20 @@ def test_no_command_prints_help_and_fails(capsys):
 
 
 def test_cli_module_does_not_import_torch():
-    code = "import sys, service.cli; sys.exit('torch' in sys.modules)"
+    code = "import sys, orthornn.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_service_package_does_not_import_torch():
     """The serving image has no torch: no module of service/ may pull it (nor models/ or
     training/, which do)."""
-    code = ("import importlib, pkgutil, sys, service\n"
+    code = ("import importlib, pkgutil, sys\n"
+            "import orthornn.service as service\n"
             "for m in pkgutil.iter_modules(service.__path__):\n"
-            "    importlib.import_module('service.' + m.name)\n"
-            "from service.app import create_app\n"
-            "bad = [m for m in ('torch', 'models', 'training') if m in sys.modules]\n"
+            "    importlib.import_module('orthornn.service.' + m.name)\n"
+            "from orthornn.service.app import create_app\n"
+            "bad = [m for m in ('torch', 'orthornn.models', 'orthornn.training')\n"
+            "       if m in sys.modules]\n"
             "print(bad)\n"
             "sys.exit(bool(bad))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

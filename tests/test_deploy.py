@@ -139,7 +139,7 @@ def _blocked_main(argv: list[str]) -> subprocess.CompletedProcess:
     """`orthornn ARGV` as in the serving image: the train extra's packages cannot import."""
     code = ("import sys\n"
             f"for name in {TRAIN_ONLY!r}: sys.modules[name] = None\n"
-            "from service.cli import main\n"
+            "from orthornn.cli import main\n"
             f"sys.exit(main({argv!r}))\n")
     return run([sys.executable, "-c", code], cwd=ROOT)
 
@@ -153,7 +153,7 @@ def test_entrypoint_help_runs_without_the_train_extra():
 
 
 def _subcommands() -> dict:
-    from service.cli import build_parser
+    from orthornn.cli import build_parser
 
     parser = build_parser()
     (sub,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
@@ -271,8 +271,8 @@ def test_server_probes_lifecycle_and_settings():
 
 
 def test_settings_names_match_the_service():
-    settings = pytest.importorskip(
-        "service.settings", reason="service/settings.py arrives with the service issue")
+    from orthornn.service import settings
+
     fields = set(settings.Settings.model_fields)
     data = one(render(), "ConfigMap")["data"]
     keys = {k.removeprefix("ORTHORNN_").lower() for k in data} | {"admin_token"}
@@ -388,7 +388,7 @@ def test_retraining_job_runs_train_then_export_with_the_chart_config(tmp_path):
     assert mounts["/config"] == "train-config"
 
     # The chart's train.yaml is a valid TrainConfig.
-    from training.config import TrainConfig, read_config_file, validate
+    from orthornn.training.config import TrainConfig, read_config_file, validate
 
     train_cm = one(docs, "ConfigMap", "-train")
     path = tmp_path / "train.yaml"

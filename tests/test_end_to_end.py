@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def orthornn(*args, timeout=600, check=True):
-    result = subprocess.run([sys.executable, "-m", "service.cli", *map(str, args)], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "orthornn", *map(str, args)], cwd=ROOT,
                             capture_output=True, text=True, timeout=timeout)
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
@@ -30,7 +30,7 @@ def orthornn(*args, timeout=600, check=True):
 
 
 def start(*args):
-    return subprocess.Popen([sys.executable, "-m", "service.cli", *map(str, args)], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "orthornn", *map(str, args)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -10,22 +10,22 @@ import onnx
 import pytest
 import torch
 from onnx import TensorProto, helper
-
-from export import functions, repository
-from export.exporter import export_run
-from export.graph import DOMAIN, IR_VERSION
-from export.onnx_export import build_graph
-from export.package import PackageError, session_from_bytes, verify_package
-from models import ARCHITECTURES, build_model
-from models.parametrizations import (
+from orthornn.export import functions, repository
+from orthornn.export.exporter import export_run
+from orthornn.export.graph import DOMAIN, IR_VERSION
+from orthornn.export.onnx_export import build_graph
+from orthornn.export.package import PackageError, session_from_bytes, verify_package
+from orthornn.models import ARCHITECTURES, build_model
+from orthornn.models.parametrizations import (
     HouseholderChain,
     PackedGivens,
     RotationPermutation,
     ScaledCayley,
 )
-from service.cli import main as cli
-from training.config import TrainConfig
-from training.trainer import train
+from orthornn.training.config import TrainConfig
+from orthornn.training.trainer import train
+
+from orthornn.cli import main as cli
 
 RECURRENT = [a for a in ARCHITECTURES if ARCHITECTURES[a].recurrent]
 V = 13
@@ -119,23 +119,18 @@ def test_function_householder_chain(n, m):
     y = p.reflector_matrix().detach().clone()
     if m > 2:
         y[:, 1] = 0  # a zero reflector is the identity (eq. 1)
-        p.set_reflectors(y)
+        p.set_factors(reflectors=y)
     w = _function_output(functions.householder_chain(18), [y.numpy()])
     np.testing.assert_allclose(w, p.matrix().detach().numpy(), atol=1e-5)
 
 
 @pytest.mark.parametrize("cls", [PackedGivens, RotationPermutation])
 def test_function_rotations(cls):
-    from models.parametrizations.givens import pair_coefficients
-
     p = cls(10, 5)
-    _, _, partner = pair_coefficients(p.angles, p.first, p.second)
-    order = torch.argsort(torch.cat([p.first, p.second], dim=1), dim=1)
-    args = [p.angles.detach().numpy(), order.numpy(), partner.numpy()]
+    args = [t.detach().numpy() for t in p.factors().values()]  # the exporter's inputs
     fn = functions.packed_givens(18)
     if cls is RotationPermutation:
         fn = functions.rotation_permutation(18)
-        args.append(p.permutations.numpy())
     np.testing.assert_allclose(_function_output(fn, args), p.matrix().detach().numpy(),
                                atol=1e-5)
 
@@ -180,7 +175,7 @@ def test_export_publishes_verified_versions(runs, tmp_path):
     assert manifest["input_spec"] == {"kind": "float", "feature_size": 2, "max_length": 6}
     assert set(manifest["files"]) == {"model.onnx", "golden.npz"}
     assert manifest["spectral"]["sigma_max"] <= 1.01 + 1e-6
-    assert verify_package(second)["version"] == 2
+    assert verify_package(second).version == 2
     with np.load(second / "golden.npz") as golden:
         assert sorted(golden["model/lengths"].tolist()) != [6, 6, 6, 6]  # padded sequences
     # versions only grow, even after one is deleted
@@ -193,10 +188,10 @@ def test_export_publishes_verified_versions(runs, tmp_path):
 def test_lm_package_has_step_graph_and_vocabulary(runs, tmp_path):
     path = export_run(runs / "lm", tmp_path / "repo", "words")
     manifest = verify_package(path)
-    assert manifest["graphs"] == {"model": "model.onnx", "step": "step.onnx"}
-    assert manifest["vocabulary_file"] == "vocab.txt"
+    assert manifest.graphs == {"model": "model.onnx", "step": "step.onnx"}
+    assert manifest.vocabulary_file == "vocab.txt"
     assert (path / "vocab.txt").read_text().split("\n")[:2] == ["<unk>", "<eos>"]
-    assert manifest["recurrence"] == "lstm"
+    assert manifest.recurrence == "lstm"
 
 
 def test_tampered_package_fails_verification(runs, tmp_path):

@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
+from orthornn.models import ALIASES, ARCHITECTURES, build_model
 
-from models import ALIASES, ARCHITECTURES, build_model
 from tests.helpers import loop_rnn, spectral_error
 
 RECURRENT = [a for a in ARCHITECTURES if ARCHITECTURES[a].recurrent]

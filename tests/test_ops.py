@@ -3,9 +3,15 @@ Householder and Givens ops against independent dense references."""
 
 import pytest
 import torch
+from orthornn.models.ops import (
+    dispatch,
+    householder_apply,
+    householder_matrix,
+    rnn_scan,
+    rotation_chain,
+)
+from orthornn.models.parametrizations import PackedGivens, RotationPermutation
 
-from models.ops import dispatch, householder_apply, householder_matrix, rnn_scan, rotation_chain
-from models.parametrizations import PackedGivens, RotationPermutation
 from tests.helpers import givens_dense
 
 
@@ -162,7 +168,7 @@ def test_givens_apply_skips_saving_without_grad():
 def test_compiled_model_matches_eager():
     """torch.compile traces the ops through their fake implementations and autograd
     formulas (aot_eager: no C++ toolchain needed)."""
-    from models import build_model
+    from orthornn.models import build_model
 
     layer = build_model("sgornn", "classify", input_size=3, hidden_size=8, num_outputs=2).layer
     x, lengths = torch.randn(2, 5, 3), torch.tensor([5, 3])

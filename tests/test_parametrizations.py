@@ -6,10 +6,8 @@ import math
 
 import pytest
 import torch
-from torch.func import functional_call
-
-from models.ops import rotation_chain
-from models.parametrizations import (
+from orthornn.models.ops import rotation_chain
+from orthornn.models.parametrizations import (
     BoundedSingularValues,
     DenseTransition,
     FreeSingularValues,
@@ -21,6 +19,8 @@ from models.parametrizations import (
     pair_coefficients,
     round_robin_pairs,
 )
+from torch.func import functional_call
+
 from tests.helpers import givens_dense, householder_qr_vectors, spectral_error
 
 ORTHOGONAL = {
@@ -156,7 +156,7 @@ def test_zero_reflector_is_identity():
     p = HouseholderChain(4, 2).double()
     y = p.reflector_matrix().detach().clone()
     y[:, 1] = 0
-    p.set_reflectors(y)
+    p.set_factors(reflectors=y)
     h0 = torch.eye(4, dtype=torch.float64) - 2 * torch.outer(y[:, 0], y[:, 0]) / (y[:, 0] @ y[:, 0])
     torch.testing.assert_close(p.matrix(), h0)
     x = torch.randn(3, 4, dtype=torch.float64)
@@ -195,9 +195,9 @@ def test_svd_reaches_any_matrix_theorem2(n):
     r = float(s.max() - s.min()) / 2 * 1.01 + 1e-3
     p = SVDForm(HouseholderChain(n), BoundedSingularValues(n, r, s_star),
                 HouseholderChain(n)).double()
-    p.left.set_reflectors(householder_qr_vectors(u))
-    p.right.set_reflectors(householder_qr_vectors(vh.T))
-    p.singular.set_values(s)
+    p.left.set_factors(reflectors=householder_qr_vectors(u))
+    p.right.set_factors(reflectors=householder_qr_vectors(vh.T))
+    p.set_factors(singular_values=s)
     torch.testing.assert_close(p.matrix(), m, atol=1e-9, rtol=1e-9)
 
 
@@ -210,9 +210,9 @@ def test_rectangular_svd_with_2_min_reflectors_reaches_any_matrix_theorem4(rows,
     p = SVDForm(HouseholderChain(rows, k), BoundedSingularValues(k, top, top + 0.01),
                 HouseholderChain(cols, k)).double()
     assert p.left.reflectors + p.right.reflectors == 2 * k
-    p.left.set_reflectors(householder_qr_vectors(u))
-    p.right.set_reflectors(householder_qr_vectors(vh.T))
-    p.singular.set_values(s)
+    p.left.set_factors(reflectors=householder_qr_vectors(u))
+    p.right.set_factors(reflectors=householder_qr_vectors(vh.T))
+    p.set_factors(singular_values=s)
     torch.testing.assert_close(p.matrix(), m, atol=1e-9, rtol=1e-9)
 
 

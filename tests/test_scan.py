@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-
-from models.activations import KINDS, activation_forward
-from models.ops import rnn_scan, rnn_scan_steps
+from orthornn.models.activations import KINDS, activation_forward
+from orthornn.models.ops import rnn_scan, rnn_scan_steps
 
 
 def _inputs(batch=3, steps=7, n=5, gated=False, kind="relu"):

@@ -8,11 +8,10 @@ import re
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-
-from service.app import create_app
-from service.runtime import tokenize
-from service.settings import Settings
-from training.corpus import tokenize as training_tokenize
+from orthornn.service.app import create_app
+from orthornn.service.runtime import tokenize
+from orthornn.service.settings import Settings
+from orthornn.training.corpus import tokenize as training_tokenize
 
 from .service_helpers import golden, make_repo, reference, softmax
 

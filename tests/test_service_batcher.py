@@ -8,8 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-
-from service.batcher import Batcher, QueueFull
+from orthornn.service.batcher import Batcher, QueueFull
 
 
 class Model:

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from orthornn.service.inputs import ClientError, fast_predict_request, predict_sequences
+from orthornn.service.protocol import PredictRequest
+from orthornn.service.runtime import ModelSpec
 from pydantic import ValidationError
-
-from service.inputs import ClientError, fast_predict_request, predict_sequences
-from service.protocol import PredictRequest
-from service.runtime import ModelSpec
 
 
 def _spec(d: int) -> ModelSpec:
@@ -128,10 +127,9 @@ def test_direct_routes_answer_errors_like_the_app(service_packages, tmp_path, mo
     """POST /predict and the OIP infer routes skip FastAPI's layers (Service.add_direct): a
     bug is still a logged 500 with a JSON error, counted in the metrics under the route."""
     from fastapi.testclient import TestClient
-
-    from service import inputs
-    from service.app import create_app
-    from service.settings import Settings
+    from orthornn.service import inputs
+    from orthornn.service.app import create_app
+    from orthornn.service.settings import Settings
 
     from .service_helpers import make_repo
 

@@ -10,11 +10,10 @@ import schemathesis
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from orthornn.service.app import create_app
+from orthornn.service.settings import Settings
 from schemathesis import GenerationMode
 from schemathesis.core import NOT_SET
-
-from service.app import create_app
-from service.settings import Settings
 
 from .service_helpers import make_repo
 

@@ -15,9 +15,9 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
+from orthornn.export.package import sha256
 
-from export.package import sha256
-from service.cli import main as cli
+from orthornn.cli import main as cli
 
 from .service_helpers import (
     LiveServer,
@@ -295,7 +295,7 @@ def test_sigterm_drains_in_flight_requests(service_packages, tmp_path):
     repo = make_repo(service_packages, tmp_path / "repo", {"digits": [1]})
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--repo", str(repo), "--port", str(port),
+        [sys.executable, "-m", "orthornn", "serve", "--repo", str(repo), "--port", str(port),
          "--shutdown-delay-s", "0.5", "--log-level", "warning"], cwd=ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -6,10 +6,9 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from training.corpus import EOS, UNK, build_vocabulary, tokenize
-from training.data import EpochSampler, TokenStream
-from training.tasks import (
+from orthornn.training.corpus import EOS, UNK, build_vocabulary, tokenize
+from orthornn.training.data import EpochSampler, TokenStream
+from orthornn.training.tasks import (
     adding_batch,
     copy_baseline,
     copy_batch,

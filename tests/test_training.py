@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from orthornn.models import build_model
+from orthornn.training import checkpoint
+from orthornn.training.config import TrainConfig
+from orthornn.training.tasks import make_task
+from orthornn.training.trainer import evaluate, improves, train
 
-from models import build_model
-from service.cli import main as cli
-from training import checkpoint
-from training.config import TrainConfig
-from training.tasks import make_task
-from training.trainer import evaluate, improves, train
+from orthornn.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,7 +156,7 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     torchrun = Path(sys.executable).parent / "torchrun"
     result = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2",
-                             "-m", "service.cli", *args, "--out", str(tmp_path / "ddp")],
+                             "-m", "orthornn", *args, "--out", str(tmp_path / "ddp")],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     assert cli([*args, "--out", str(tmp_path / "one")]) == 0

@@ -9,10 +9,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from models import build_model
-from models.activations import KINDS
-from models.ops import householder_apply, rnn_scan, rotation_chain
-from models.parametrizations import PackedGivens, RotationPermutation
+from orthornn.models import build_model
+from orthornn.models.activations import KINDS
+from orthornn.models.ops import householder_apply, rnn_scan, rotation_chain
+from orthornn.models.parametrizations import PackedGivens, RotationPermutation
+
 from tests.test_ops import opcheck_all
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -79,7 +80,7 @@ def test_scan_one_output_used(monkeypatch, which):
 @pytest.mark.parametrize(("kind", "gated", "n"), [("modrelu", True, 40), ("tanh", False, 33)])
 def test_scan_streamed_weight_path(monkeypatch, kind, gated, n):
     """n above the on-chip limit: W streamed in tiles (limits lowered to reach it cheaply)."""
-    from models.ops import triton_scan
+    from orthornn.models.ops import triton_scan
 
     monkeypatch.setattr(triton_scan, "RESIDENT_MAX", 16)
     monkeypatch.setattr(triton_scan, "TILE", 16)
@@ -161,7 +162,7 @@ def test_factored_training_steps_match(monkeypatch, arch):
 def test_scan_on_gpu_larger_shapes(monkeypatch, n, kind, gated):
     """On the device: auto picks Triton for CUDA tensors, and the kernels (resident W for
     n <= 128, streamed above) match the reference at realistic sizes."""
-    from models.ops import dispatch
+    from orthornn.models.ops import dispatch
 
     monkeypatch.setenv("ORTHORNN_KERNELS", "auto")
     assert dispatch.use_triton("rnn_scan", (torch.zeros(1, device="cuda"),))

@@ -19,9 +19,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+from orthornn.models import build_model
 from safetensors.torch import load_file, save_file
-
-from models import build_model
 
 FORMAT = "orthornn-run/1"
 

@@ -88,29 +88,6 @@ def add_plot_parser(sub) -> None:
     parser.set_defaults(run=run_plot)
 
 
-def add_quickstart_parser(sub) -> None:
-    parser = sub.add_parser(
-        "quickstart", help="train and publish the default models if missing, then serve them",
-        description="Trains a digit-sequence classifier and a word-level language model "
-        "(when DIR/models lacks them), publishes them into DIR/models and starts "
-        "orthornn serve. A second run reuses what the first built.")
-    parser.add_argument("--dir", default="orthornn-quickstart",
-                        help="where runs and the model repository live")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--no-serve", action="store_true", help="build the models and stop")
-    parser.set_defaults(run=run_quickstart)
-
-
-def run_quickstart(args: argparse.Namespace) -> int:
-    if not 1 <= args.port <= 65535:
-        raise ValueError(f"port must be an integer in [1, 65535], got {args.port}")
-    from .quickstart import quickstart
-
-    quickstart(args.dir, args.host, args.port, serve=not args.no_serve)
-    return 0
-
-
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values: dict = {}
     given = vars(args)

@@ -92,8 +92,8 @@ def read_config_file(path: str | Path) -> dict:
 
 
 def validate(config: TrainConfig) -> TrainConfig:
-    from models import ARCHITECTURES
-    from models.validation import check_choice, check_float, check_int
+    from orthornn.models import ARCHITECTURES
+    from orthornn.models.validation import check_choice, check_float, check_int
 
     if config.arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}; got {config.arch!r}")

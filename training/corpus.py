@@ -17,7 +17,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from export.vocabulary import EOS, UNK, words
+from orthornn.export.vocabulary import EOS, UNK, words
 
 BUNDLED = "gensim-wiki-news"
 

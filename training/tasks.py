@@ -15,8 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from models.validation import check_int
+from orthornn.models.validation import check_int
 
 from . import corpus as corpus_lib
 from .config import TASK_NAMES

@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from orthornn.models import build_model, spectral_summary
 from tqdm import tqdm
-
-from models import build_model
 
 from . import checkpoint
 from .config import TrainConfig, validate
@@ -93,21 +92,6 @@ def improves(candidate: tuple[float, float], best: tuple[float, float] | None,
     if candidate[0] != best[0]:
         return candidate[0] > best[0] if higher_is_better else candidate[0] < best[0]
     return candidate[1] < best[1]
-
-
-def spectral_summary(model) -> dict:
-    """min / max singular value of W, the spectral margin max|s_i - 1| and
-    ||W^T W - I||_2 (None for models without a transition matrix)."""
-    with torch.no_grad():
-        w = model.recurrent_weight()
-        if w is None:
-            return {}
-        w = w.detach().double().cpu()
-        s = torch.linalg.svdvals(w)
-        eye = torch.eye(w.shape[0], dtype=torch.float64)
-        return {"sigma_min": s.min().item(), "sigma_max": s.max().item(),
-                "spectral_margin": (s - 1).abs().max().item(),
-                "orthogonality_error": torch.linalg.matrix_norm(w.T @ w - eye, ord=2).item()}
 
 
 # -- the run ---------------------------------------------------------------------------

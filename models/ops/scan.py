@@ -13,8 +13,7 @@ two. pre and carried are residuals for the backward, not differentiable outputs.
 import torch
 from torch import Tensor
 
-from ..activations import KINDS
-from ..validation import check_choice
+from ..activations import check_kind
 from . import reference
 from .dispatch import use_triton
 
@@ -109,7 +108,7 @@ _scan.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check(u, weight, h0, lengths, bias, gates, activation) -> None:
-    check_choice("activation", activation, KINDS)
+    check_kind(activation)
     if not isinstance(u, Tensor) or u.dim() != 3 or not u.is_floating_point():
         raise ValueError(f"u must be a float tensor [B, T, n]; got {getattr(u, 'shape', u)!r}")
     batch, steps, n = u.shape

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..activations import KINDS
+from ..activations import KINDS, check_kind
 from .dispatch import check_launch
 
 #: Largest padded hidden size whose W stays on chip for the whole scan (fp32 W^T of
@@ -105,7 +105,7 @@ def _activation(z, bias, slope, KIND: tl.constexpr):
         out = _leaky_relu(z, slope)
     elif KIND == 3:
         out = _modrelu(z, bias)
-    else:
+    else:  # KIND == 4 (the launcher passes KINDS.index of a checked kind)
         out = _abs(z)
     return out
 
@@ -120,7 +120,7 @@ def _activation_grad(z, bias, slope, KIND: tl.constexpr):
         out = _leaky_relu_grad(z, slope)
     elif KIND == 3:
         out = _modrelu_grad(z, bias)
-    else:
+    else:  # KIND == 4
         out = _abs_grad(z)
     return out
 
@@ -281,7 +281,7 @@ def _common(u, weight, lengths, a, b2, bias, kind):
     return dict(args=(lengths if lengths is not None else dummy,
                       a if a is not None else dummy, b2 if b2 is not None else dummy,
                       bias.contiguous() if bias is not None else dummy),
-                meta=dict(KIND=KINDS.index(kind), GATED=a is not None,
+                meta=dict(KIND=KINDS.index(check_kind(kind)), GATED=a is not None,
                           HAS_LEN=lengths is not None, BB=BLOCK_B, BN=block, RESIDENT=resident,
                           PRECISION=_precision(), num_warps=warps))
 

@@ -11,6 +11,7 @@ from .givens import (
     PackedGivens,
     RotationPermutation,
     pair_coefficients,
+    pair_layout,
     rotate_pairs,
     round_robin_pairs,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "SVDForm",
     "ScaledCayley",
     "pair_coefficients",
+    "pair_layout",
     "rotate_pairs",
     "round_robin_pairs",
 ]

@@ -10,6 +10,11 @@ a matrix. It offers two equivalent views:
   graph that the factored ONNX export reproduces, and the cheap path when only a
   few vectors are multiplied.
 
+``factors()`` names the tensors that determine ``matrix()`` (in the order the factored
+ONNX functions take them; a composite form lists its parts as parametrizations), and
+``set_factors(name=tensor)`` loads the trainable ones: the one way to set a
+parametrization's value.
+
 ``apply`` acts on row vectors: ``apply(x) == x @ matrix().T`` for x of shape
 [..., cols]; ``apply(x, transpose=True) == x @ matrix()``.
 """
@@ -31,6 +36,29 @@ class Parametrization(nn.Module):
         raise NotImplementedError
 
     def apply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    #: the names in factors() that set_factors accepts
+    trainable: tuple[str, ...] = ()
+
+    def factors(self) -> dict:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def set_factors(self, **values: torch.Tensor) -> None:
+        """Load trainable factors, each in the shape factors() gives it."""
+        current = self.factors()
+        for name, value in values.items():
+            if name not in self.trainable:
+                raise ValueError(f"{type(self).__name__} factor must be one of "
+                                 f"{', '.join(self.trainable)}; got {name!r}")
+            value = torch.as_tensor(value)
+            if tuple(value.shape) != tuple(current[name].shape):
+                raise ValueError(f"{type(self).__name__} factor {name!r} must have shape "
+                                 f"{tuple(current[name].shape)}; got {tuple(value.shape)}")
+            with torch.no_grad():
+                self._set_factor(name, value)
+
+    def _set_factor(self, name: str, value: torch.Tensor) -> None:  # pragma: no cover
         raise NotImplementedError
 
     def regularization(self) -> torch.Tensor:

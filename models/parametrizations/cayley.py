@@ -54,9 +54,15 @@ class ScaledCayley(Parametrization):
         upper = self.skew.new_zeros(n * n).scatter(0, self.upper_index, self.skew).view(n, n)
         return upper - upper.T
 
-    def set_skew(self, a: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.skew.copy_(a.reshape(-1)[self.upper_index].to(self.skew))
+    trainable = ("skew",)
+
+    def factors(self) -> dict:
+        """skew: A's strictly upper entries, row-major; upper_index: their flat
+        positions in A [n, n]; diagonal: D."""
+        return {"skew": self.skew, "upper_index": self.upper_index, "diagonal": self.diagonal}
+
+    def _set_factor(self, name: str, value: torch.Tensor) -> None:
+        self.skew.copy_(value.to(self.skew))
 
     def matrix(self) -> torch.Tensor:
         a = self.skew_matrix()

@@ -25,6 +25,14 @@ class DenseTransition(Parametrization):
             weight = (torch.rand(n, n) * 2 - 1) / n**0.5
         self.weight = nn.Parameter(weight)
 
+    trainable = ("weight",)
+
+    def factors(self) -> dict:
+        return {"weight": self.weight}
+
+    def _set_factor(self, name: str, value: torch.Tensor) -> None:
+        self.weight.copy_(value.to(self.weight))
+
     def matrix(self) -> torch.Tensor:
         return self.weight
 

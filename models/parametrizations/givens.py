@@ -34,14 +34,22 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return torch.addcmul(x * cos, x[..., partner], sin)
 
 
+def pair_layout(first: torch.Tensor, second: torch.Tensor):
+    """(order, partner) [k, n] of pairs (first[j, i], second[j, i]): coordinate a takes
+    its coefficient from slot order[j, a] of [angle slots of the first members | of the
+    second members], and rotates with coordinate partner[j, a]."""
+    order = torch.argsort(torch.cat([first, second], dim=1), dim=1)
+    partner = torch.cat([second, first], dim=1).gather(1, order)
+    return order, partner
+
+
 def pair_coefficients(angles: torch.Tensor, first: torch.Tensor, second: torch.Tensor):
     """Per-coordinate (cos, sin, partner) [k, n] for angles [k, n/2] on pairs
     (first[j, i], second[j, i]): every packed rotation's coefficients in one go."""
-    order = torch.argsort(torch.cat([first, second], dim=1), dim=1)
+    order, partner = pair_layout(first, second)
     c, s = torch.cos(angles), torch.sin(angles)
     cos = torch.cat([c, c], dim=1).gather(1, order)
     sin = torch.cat([s, -s], dim=1).gather(1, order)
-    partner = torch.cat([second, first], dim=1).gather(1, order)
     return cos, sin, partner
 
 
@@ -71,6 +79,20 @@ class _PackedRotations(Parametrization):
     def _init_pairs(self, first: torch.Tensor, second: torch.Tensor) -> None:
         self.register_buffer("first", first, persistent=False)
         self.register_buffer("second", second, persistent=False)
+
+    trainable = ("angles",)
+
+    def factors(self) -> dict:
+        """angles [k, n/2]; order, partner [k, n] (``pair_layout``); permutations [k, n]
+        of the Q_j (rotation + permutation form only)."""
+        order, partner = pair_layout(self.first, self.second)
+        out = {"angles": self.angles, "order": order, "partner": partner}
+        if self.permutations is not None:
+            out["permutations"] = self.permutations
+        return out
+
+    def _set_factor(self, name: str, value: torch.Tensor) -> None:
+        self.angles.copy_(value.to(self.angles))
 
     def coefficients(self, transpose: bool = False):
         """(cos, sin, partner) [k, n] of every sublayer; the transpose rotates by -angle."""

@@ -40,10 +40,14 @@ class HouseholderChain(Parametrization):
         y = self.vectors.new_zeros(n * m).scatter(0, self.flat_index, self.vectors)
         return y.view(n, m)
 
-    def set_reflectors(self, y: torch.Tensor) -> None:
-        """Load Y [n, m] (entries above row i of column i are ignored)."""
-        with torch.no_grad():
-            self.vectors.copy_(y.reshape(-1)[self.flat_index].to(self.vectors))
+    trainable = ("reflectors",)
+
+    def factors(self) -> dict:
+        return {"reflectors": self.reflector_matrix()}
+
+    def _set_factor(self, name: str, y: torch.Tensor) -> None:
+        # Y [n, m]; the entries above row i of column i are ignored
+        self.vectors.copy_(y.reshape(-1)[self.flat_index].to(self.vectors))
 
     def matrix(self) -> torch.Tensor:
         return householder_matrix(self.reflector_matrix())  # compact WY, level-3 BLAS

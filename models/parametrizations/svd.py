@@ -31,11 +31,15 @@ class BoundedSingularValues(nn.Module):
     def forward(self) -> torch.Tensor:
         return 2 * self.r * (torch.sigmoid(self.logits) - 0.5) + self.sigma_star
 
-    def set_values(self, s: torch.Tensor) -> None:
-        """Set the logits so that forward() returns s (each s_i inside the open interval)."""
-        ratio = (s.to(self.logits) - self.sigma_star) / (2 * self.r) + 0.5
-        with torch.no_grad():
-            self.logits.copy_(torch.logit(ratio))
+    def inverse(self, s: torch.Tensor) -> torch.Tensor:
+        """The logits for which forward() returns s (each s_i inside the open interval)."""
+        if not bool(((s - self.sigma_star).abs() < self.r).all()):
+            raise ValueError(f"singular values must lie in ({self.sigma_star - self.r}, "
+                             f"{self.sigma_star + self.r}) (sigma_star +- r)")
+        return torch.logit((s - self.sigma_star) / (2 * self.r) + 0.5)
+
+    def load(self, s: torch.Tensor) -> None:
+        self.logits.copy_(self.inverse(s.to(self.logits)))
 
     def regularization(self) -> torch.Tensor:
         return self.logits.new_zeros(())
@@ -53,6 +57,9 @@ class FreeSingularValues(nn.Module):
     def forward(self) -> torch.Tensor:
         return self.values
 
+    def load(self, s: torch.Tensor) -> None:
+        self.values.copy_(s.to(self.values))
+
     def regularization(self) -> torch.Tensor:
         return 0.5 * self.penalty * (self.values - 1).square().sum()
 
@@ -69,6 +76,17 @@ class SVDForm(Parametrization):
 
     def singular_values(self) -> torch.Tensor:
         return self.singular()
+
+    trainable = ("singular_values",)
+
+    def factors(self) -> dict:
+        """U and V (parametrizations) and the singular values s: W = U[:, :k] diag(s)
+        V[:, :k]^T. The values, not their pre-image, so the map of eq. 7 stays here."""
+        return {"left": self.left, "singular_values": self.singular_values(),
+                "right": self.right}
+
+    def _set_factor(self, name: str, value: torch.Tensor) -> None:
+        self.singular.load(value)
 
     def matrix(self) -> torch.Tensor:
         k = self.rank

@@ -1,8 +1,9 @@
-"""The ``orthornn`` console script.
+"""The ``orthornn`` console script: composes the stages' subcommands.
 
-It lives in a torch-free package so the serving image can run it; each subcommand
-imports its stage only when it runs. Subcommands arrive with their stages (train,
-export, serve, predict, quickstart, bench); ``orthornn --help`` lists those present.
+Each stage exposes its own parser (``training.cli``, ``export.cli``,
+``service.commands``), importable without torch or the server's packages; a stage's
+heavy modules are imported only when its command runs. A command whose extra is not
+installed ends with one line naming the extra (exit 2), never a traceback.
 """
 
 from __future__ import annotations
@@ -11,9 +12,26 @@ import argparse
 import sys
 from pathlib import Path
 
+from orthornn import __version__
+
+# which extra brings each third-party top-level module a command may import
+EXTRAS = {
+    "train": ("torch", "safetensors", "tqdm", "yaml", "matplotlib", "sklearn", "sktime",
+              "mnist1d", "gensim"),
+    "serve": ("fastapi", "starlette", "uvicorn", "uvloop", "httptools", "pydantic",
+              "pydantic_settings", "orjson", "simdjson", "prometheus_client"),
+    "gpu": ("triton",),
+}
+
+
+def missing_extra(error: ModuleNotFoundError) -> str | None:
+    """The extra that would have installed the module ``error`` names (None: not ours)."""
+    top = (error.name or "").split(".")[0]
+    return next((extra for extra, modules in EXTRAS.items() if top in modules), None)
+
 
 def _architectures(args: argparse.Namespace) -> int:
-    from models import ALIASES, ARCHITECTURES
+    from orthornn.models import ALIASES, ARCHITECTURES
 
     aliases = {v: k for k, v in ALIASES.items()}
     for name, spec in ARCHITECTURES.items():
@@ -49,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="orthornn",
         description="Train, export and serve orthogonal and spectrally-constrained RNNs.")
+    parser.add_argument("--version", action="version", version=f"orthornn {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     arch = sub.add_parser("architectures", help="list the architectures, their tasks and options")
     arch.set_defaults(run=_architectures)
@@ -58,10 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     bench.set_defaults(run=_bench)
-    from export.cli import add_export_parser
-    from training.cli import add_plot_parser, add_quickstart_parser, add_train_parser
-
-    from .commands import add_serve_parsers
+    from orthornn.export.cli import add_export_parser
+    from orthornn.quickstart import add_quickstart_parser
+    from orthornn.service.commands import add_serve_parsers
+    from orthornn.training.cli import add_plot_parser, add_train_parser
 
     add_train_parser(sub)
     add_plot_parser(sub)
@@ -81,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except ValueError as error:  # bad input: one line, no traceback
         print(f"orthornn {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as error:
+        extra = missing_extra(error)
+        if extra is None:
+            raise
+        print(f"orthornn {args.command} needs the {extra} extra: "
+              f"pip install 'orthornn[{extra}]' (missing module {error.name!r})", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"orthornn {args.command}: interrupted", file=sys.stderr)

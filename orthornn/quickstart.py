@@ -9,6 +9,7 @@ first one built.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -28,12 +29,11 @@ curl -s http://{host}:{port}/predict -H 'content-type: application/json' \\
 
 def build_defaults(root: Path, progress: bool = True) -> Path:
     """Train and publish whichever default model the repository lacks; returns REPO."""
-    from export.exporter import export_run
-    from export.repository import versions
-
-    from .checkpoint import read_run_config
-    from .config import TrainConfig
-    from .trainer import train
+    from orthornn.export.exporter import export_run
+    from orthornn.export.repository import versions
+    from orthornn.training.checkpoint import read_run_config
+    from orthornn.training.config import TrainConfig
+    from orthornn.training.trainer import train
 
     repo, runs = root / "models", root / "runs"
     for name, options in DEFAULT_MODELS.items():
@@ -61,9 +61,30 @@ def quickstart(root: str | Path, host: str = "127.0.0.1", port: int = 8000,
     print("\nTry it (once the server says it is ready):\n\n"
           + CURL.format(host=host, port=port) + "\n", file=sys.stderr)
     if serve:
-        args = [sys.executable, "-m", "service.cli", "serve", "--repo", str(repo),
+        args = [sys.executable, "-m", "orthornn", "serve", "--repo", str(repo),
                 "--host", host, "--port", str(port)]
         sys.stderr.flush()
         sys.stdout.flush()
         os.execv(sys.executable, args)  # a clean, torch-free server process
     return repo
+
+
+def add_quickstart_parser(sub) -> None:
+    parser = sub.add_parser(
+        "quickstart", help="train and publish the default models if missing, then serve them",
+        description="Trains a digit-sequence classifier and a word-level language model "
+        "(when DIR/models lacks them), publishes them into DIR/models and starts "
+        "orthornn serve. A second run reuses what the first built.")
+    parser.add_argument("--dir", default="orthornn-quickstart",
+                        help="where runs and the model repository live")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--no-serve", action="store_true", help="build the models and stop")
+    parser.set_defaults(run=run_quickstart)
+
+
+def run_quickstart(args: argparse.Namespace) -> int:
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"port must be an integer in [1, 65535], got {args.port}")
+    quickstart(args.dir, args.host, args.port, serve=not args.no_serve)
+    return 0

@@ -1,0 +1,21 @@
+"""orthornn: train, export and serve orthogonal and spectrally-constrained RNNs.
+
+The installed top level is this one name. Its stages are subpackages, each a
+top-level folder of the source tree (package-dir mapping in pyproject.toml):
+
+    orthornn.models    architectures (torch)          from orthornn.models import build_model
+    orthornn.training  tasks, trainer, checkpoints    (torch; the train extra)
+    orthornn.export    ONNX export and model packages (the package reader is torch-free)
+    orthornn.service   the HTTP service               (torch-free; the serve extra)
+
+This package itself holds only the command line that composes them
+(``orthornn.cli``, ``orthornn.quickstart``, ``python -m orthornn``) and imports no
+stage at import time.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("orthornn")
+except PackageNotFoundError:  # run from a checkout without installing
+    __version__ = "0+unknown"

@@ -1,0 +1,202 @@
+"""The package layout rules of DESIGN.md, checked on the source (the lint rule) and in
+fresh interpreters: one installed name, stages that import each other in one direction,
+a torch-free service, one line (exit 2) for a missing extra, one table per formula."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("models", "training", "export", "service")
+COMMAND = ("orthornn.cli", "orthornn.quickstart", "orthornn.__main__")
+
+# what each stage may import of the others (prefixes of module names)
+ALLOWED = {
+    "models": (),
+    # the one link from training to export: the word tokenizer, a torch-free leaf module,
+    # so training's vocabulary and the service's tokenisation cannot drift (README)
+    "training": ("orthornn.models", "orthornn.export.vocabulary"),
+    "export": ("orthornn.models", "orthornn.training"),
+    "service": ("orthornn.export.package", "orthornn.export.repository",
+                "orthornn.export.vocabulary"),
+}
+
+
+def _python_files() -> list[Path]:
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
+                             "*.py"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode != 0:  # not a git checkout: every .py outside the venv
+        return [p for p in ROOT.rglob("*.py") if ".venv" not in p.parts]
+    return [ROOT / line for line in listed.stdout.split() if (ROOT / line).is_file()]
+
+
+def _absolute_imports(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def test_no_bare_stage_imports():
+    """The lint rule: `models`, `training`, `export`, `service` are installed only as
+    orthornn.<stage>; a bare import would load a second copy or a user's own package."""
+    bad = [f"{path.relative_to(ROOT)}:{line}: import {name}"
+           for path in _python_files() for line, name in _absolute_imports(path)
+           if name.split(".")[0] in STAGES]
+    assert not bad, "use the orthornn.<stage> names:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_stages_import_each_other_in_one_direction(stage):
+    bad = []
+    for path in sorted((ROOT / stage).rglob("*.py")):
+        for line, name in _absolute_imports(path):
+            if not name.startswith("orthornn"):
+                if stage == "service" and name.split(".")[0] == "torch":
+                    bad.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+                continue
+            own = name == f"orthornn.{stage}" or name.startswith(f"orthornn.{stage}.")
+            if name == "orthornn" or own:
+                continue
+            if name.startswith(COMMAND) or not name.startswith(ALLOWED[stage]):
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert not bad, f"{stage} may import only {ALLOWED[stage]}:\n" + "\n".join(bad)
+
+
+def _run(code: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_every_module_imports_once_under_its_orthornn_name():
+    """Run from the checkout, where a bare `import models` would succeed: importing every
+    module must load none under a bare name (the custom ops register once)."""
+    code = ("import importlib, pkgutil, sys\n"
+            "import orthornn\n"
+            "for m in pkgutil.walk_packages(orthornn.__path__, 'orthornn.'):\n"
+            "    if m.name != 'orthornn.__main__':\n"
+            "        importlib.import_module(m.name)\n"
+            "for stage in ('models', 'training', 'export', 'service'):\n"
+            "    importlib.import_module('orthornn.' + stage)\n"
+            "    for m in pkgutil.walk_packages(sys.modules['orthornn.' + stage].__path__,\n"
+            "                                   'orthornn.' + stage + '.'):\n"
+            "        importlib.import_module(m.name)\n"
+            f"bare = sorted(m for m in sys.modules if m.split('.')[0] in {STAGES!r})\n"
+            "print(bare)\n"
+            "sys.exit(bool(bare))\n")
+    result = _run(code)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+TORCH_FREE = ("import sys\n"
+              "for name in ('torch', 'safetensors', 'tqdm', 'sklearn', 'triton'):\n"
+              "    sys.modules[name] = None  # unimportable, as in the serving image\n")
+
+
+def test_service_imports_with_torch_unimportable(tmp_path):
+    code = TORCH_FREE + ("import orthornn.service\n"
+                         "from orthornn.service.app import create_app\n"
+                         "from orthornn.cli import build_parser\n"
+                         "build_parser().parse_args(['serve', '--repo', '.'])\n"
+                         "print('ok')\n")
+    result = _run(code, cwd=tmp_path)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("argv,extra", [
+    (["train", "--arch", "svdrnn", "--task", "digits", "--out", "RUN"], "train"),
+    (["architectures"], "train"),
+])
+def test_missing_extra_is_one_line_and_exit_2(tmp_path, argv, extra):
+    code = TORCH_FREE + f"from orthornn.cli import main\nsys.exit(main({argv!r}))\n"
+    result = _run(code, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"orthornn {argv[0]} needs the {extra} extra: "
+                                    f"pip install 'orthornn[{extra}]'"), result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "RUN").exists()
+
+
+def test_missing_extra_maps_only_known_modules():
+    from orthornn.cli import missing_extra
+
+    assert missing_extra(ModuleNotFoundError("x", name="torch.nn")) == "train"
+    assert missing_extra(ModuleNotFoundError("x", name="fastapi")) == "serve"
+    assert missing_extra(ModuleNotFoundError("x", name="triton")) == "gpu"
+    assert missing_extra(ModuleNotFoundError("x", name="orthornn.models.nope")) is None
+
+
+def test_version_flag(capsys):
+    from orthornn import __version__
+    from orthornn.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"orthornn {__version__}"
+    assert __version__ != "0+unknown"  # installed: the distribution's version
+
+
+# -- one table per formula -------------------------------------------------------------------
+
+def test_activation_kinds_are_one_table():
+    from orthornn.export.onnx_export import ACTIVATIONS
+    from orthornn.models.activations import KINDS, Activation, activation_forward
+
+    assert set(ACTIVATIONS) == set(KINDS)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        Activation("gelu", 4)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        activation_forward("gelu", torch.zeros(2))
+
+
+def test_unknown_activation_raises_in_the_onnx_and_triton_builders():
+    from orthornn.export.graph import Graph
+    from orthornn.export.onnx_export import _activation
+
+    with pytest.raises(ValueError, match="activation must be one of"):
+        _activation(Graph(), "gelu", "z", None)
+    triton_scan = pytest.importorskip("orthornn.models.ops.triton_scan")
+    u = torch.zeros(1, 2, 4)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        triton_scan._common(u, torch.eye(4), None, None, None, None, "gelu")
+
+
+def test_set_factors_round_trips_and_names_bad_input():
+    from orthornn.models.parametrizations import (
+        BoundedSingularValues,
+        HouseholderChain,
+        PackedGivens,
+        ScaledCayley,
+        SVDForm,
+    )
+
+    for p in (HouseholderChain(6, 3), PackedGivens(6, 2), ScaledCayley(6)):
+        before = p.matrix().detach().clone()
+        (name,) = p.trainable
+        value = p.factors()[name].detach().clone()
+        with torch.no_grad():
+            for param in p.parameters():
+                param.zero_()
+        p.set_factors(**{name: value})
+        torch.testing.assert_close(p.matrix(), before)
+        with pytest.raises(ValueError, match="must have shape"):
+            p.set_factors(**{name: value.reshape(-1)[:-1]})
+        with pytest.raises(ValueError, match=f"factor must be one of {name}; got 'nope'"):
+            p.set_factors(nope=value)
+    svd = SVDForm(HouseholderChain(4), BoundedSingularValues(4, 0.1, 1.0), HouseholderChain(4))
+    s = torch.tensor([0.95, 1.0, 1.05, 0.99])
+    svd.set_factors(singular_values=s)
+    torch.testing.assert_close(torch.linalg.svdvals(svd.matrix().detach()),
+                               s.sort(descending=True).values)
+    with pytest.raises(ValueError, match="singular values must lie in"):
+        svd.set_factors(singular_values=torch.full((4,), 2.0))
