@@ -24,7 +24,7 @@ from orthornn.training.checkpoint import load_model, read_vocabulary
 from orthornn import __version__
 
 from . import package, repository
-from .onnx_export import MODES, RNN_ACTIVATIONS, build_graph
+from .onnx_export import INITIAL_LOGITS, INITIAL_STATE, MODES, RNN_ACTIVATIONS, build_graph
 
 MIN_OPSET, MAX_OPSET = 17, 21
 DTYPES = {np.float32: "FP32", np.int64: "INT64"}
@@ -35,23 +35,36 @@ def _golden_inputs(model, config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     gen = torch.Generator().manual_seed(seed)
     steps = max(1, min(int(config["input_spec"].get("max_length") or 16), 16))
     lengths = torch.tensor([steps, max(1, steps - 3), 1, max(1, steps // 2)])
+    # rows 1 and 3 continue from a state, rows 0 and 2 start from zeros
+    initial = torch.randn(4, model.state_size, generator=gen) * 0.5
+    initial[::2] = 0
     if model.task == "lm":
         x = torch.randint(0, model.input_size, (4, steps), generator=gen)
-        return {"tokens": x.numpy(), "lengths": lengths.numpy()}
+        return {"tokens": x.numpy(), "lengths": lengths.numpy(), INITIAL_STATE: initial.numpy()}
     x = torch.randn(4, steps, model.input_size, generator=gen)
-    return {"x": x.numpy(), "lengths": lengths.numpy()}
+    return {"x": x.numpy(), "lengths": lengths.numpy(), INITIAL_STATE: initial.numpy()}
 
 
 @torch.no_grad()
-def _torch_outputs(model, feeds: dict, step: bool) -> dict[str, np.ndarray]:
+def _torch_outputs(model, feeds: dict, graph: str) -> dict[str, np.ndarray]:
+    """What torch computes for a graph's feeds: the golden outputs."""
     out_name = package.output_name(model.task)
-    if step:
+    if graph == "step":
         out, last = model(torch.from_numpy(feeds["tokens"]), h0=torch.from_numpy(feeds["state"]),
                           return_state=True)
         return {out_name: out.numpy(), "next_state": last.numpy()}
     x = torch.from_numpy(feeds["tokens"] if model.task == "lm" else feeds["x"])
-    out, last = model(x, lengths=torch.from_numpy(feeds["lengths"]), return_state=True)
-    return {out_name: out.numpy(), "state": last.numpy()}
+    h0 = torch.from_numpy(feeds[INITIAL_STATE])
+    lengths = torch.from_numpy(feeds["lengths"])
+    if graph == "steps":  # classify / regress after every step
+        states, last = model.encode(x, h0, lengths)
+        return {out_name: model.head(states[..., : model.hidden_size]).numpy(),
+                "state": last.numpy()}
+    out, last = model(x, lengths=lengths, h0=h0, return_state=True)
+    outputs = {out_name: out.numpy(), "state": last.numpy()}
+    if model.task == "lm":
+        outputs[INITIAL_LOGITS] = model.head(h0[:, : model.hidden_size]).numpy()
+    return outputs
 
 
 def _seconds_per_run(model_proto: onnx.ModelProto, feeds: dict, reps: int = 5) -> float:
@@ -111,9 +124,16 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
     recurrence, graph = choose_recurrence(model, mode, opset)
     onnx.checker.check_model(graph, full_check=True)
     graphs = {"model": graph}
-    golden = {f"model/{k}": v for k, v in _golden_inputs(model, config).items()}
-    feeds = {k.split("/", 1)[1]: v for k, v in golden.items()}
-    golden.update({f"model/{k}": v for k, v in _torch_outputs(model, feeds, False).items()})
+    feeds = _golden_inputs(model, config)
+    golden = {f"model/{k}": v for k, v in feeds.items()}
+    golden.update({f"model/{k}": v for k, v in _torch_outputs(model, feeds, "model").items()})
+    if model.task in ("classify", "regress"):  # streaming labelling: an output per step
+        graphs["steps"] = build_graph(model, mode, per_step=True, opset=opset,
+                                      recurrence="rnn" if recurrence == "rnn" else "scan")
+        onnx.checker.check_model(graphs["steps"], full_check=True)
+        golden.update({f"steps/{k}": v for k, v in feeds.items()})
+        golden.update({f"steps/{k}": v for k, v in
+                       _torch_outputs(model, feeds, "steps").items()})
     if model.task == "lm":
         graphs["step"] = build_graph(model, mode, step=True, opset=opset)
         onnx.checker.check_model(graphs["step"], full_check=True)
@@ -122,7 +142,7 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
                       "state": torch.randn(4, model.state_size, generator=gen).numpy() * 0.5}
         golden.update({f"step/{k}": v for k, v in step_feeds.items()})
         golden.update({f"step/{k}": v for k, v in
-                       _torch_outputs(model, step_feeds, True).items()})
+                       _torch_outputs(model, step_feeds, "step").items()})
 
     summary_path = run_dir / "summary.json"
     vocabulary = read_vocabulary(run_dir, config)

@@ -3,8 +3,11 @@
 Graph inputs and outputs (B and T dynamic):
     classify / regress / seq2seq:  x float [B, T, d], lengths int64 [B]
     lm:                            tokens int64 [B, T], lengths int64 [B]
+    full graphs also:              initial_state float [B, S], optional (zeros by default):
+                                   the state to continue from (streaming)
     step graph (lm):               tokens int64 [B, 1], state float [B, S]
-    outputs: "logits" (or "value" for regress) and "state" (the last state [B, S]).
+    outputs: "logits" (or "value" for regress) and "state" (the last state [B, S]); lm
+    full graphs also "initial_logits" [B, V], the prediction the initial state gives.
 Padded steps (t >= lengths[b]) never change a result, as in the torch model.
 
 The recurrence is either ONNX's own RNN / LSTM operator (tanh, relu, leaky relu
@@ -19,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import torch
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 from orthornn.models.activations import check_kind
 from orthornn.models.cells import LSTMLayer
 from orthornn.models.parametrizations import (
@@ -37,6 +40,7 @@ from .graph import DOMAIN, IR_VERSION, Graph, value
 from .package import output_name
 
 MODES = ("dense", "factored")
+INITIAL_STATE, INITIAL_LOGITS = "initial_state", "initial_logits"
 RNN_ACTIVATIONS = {"tanh": "Tanh", "relu": "Relu", "leaky_relu": "LeakyRelu"}
 
 
@@ -187,9 +191,12 @@ def _lstm(g: Graph, layer: LSTMLayer, x: str, lengths32: str, state: str) -> tup
 
 # -- the model ------------------------------------------------------------------------------
 
-def build_graph(model, mode: str = "dense", *, step: bool = False, recurrence: str = "scan",
-                opset: int = functions.DEFAULT_OPSET) -> onnx.ModelProto:
-    """The ONNX model of ``model`` (a models.networks.SequenceModel)."""
+def build_graph(model, mode: str = "dense", *, step: bool = False, per_step: bool = False,
+                recurrence: str = "scan", opset: int = functions.DEFAULT_OPSET
+                ) -> onnx.ModelProto:
+    """The ONNX model of ``model`` (a models.networks.SequenceModel). ``per_step``:
+    classify / regress graphs give their output after every time step [B, T, C] (the
+    package's "steps" graph, for streaming labelling) instead of after the last."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     if recurrence not in ("scan", "rnn"):
@@ -213,9 +220,14 @@ def build_graph(model, mode: str = "dense", *, step: bool = False, recurrence: s
     else:
         inputs.append(value("lengths", TensorProto.INT64, ["batch"]))
         lengths = "lengths"
-        h0 = g.op("ConstantOfShape", g.op("Concat", batch_shape, g.const([model.state_size],
-                                                                           "n", "int64"), axis=0),
-                  value=helper.make_tensor("z", TensorProto.FLOAT, [1], [0.0]))
+        # the state to start from, [B, S]; optional: an input with a default (an
+        # initializer of the same name) of zeros [1, S], broadcast to the batch
+        inputs.append(value(INITIAL_STATE, TensorProto.FLOAT, ["state_batch",
+                                                               model.state_size]))
+        g.initializers.append(numpy_helper.from_array(
+            np.zeros((1, model.state_size), np.float32), INITIAL_STATE))
+        h0 = g.op("Expand", INITIAL_STATE, g.op("Concat", batch_shape, g.const(
+            [model.state_size], "n", "int64"), axis=0))
     if lm:
         x = g.op("Gather", g.const(_np(model.embedding.weight), "embedding"), x, axis=0)
     lengths32 = g.op("Cast", lengths, to=TensorProto.INT32)
@@ -232,17 +244,19 @@ def build_graph(model, mode: str = "dense", *, step: bool = False, recurrence: s
             u = g.op("Add", g.op("MatMul", x, g.const(_np(layer.input.weight).T, "W_in_T")),
                      g.const(_np(layer.input.bias), "b_in"))
             ys, last = _scan(g, layer, g.op("Transpose", w, perm=[1, 0]), u, lengths, h0)
-            states = ys if task in ("classify", "regress") else \
+            states = ys if task in ("classify", "regress") and not per_step else \
                 _zero_padded_steps(g, ys, lengths)  # classify/regress read `last` only
 
     head_w = g.const(_np(model.head.weight).T, "head_W_T")
     head_b = g.const(_np(model.head.bias), "head_b")
     n = model.hidden_size
-    if task in ("classify", "regress"):
-        h = last if model.state_size == n else g.op(  # lstm: h of cat(h, c)
-            "Slice", last, g.const([0], "s", "int64"), g.const([n], "e", "int64"),
+
+    def hidden(state: str) -> str:  # lstm: h of cat(h, c)
+        return state if model.state_size == n else g.op(
+            "Slice", state, g.const([0], "s", "int64"), g.const([n], "e", "int64"),
             g.const([1], "ax", "int64"))
-        out = g.op("Add", g.op("MatMul", h, head_w), head_b)
+    if task in ("classify", "regress") and not per_step:
+        out = g.op("Add", g.op("MatMul", hidden(last), head_w), head_b)
         out_shape = ["batch", model.num_outputs]
     else:
         out = g.op("Add", g.op("MatMul", states, head_w), head_b)
@@ -253,7 +267,13 @@ def build_graph(model, mode: str = "dense", *, step: bool = False, recurrence: s
     outputs = [value(out_name, TensorProto.FLOAT, out_shape),
                value("state" if not step else "next_state", TensorProto.FLOAT,
                      ["batch", model.state_size])]
-    graph = helper.make_graph(g.nodes, f"{model.arch}_{task}{'_step' if step else ''}",
+    if lm and not step:  # the next-token logits the initial state gives: they score a
+        # continued chunk's first token
+        g.nodes.append(helper.make_node("Identity", [g.op("Add", g.op(
+            "MatMul", hidden(h0), head_w), head_b)], [INITIAL_LOGITS]))
+        outputs.append(value(INITIAL_LOGITS, TensorProto.FLOAT, ["batch", model.num_outputs]))
+    suffix = "_step" if step else "_steps" if per_step else ""
+    graph = helper.make_graph(g.nodes, f"{model.arch}_{task}{suffix}",
                               inputs, outputs, initializer=g.initializers)
     opsets = [helper.make_opsetid("", opset)]
     funcs = [functions.ALL[name](opset) for name in sorted(used)]

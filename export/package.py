@@ -1,7 +1,8 @@
 """The model package format, torch-free: the export command and the service share it.
 
     <repo>/<name>/<version>/
-        model.onnx       the full-sequence graph
+        model.onnx       the full-sequence graph (optional input initial_state [B, S])
+        steps.onnx       classify / regress: the output after every step
         step.onnx        language models: one step, state in and out
         vocab.txt        language models: one token per line
         golden.npz       "<graph>/<tensor>" inputs and the outputs torch computed
@@ -214,6 +215,10 @@ def golden_check(package: str | Path, manifest: Manifest, sessions: dict | None 
     for graph, filename in manifest.graphs.items():
         sess = (sessions or {}).get(graph) or session(package / filename)
         feeds = {i.name: golden[f"{graph}/{i.name}"] for i in sess.get_inputs()}
+        # optional inputs (the initial state) where the golden file holds them
+        feeds.update({i.name: golden[f"{graph}/{i.name}"]
+                      for i in sess.get_overridable_initializers()
+                      if f"{graph}/{i.name}" in golden})
         names = [o.name for o in sess.get_outputs()]
         for name, got in zip(names, sess.run(names, feeds), strict=True):
             expected = golden[f"{graph}/{name}"]

@@ -54,10 +54,61 @@ def test_onnxruntime_equals_torch(arch, mode, task):
         lengths = torch.tensor(lengths)
         with torch.no_grad():
             ref, last = model(x, lengths=lengths, return_state=True)
-        out, state = sess.run(None, {"tokens" if task == "lm" else "x": x.numpy(),
-                                     "lengths": lengths.numpy()})
+        out, state = sess.run(["logits", "state"], {"tokens" if task == "lm" else "x":
+                                                    x.numpy(), "lengths": lengths.numpy()})
         np.testing.assert_allclose(out, ref.numpy(), atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(state, last.numpy(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", RECURRENT)
+@pytest.mark.parametrize("mode", ["dense", "factored"])
+@pytest.mark.parametrize("task", ["classify", "lm"])
+def test_chunks_carrying_initial_state_equal_the_whole_sequence(arch, mode, task):
+    """Streaming: a sequence fed in chunks, each starting from the state the last one
+    returned, ends where one run over the whole sequence ends (onnxruntime vs onnxruntime)
+    and where torch ends."""
+    model = _model(arch, task)
+    sess = session_from_bytes(build_graph(model, mode).SerializeToString())
+    key = "tokens" if task == "lm" else "x"
+    x = torch.randint(0, V, (2, 11)) if task == "lm" else torch.randn(2, 11, 3)
+    whole_out, whole_state = sess.run(["logits", "state"], {key: x.numpy(), "lengths":
+                                                           np.array([11, 11])})
+    state = None
+    for start, stop in [(0, 1), (1, 5), (5, 6), (6, 11)]:
+        feeds = {key: x[:, start:stop].numpy(), "lengths": np.full(2, stop - start)}
+        if state is not None:
+            feeds["initial_state"] = state
+        out, state = sess.run(["logits", "state"], feeds)
+    np.testing.assert_allclose(state, whole_state, atol=1e-5, rtol=1e-5)
+    last = whole_out if task == "classify" else whole_out[:, -1]
+    np.testing.assert_allclose(out if task == "classify" else out[:, -1], last, atol=1e-5,
+                               rtol=1e-5)
+    with torch.no_grad():
+        _, ref_state = model(x, return_state=True)
+    np.testing.assert_allclose(state, ref_state.numpy(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["scornn", "lstm", "sgornn"])
+def test_per_step_graph_and_initial_logits_equal_torch(arch):
+    model = _model(arch, "classify")
+    sess = session_from_bytes(build_graph(model, "dense", per_step=True).SerializeToString())
+    x, h0 = torch.randn(3, 6, 3), torch.randn(3, model.state_size) * 0.5
+    logits, state = sess.run(["logits", "state"], {"x": x.numpy(), "lengths": np.full(3, 6),
+                                                   "initial_state": h0.numpy()})
+    with torch.no_grad():
+        states, last = model.encode(x, h0)
+        ref = model.head(states[..., : model.hidden_size])
+        assert torch.allclose(ref[:, -1], model(x, h0=h0), atol=1e-6)
+    np.testing.assert_allclose(logits, ref.numpy(), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(state, last.numpy(), atol=1e-5, rtol=1e-5)
+    lm = _model(arch, "lm")
+    sess = session_from_bytes(build_graph(lm, "dense").SerializeToString())
+    (initial,) = sess.run(["initial_logits"], {"tokens": np.zeros((3, 2), np.int64),
+                                               "lengths": np.full(3, 2),
+                                               "initial_state": h0.numpy()})
+    with torch.no_grad():
+        expected = lm.head(h0[:, : lm.hidden_size])
+    np.testing.assert_allclose(initial, expected.numpy(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["rnn", "irnn", "ornn", "svdrnn", "vprnn"])
@@ -173,7 +224,7 @@ def test_export_publishes_verified_versions(runs, tmp_path):
         assert key in manifest, key
     assert manifest["mode"] == "factored" and manifest["version"] == 2
     assert manifest["input_spec"] == {"kind": "float", "feature_size": 2, "max_length": 6}
-    assert set(manifest["files"]) == {"model.onnx", "golden.npz"}
+    assert set(manifest["files"]) == {"model.onnx", "steps.onnx", "golden.npz"}
     assert manifest["spectral"]["sigma_max"] <= 1.01 + 1e-6
     assert verify_package(second).version == 2
     with np.load(second / "golden.npz") as golden:
