@@ -35,14 +35,20 @@ def _golden_inputs(model, config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     gen = torch.Generator().manual_seed(seed)
     steps = max(1, min(int(config["input_spec"].get("max_length") or 16), 16))
     lengths = torch.tensor([steps, max(1, steps - 3), 1, max(1, steps // 2)])
-    # rows 1 and 3 continue from a state, rows 0 and 2 start from zeros
-    initial = torch.randn(4, model.state_size, generator=gen) * 0.5
-    initial[::2] = 0
     if model.task == "lm":
         x = torch.randint(0, model.input_size, (4, steps), generator=gen)
-        return {"tokens": x.numpy(), "lengths": lengths.numpy(), INITIAL_STATE: initial.numpy()}
+        return {"tokens": x.numpy(), "lengths": lengths.numpy()}
     x = torch.randn(4, steps, model.input_size, generator=gen)
-    return {"x": x.numpy(), "lengths": lengths.numpy(), INITIAL_STATE: initial.numpy()}
+    return {"x": x.numpy(), "lengths": lengths.numpy()}
+
+
+def _continued(feeds: dict, state_size: int, seed: int = 3) -> dict[str, np.ndarray]:
+    """The same batch continuing from states: rows 1 and 3 from random ones, rows 0 and 2
+    from zeros (the ``GRAPH@continued`` golden case)."""
+    gen = torch.Generator().manual_seed(seed)
+    initial = torch.randn(len(feeds["lengths"]), state_size, generator=gen) * 0.5
+    initial[::2] = 0
+    return {**feeds, INITIAL_STATE: initial.numpy()}
 
 
 @torch.no_grad()
@@ -54,7 +60,8 @@ def _torch_outputs(model, feeds: dict, graph: str) -> dict[str, np.ndarray]:
                           return_state=True)
         return {out_name: out.numpy(), "next_state": last.numpy()}
     x = torch.from_numpy(feeds["tokens"] if model.task == "lm" else feeds["x"])
-    h0 = torch.from_numpy(feeds[INITIAL_STATE])
+    h0 = torch.from_numpy(feeds[INITIAL_STATE]) if INITIAL_STATE in feeds else \
+        torch.zeros(x.shape[0], model.state_size)
     lengths = torch.from_numpy(feeds["lengths"])
     if graph == "steps":  # classify / regress after every step
         states, last = model.encode(x, h0, lengths)
@@ -102,7 +109,10 @@ def _io_spec(proto: onnx.ModelProto) -> tuple[list, list]:
         dims = [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim]
         datatype = {onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.INT64: "INT64"}[t.elem_type]
         return {"name": v.name, "datatype": datatype, "shape": dims}
-    return [spec(v) for v in proto.graph.input], [spec(v) for v in proto.graph.output]
+    defaulted = {t.name for t in proto.graph.initializer}  # inputs with a default value
+    inputs = [{**spec(v), "optional": True} if v.name in defaulted else spec(v)
+              for v in proto.graph.input]
+    return inputs, [spec(v) for v in proto.graph.output]
 
 
 def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "dense",
@@ -124,16 +134,18 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
     recurrence, graph = choose_recurrence(model, mode, opset)
     onnx.checker.check_model(graph, full_check=True)
     graphs = {"model": graph}
-    feeds = _golden_inputs(model, config)
-    golden = {f"model/{k}": v for k, v in feeds.items()}
-    golden.update({f"model/{k}": v for k, v in _torch_outputs(model, feeds, "model").items()})
     if model.task in ("classify", "regress"):  # streaming labelling: an output per step
         graphs["steps"] = build_graph(model, mode, per_step=True, opset=opset,
                                       recurrence="rnn" if recurrence == "rnn" else "scan")
         onnx.checker.check_model(graphs["steps"], full_check=True)
-        golden.update({f"steps/{k}": v for k, v in feeds.items()})
-        golden.update({f"steps/{k}": v for k, v in
-                       _torch_outputs(model, feeds, "steps").items()})
+    feeds = _golden_inputs(model, config)
+    golden = {}
+    for key in graphs:  # each full graph from zeros, and continuing from states
+        for case, case_feeds in ((key, feeds),
+                                 (f"{key}@continued", _continued(feeds, model.state_size))):
+            golden.update({f"{case}/{k}": v for k, v in case_feeds.items()})
+            golden.update({f"{case}/{k}": v for k, v in
+                           _torch_outputs(model, case_feeds, key).items()})
     if model.task == "lm":
         graphs["step"] = build_graph(model, mode, step=True, opset=opset)
         onnx.checker.check_model(graphs["step"], full_check=True)

@@ -206,30 +206,36 @@ def session_from_bytes(model, providers: list[str] | None = None, threads: int |
 
 
 def golden_check(package: str | Path, manifest: Manifest, sessions: dict | None = None) -> float:
-    """Run every graph on its golden inputs; the largest deviation, or PackageError when
-    an output differs from torch's by more than TOLERANCE (absolute + relative)."""
+    """Run every graph on its golden inputs (each case: ``GRAPH/...`` and
+    ``GRAPH@CASE/...``, e.g. ``model@continued`` with an initial state); the largest
+    deviation, or PackageError when an output differs from torch's by more than TOLERANCE
+    (absolute + relative)."""
     package = Path(package)
     with np.load(package / "golden.npz", allow_pickle=False) as data:
         golden = {k: data[k] for k in data.files}
+    prefixes = {k.split("/", 1)[0] for k in golden}
     worst = 0.0
     for graph, filename in manifest.graphs.items():
         sess = (sessions or {}).get(graph) or session(package / filename)
-        feeds = {i.name: golden[f"{graph}/{i.name}"] for i in sess.get_inputs()}
-        # optional inputs (the initial state) where the golden file holds them
-        feeds.update({i.name: golden[f"{graph}/{i.name}"]
-                      for i in sess.get_overridable_initializers()
-                      if f"{graph}/{i.name}" in golden})
-        names = [o.name for o in sess.get_outputs()]
-        for name, got in zip(names, sess.run(names, feeds), strict=True):
-            expected = golden[f"{graph}/{name}"]
-            if got.shape != expected.shape:
-                raise PackageError(f"golden check failed: {graph}/{name} has shape {got.shape}, "
-                                   f"expected {expected.shape}")
-            error = float(np.max(np.abs(got - expected) / (1 + np.abs(expected)), initial=0.0))
-            worst = max(worst, error)
-            if not error <= TOLERANCE:
-                raise PackageError(f"golden check failed: {graph}/{name} differs from the "
-                                   f"exported model's outputs by {error:.3g} (> {TOLERANCE})")
+        for case in sorted(p for p in prefixes if p == graph or p.startswith(graph + "@")):
+            feeds = {i.name: golden[f"{case}/{i.name}"] for i in sess.get_inputs()}
+            # optional inputs (the initial state) where the case holds them
+            feeds.update({i.name: golden[f"{case}/{i.name}"]
+                          for i in sess.get_overridable_initializers()
+                          if f"{case}/{i.name}" in golden})
+            names = [o.name for o in sess.get_outputs()]
+            for name, got in zip(names, sess.run(names, feeds), strict=True):
+                expected = golden[f"{case}/{name}"]
+                if got.shape != expected.shape:
+                    raise PackageError(f"golden check failed: {case}/{name} has shape "
+                                       f"{got.shape}, expected {expected.shape}")
+                error = float(np.max(np.abs(got - expected) / (1 + np.abs(expected)),
+                                     initial=0.0))
+                worst = max(worst, error)
+                if not error <= TOLERANCE:
+                    raise PackageError(f"golden check failed: {case}/{name} differs from the "
+                                       f"exported model's outputs by {error:.3g} "
+                                       f"(> {TOLERANCE})")
     return worst
 
 

@@ -15,22 +15,23 @@ import logging
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager, contextmanager, suppress
+from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 from typing import Any
 
-import numpy as np
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import auth, generate, inputs
+from . import auth, generate
 from .batcher import QueueFull
+from .dataplane import DataPlane, parse
+from .dataplane import version_param as _version_param
 from .inputs import ClientError
 from .metrics import UNKNOWN, Metrics
 from .protocol import (
@@ -49,9 +50,9 @@ from .protocol import (
 from .registry import NotFound, Registry
 from .runtime import select_providers
 from .settings import Settings
+from .streaming import SessionLimit
 
 log = logging.getLogger("orthornn.service")
-DATATYPE_BYTES = {"FP32": np.dtype("<f4"), "INT64": np.dtype("<i8")}
 
 
 def _version() -> str:
@@ -82,7 +83,7 @@ def known_error(exc: Exception, max_body: int) -> JSON | None:
         return error(exc.status, str(exc))
     if isinstance(exc, NotFound):
         return error(404, str(exc))
-    if isinstance(exc, QueueFull):
+    if isinstance(exc, QueueFull | SessionLimit):
         return error(429, str(exc), headers={"Retry-After": "1"})
     if isinstance(exc, BodyTooLarge):
         return error(413, f"body: larger than the limit of {max_body} bytes")
@@ -235,31 +236,6 @@ class Service(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def parse(model: type[BaseModel], body: bytes, allow_empty: bool = False):
-    if allow_empty and not body.strip():
-        return model()
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        raise ClientError(_describe(e)) from None
-
-
-def _describe(e: ValidationError) -> str:
-    errors = e.errors(include_url=False)
-    first = max(errors, key=lambda err: len(err["loc"]))  # the most specific union branch
-    if any(err["type"] == "json_invalid" for err in errors):
-        return f"body is not valid JSON: {first['msg']}"
-    where = ""
-    for part in first["loc"]:
-        if isinstance(part, int):
-            where += f"[{part}]"
-        elif "[" in part or part in ("float", "int", "str", "bool", "list", "constrained-str"):
-            continue  # a union member's tag, not a field
-        else:
-            where += f".{part}" if where else part
-    return f"{where or 'body'}: {first['msg']}"
-
-
 def _header(scope, name: bytes) -> str | None:
     """A request header (name in lower case) from the ASGI scope, or None."""
     for key, value in scope["headers"]:
@@ -271,17 +247,6 @@ def _header(scope, name: bytes) -> str | None:
 def _state(scope: dict) -> dict:
     """The request's scope["state"] (what request.state shows)."""
     return scope.setdefault("state", {})
-
-
-def _version_param(value) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, int):
-        return value
-    if not (isinstance(value, str) and value.isascii() and value.isdigit()) or \
-            not 1 <= int(value) < 2**62:
-        raise NotFound(f"version must be a positive integer; got {value!r}")
-    return int(value)
 
 
 def _body(model: type[BaseModel], required: bool = True) -> dict:
@@ -303,13 +268,16 @@ def create_app(settings: Settings) -> FastAPI:
     providers = select_providers(settings.providers)
     executor = ThreadPoolExecutor(settings.inference_workers, thread_name_prefix="orthornn-run")
     registry = Registry(settings, metrics, executor, providers)
+    dataplane = DataPlane(settings, registry, metrics)
     admin = auth.bearer(settings.admin_token)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         log.info("serving %s with %s", settings.repo, providers)
         registry.start(asyncio.get_running_loop())
+        dataplane.sessions.start_sweeper()
         yield
+        await dataplane.sessions.close()
         await registry.close()
         executor.shutdown(wait=True)
 
@@ -322,26 +290,18 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.registry = registry
+    app.state.dataplane = dataplane
     app.state.draining = False
     app.add_middleware(Observe, observer=observer)
 
-    @contextmanager
-    def hold(state: dict, name: str, version: int | None):
-        """Acquire a model version; state (the request's scope["state"]) gets the metric
-        labels."""
-        mv = registry.acquire(name, version)
-        state["labels"] = (name, str(mv.version))
-        try:
-            yield mv
-        finally:
-            registry.release(mv)
+    hold = dataplane.hold
 
     # -- errors -------------------------------------------------------------------
 
     async def _known(request, exc: Exception):
         return known_error(exc, settings.max_body_bytes)
 
-    for kind in (ClientError, NotFound, QueueFull, BodyTooLarge):
+    for kind in (ClientError, NotFound, QueueFull, SessionLimit, BodyTooLarge):
         app.add_exception_handler(kind, _known)
 
     @app.exception_handler(RequestValidationError)
@@ -362,23 +322,7 @@ def create_app(settings: Settings) -> FastAPI:
     # -- the simple API ---------------------------------------------------------------
 
     async def predict_body(body: bytes, scope: dict) -> JSON:
-        # the common body (float sequences) without pydantic; anything it does not take,
-        # and every mistake, goes through pydantic and the checks that name the field
-        fast = inputs.fast_predict_request(body)
-        req = fast or parse(PredictRequest, body)
-        with hold(_state(scope), req.model, _version_param(req.version)) as mv:
-            spec = mv.spec
-            seqs = None
-            if fast is not None and spec.kind == "float":
-                with suppress(ClientError):
-                    seqs = inputs.predict_sequences(spec, fast, settings.max_request_sequences)
-            if seqs is None:
-                if fast is not None:
-                    req = parse(PredictRequest, body)
-                seqs = inputs.predict_sequences(spec, req, settings.max_request_sequences)
-            outputs = await mv.batcher.submit(
-                seqs, lambda rows: inputs.shape_outputs(spec, rows, seqs, req.top_k))
-        return JSON({"model": mv.name, "version": mv.version, "outputs": outputs})
+        return JSON(await dataplane.predict(body, _state(scope)))
 
     app.add_direct("/predict", predict_body)
 
@@ -472,7 +416,8 @@ def create_app(settings: Settings) -> FastAPI:
 
         def tensors(items):
             return [{"name": t["name"], "data_type": "TYPE_" + t["datatype"],
-                     "dims": t["shape"][1:]} for t in items]
+                     "dims": t["shape"][1:], **({"optional": True} if t.get("optional")
+                                                else {})} for t in items]
         return JSON({"name": name, "platform": "onnxruntime_onnx",
                      "max_batch_size": settings.max_request_sequences,
                      "input": tensors(io["inputs"]), "output": tensors(io["outputs"]),
@@ -490,40 +435,7 @@ def create_app(settings: Settings) -> FastAPI:
                 raise ClientError("Inference-Header-Content-Length: must be an integer no "
                                   "larger than the body")
             body, tail = body[:int(header)], body[int(header):]
-        req = parse(InferenceRequest, body)
-        binaries = inputs.binary_chunks(req, tail)
-        with hold(_state(scope), name, _version_param(version)) as mv:
-            spec, runtime = mv.spec, mv.runtime
-            names = runtime.output_names["model"]
-            wanted = [o.name for o in req.outputs] if req.outputs else names
-            unknown = [n for n in wanted if n not in names]
-            if unknown:
-                raise ClientError(f"outputs: unknown output {unknown[0]!r}; the model has "
-                                  f"{names}")
-            seqs, steps = inputs.infer_sequences(spec, req, binaries, spec.io["model"],
-                                                 settings.max_request_sequences)
-            tensors = await mv.batcher.submit(
-                seqs, lambda rows: inputs.outputs_to_tensors(rows, names, steps,
-                                                             runtime.per_step))
-        binary_all = bool((req.parameters or {}).get("binary_data_output"))
-        binary = {o.name: bool((o.parameters or {}).get("binary_data", binary_all))
-                  for o in req.outputs} if req.outputs else dict.fromkeys(wanted, binary_all)
-        datatypes = {o["name"]: o["datatype"] for o in spec.io["model"]["outputs"]}
-        outputs, blobs = [], []
-        for n in wanted:
-            arr = tensors[n]
-            item = {"name": n, "shape": list(arr.shape), "datatype": datatypes[n]}
-            if binary[n]:
-                blob = arr.astype(DATATYPE_BYTES[datatypes[n]]).tobytes()
-                item["parameters"] = {"binary_data_size": len(blob)}
-                blobs.append(blob)
-            else:
-                item["data"] = arr.reshape(-1)
-            outputs.append(item)
-        answer = {"model_name": name, "model_version": str(mv.version), "outputs": outputs}
-        if req.id is not None:
-            answer["id"] = req.id
-        head = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+        head, blobs = await dataplane.infer(body, tail, name, version, _state(scope))
         if not blobs:
             return Response(head, media_type="application/json")
         return Response(head + b"".join(blobs), media_type="application/octet-stream",

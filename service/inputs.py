@@ -10,7 +10,7 @@ import numpy as np
 import simdjson
 
 from .protocol import InferenceRequest, PredictRequest
-from .runtime import NUMPY_TYPES, ModelSpec
+from .runtime import INITIAL_STATE, NUMPY_TYPES, Chunk, ModelSpec
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -97,7 +97,8 @@ def predict_sequences(spec: ModelSpec, req: PredictRequest, max_sequences: int
     return sequences
 
 
-_PREDICT_KEYS = frozenset(PredictRequest.model_fields)
+# the keys of the common body; any other (streaming ones included) takes pydantic's path
+_PREDICT_KEYS = frozenset({"model", "version", "inputs", "text", "top_k"})
 _NUMBER_ERRORS = (TypeError, ValueError, RuntimeError)  # what simdjson raises on non-numbers
 
 
@@ -192,22 +193,41 @@ def prepare_rows(spec: ModelSpec, rows: list[dict]) -> None:
         row[PROBABILITIES], row[INDEX] = probabilities, index
 
 
-def shape_outputs(spec: ModelSpec, rows: list[dict], sequences: list[np.ndarray],
-                  top_k: int | None) -> list[dict]:
+def _classify_item(spec: ModelSpec, p: list[float], i: int, top_k: int | None) -> dict:
+    item: dict[str, Any] = {"label": _label(spec, i), "index": i, "probabilities": p}
+    if top_k:  # most likely first; ties keep the class order (a stable sort)
+        best = sorted(range(len(p)), key=lambda j: -p[j])[:top_k]
+        item["top_k"] = [{"label": _label(spec, j), "index": j, "probability": p[j]}
+                         for j in best]
+    return item
+
+
+def _per_step_items(spec: ModelSpec, y: np.ndarray, top_k: int | None) -> list[dict]:
+    """classify / regress outputs after every step (y [T, C] of the "steps" graph)."""
+    if spec.task == "regress":
+        return [{"value": float(v[0]) if v.size == 1 else v.tolist()}
+                for v in y.astype(np.float64)]
+    p = _softmax(y.astype(np.float64))
+    return [_classify_item(spec, row, i, top_k)
+            for row, i in zip(p.tolist(), p.argmax(axis=-1).tolist(), strict=True)]
+
+
+def shape_outputs(spec: ModelSpec, rows: list[dict], sequences: list,
+                  top_k: int | None, per_step: bool = False) -> list[dict]:
     """Per sequence, the /predict answer from its output rows (runs in the inference
-    thread)."""
+    thread). ``sequences``: arrays, or Chunks that continued from a state."""
+    if per_step:
+        out = []
+        for row in rows:
+            steps = _per_step_items(spec, row[spec.output_name], top_k)
+            out.append({**steps[-1], "steps": steps})
+        return out
     if rows and spec.task == "classify" and PROBABILITIES not in rows[0]:
         prepare_rows(spec, rows)  # not batched through the batcher's prepare step
     out = []
     for row, seq in zip(rows, sequences, strict=True):
         if spec.task == "classify":
-            p, i = row[PROBABILITIES], row[INDEX]
-            item: dict[str, Any] = {"label": _label(spec, i), "index": i, "probabilities": p}
-            if top_k:  # most likely first; ties keep the class order (a stable sort)
-                best = sorted(range(len(p)), key=lambda j: -p[j])[:top_k]
-                item["top_k"] = [{"label": _label(spec, j), "index": j, "probability": p[j]}
-                                 for j in best]
-            out.append(item)
+            out.append(_classify_item(spec, row[PROBABILITIES], row[INDEX], top_k))
             continue
         y = row[spec.output_name].astype(np.float64)
         if spec.task == "regress":
@@ -216,9 +236,14 @@ def shape_outputs(spec: ModelSpec, rows: list[dict], sequences: list[np.ndarray]
             idx = np.argmax(y, axis=-1)
             item = {"indices": idx.tolist(), "labels": [_label(spec, int(j)) for j in idx]}
         else:  # lm: y [T, V]; position t predicts token t + 1
+            tokens = getattr(seq, "data", seq)
             logp = _log_softmax(y)
-            scored = len(seq) - 1
-            ll = float(logp[np.arange(scored), seq[1:]].sum()) if scored else 0.0
+            scored = len(tokens) - 1
+            ll = float(logp[np.arange(scored), tokens[1:]].sum()) if scored else 0.0
+            if getattr(seq, "state", None) is not None and "initial_logits" in row:
+                # a continued chunk: its first token is predicted by the state it continues
+                ll += float(_log_softmax(row["initial_logits"].astype(np.float64))[tokens[0]])
+                scored += 1
             p = np.exp(logp[-1])
             best = np.argsort(-p, kind="stable")[:top_k or 5]
             vocab = spec.vocabulary or []
@@ -334,7 +359,15 @@ def infer_sequences(spec: ModelSpec, req: InferenceRequest, binaries: dict[str, 
             raise ClientError(f"inputs[lengths].data: lengths must be in [1, {steps}]")
     else:
         lengths = np.full(batch, steps, dtype=np.int64)
-    return [x[i, :int(n)] for i, n in enumerate(lengths)], steps
+    seqs = [x[i, :int(n)] for i, n in enumerate(lengths)]
+    if INITIAL_STATE in seen:  # raw state tensors: the URL names the version they continue
+        st = seen[INITIAL_STATE]
+        if list(st.shape) != [batch, spec.state_size]:
+            raise ClientError(f"inputs[{INITIAL_STATE}].shape: must be [{batch}, "
+                              f"{spec.state_size}]; got {st.shape}")
+        states = decode_tensor(st, binaries.get(INITIAL_STATE), "FP32")
+        seqs = [Chunk(s, states[i]) for i, s in enumerate(seqs)]
+    return seqs, steps
 
 
 def outputs_to_tensors(rows: list[dict], names: list[str], steps: int,

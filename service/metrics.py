@@ -38,6 +38,16 @@ class Metrics:
                               registry=r)
         self.queue_depth = Gauge("orthornn_queue_depth", "sequences waiting for a batch",
                                  ["model"], registry=r)
+        self.sessions_active = Gauge("orthornn_sessions_active",
+                                     "open server-side sessions (state kept in the service)",
+                                     registry=r)
+        self.session_starts = Counter("orthornn_session_starts", "sessions started",
+                                      ["model"], registry=r)
+        self.session_ends = Counter("orthornn_session_ends", "sessions ended by the client",
+                                    ["model"], registry=r)
+        self.session_expiries = Counter("orthornn_session_expiries",
+                                        "sessions ended after their idle timeout", ["model"],
+                                        registry=r)
         self.loaded = Gauge(
             "orthornn_model_loaded", "1 for every loaded (served) model version",
             ["model", "version", "arch", "mode"], registry=r)

@@ -31,6 +31,22 @@ class PredictRequest(_Model):
     top_k: Annotated[int, Strict()] | None = Field(
         None, ge=1, le=1_000_000, description="classify: also list the k likeliest labels; "
                                               "lm: next tokens listed (default 5)")
+    return_state: bool = Field(
+        False, description="streaming: give each output the opaque 'state' after its sequence "
+                           "(pass it back in 'states' to continue from there)")
+    states: list[Any] | None = Field(
+        None, description="streaming: one state per sequence, exactly as a response returned "
+                          "it; each sequence continues from its state (the version that made "
+                          "the states answers)")
+    session: Annotated[str, Field(min_length=1, max_length=128,
+                                  pattern=r"^[A-Za-z0-9._:-]+$")] | None = Field(
+        None, description="streaming: a server-side session id; the service keeps its state "
+                          "(one sequence per request)")
+    start: bool = Field(False, description="with session: open it (on the requested or newest "
+                                           "version, which it keeps until it ends)")
+    end: bool = Field(False, description="with session: close it after this chunk")
+    per_step: bool = Field(False, description="classify / regress: an output after every "
+                                              "time step, in 'steps'")
 
 
 class Candidate(BaseModel):
@@ -53,12 +69,16 @@ class SequenceOutput(BaseModel):
     log_likelihood: float | None = None
     perplexity: float | None = None
     tokens: int | None = Field(None, description="lm: number of tokens scored")
+    steps: list[dict] | None = Field(None, description="per_step: the output after each step")
+    state: dict | None = Field(None, description="return_state: the opaque state after this "
+                                                 "sequence")
 
 
 class PredictResponse(BaseModel):
     model: str
     version: int
     outputs: list[SequenceOutput]
+    session: str | None = None
 
 
 class GenerateRequest(_Model):

@@ -50,8 +50,10 @@ class ModelVersion:
     runtime: Runtime
     batcher: Batcher
     loaded_at: float = field(default_factory=time.time)
-    inflight: int = 0  # requests holding this version (acquire() .. release())
+    inflight: int = 0  # requests and sessions holding this version (acquire() .. release())
     generating: int = 0  # of those, /generate calls (they never reach the batcher)
+    sessions: int = 0  # of those, open sessions (pinned here until they end)
+    steps_batcher: Batcher | None = None  # classify / regress: the per-step graph
     retired: bool = False
     released: bool = False
 
@@ -87,8 +89,10 @@ class Registry:
 
     # -- lookups (event loop) ---------------------------------------------------------
 
-    def acquire(self, name: str, version: int | None = None) -> ModelVersion:
-        """The requested (default: newest) serving version, held until release()."""
+    def acquire(self, name: str, version: int | None = None, *,
+                session: bool = False) -> ModelVersion:
+        """The requested (default: newest) serving version, held until release(); a
+        session's hold keeps a retired version loaded until the session ends."""
         with self._lock:
             loaded = self._serving.get(name)
             if not loaded:
@@ -100,11 +104,13 @@ class Registry:
                 raise NotFound(f"model {name!r} has no loaded version {version} "
                                f"(loaded: {sorted(loaded)})")
             mv.inflight += 1
+            mv.sessions += session
             return mv
 
-    def release(self, mv: ModelVersion) -> None:
+    def release(self, mv: ModelVersion, *, session: bool = False) -> None:
         with self._lock:
             mv.inflight -= 1
+            mv.sessions -= session
             done = mv.retired and mv.inflight == 0 and not mv.released
             if done:
                 mv.released = True
@@ -180,14 +186,21 @@ class Registry:
         except Exception as error:
             raise PackageError(f"golden check could not run: {error}") from None
         s = self.settings
-        batcher = Batcher(lambda seqs: runtime.run_padded(spec, seqs), self.executor,
-                          max_batch_size=s.max_batch_size,
-                          max_queue_delay_ms=s.max_queue_delay_ms,
-                          max_queue_size=s.max_queue_size, workers=s.inference_workers,
-                          enabled=s.batching, metrics=self.metrics, model=name,
-                          prepare=lambda rows: prepare_rows(spec, rows))
-        mv = ModelVersion(name, version, path, manifest, spec, runtime, batcher)
-        batcher.holders = lambda: mv.inflight - mv.generating
+
+        def batcher(graph: str) -> Batcher:
+            return Batcher(lambda seqs: runtime.run_padded(spec, seqs, graph), self.executor,
+                           max_batch_size=s.max_batch_size,
+                           max_queue_delay_ms=s.max_queue_delay_ms,
+                           max_queue_size=s.max_queue_size, workers=s.inference_workers,
+                           enabled=s.batching, metrics=self.metrics, model=name,
+                           prepare=(lambda rows: prepare_rows(spec, rows)) if graph == "model"
+                           else None)
+        mv = ModelVersion(name, version, path, manifest, spec, runtime, batcher("model"))
+        if "steps" in runtime.sessions:
+            mv.steps_batcher = batcher("steps")
+        for b in (mv.batcher, mv.steps_batcher):
+            if b is not None:  # sessions wait between requests: they are not on their way
+                b.holders = lambda: mv.inflight - mv.generating - mv.sessions
         return mv
 
     def sync_model(self, name: str) -> list[str]:
@@ -261,10 +274,13 @@ class Registry:
                 running = asyncio.get_running_loop()
             except RuntimeError:
                 running = None
-            if running is loop:
-                loop.create_task(mv.batcher.close())
-            else:
-                asyncio.run_coroutine_threadsafe(mv.batcher.close(), loop)
+            for batcher in (mv.batcher, mv.steps_batcher):
+                if batcher is None:
+                    continue
+                if running is loop:
+                    loop.create_task(batcher.close())
+                else:
+                    asyncio.run_coroutine_threadsafe(batcher.close(), loop)
         mv.runtime.sessions.clear()
 
     def scan(self) -> None:
@@ -333,4 +349,6 @@ class Registry:
             self._serving.clear()
         for mv in everything:
             await mv.batcher.close()
+            if mv.steps_batcher is not None:
+                await mv.steps_batcher.close()
             self.metrics.model_released(mv.manifest)

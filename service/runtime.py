@@ -34,6 +34,21 @@ def select_providers(requested: list[str] | None = None) -> list[str]:
     return [p for p in (CUDA, CPU) if p in available] or available
 
 
+@dataclass(slots=True)
+class Chunk:
+    """A sequence (or the next chunk of one) and the state it continues from (None: the
+    start of the sequence). Batches mix chunks with and without states."""
+
+    data: np.ndarray
+    state: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+INITIAL_STATE = "initial_state"  # the optional state input of the full graphs (export)
+
+
 # Training's word tokenizer (export.vocabulary). Unlike training, no "<eos>" is appended:
 # a request's text is a prefix, not a finished paragraph.
 tokenize = words
@@ -54,6 +69,7 @@ class ModelSpec:
     output_size: int
     state_size: int
     labels: list[str] | None
+    streaming: bool = False  # the graphs take an initial state (packages since streaming)
     vocabulary: list[str] | None = None
     token_ids: dict[str, int] = field(default_factory=dict)
     io: dict = field(default_factory=dict)
@@ -66,7 +82,8 @@ class ModelSpec:
             arch=manifest.arch, kind=inputs.kind, feature_size=inputs.feature_size,
             max_length=inputs.max_length, output_name=manifest.output_name,
             output_size=outputs.size, state_size=outputs.state_size,
-            labels=manifest.labels, io=manifest.io)
+            labels=manifest.labels, io=manifest.io,
+            streaming=any(i["name"] == INITIAL_STATE for i in manifest.io["model"]["inputs"]))
         if spec.kind == "tokens":
             words = (package / manifest.vocabulary_file).read_text().split("\n")
             if words and words[-1] == "":
@@ -101,16 +118,20 @@ class Runtime:
         self.output_names = {g: [o.name for o in s.get_outputs()]
                              for g, s in self.sessions.items()}
         # outputs with a time axis ([B, T, ...]) are cut per sequence
-        self.per_step = {o.name for o in self.sessions["model"].get_outputs()
-                         if len(o.shape) == 3}
+        self.per_step = {g: {o.name for o in s.get_outputs() if len(o.shape) == 3}
+                         for g, s in self.sessions.items()}
 
     def run(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         names = self.output_names[graph]
         return dict(zip(names, self.sessions[graph].run(names, feeds), strict=True))
 
-    def run_padded(self, spec: ModelSpec, sequences: list[np.ndarray]) -> list[dict]:
-        """Run the full graph on sequences of any lengths padded into one batch; per
-        sequence, its rows of every output (time-axis outputs cut to its length)."""
+    def run_padded(self, spec: ModelSpec, sequences: list, graph: str = "model") -> list[dict]:
+        """Run a full graph ("model", or "steps": an output per step) on sequences of any
+        lengths padded into one batch; each an array, or a Chunk that continues from a
+        state. Per sequence, its rows of every output (time-axis outputs cut to its
+        length)."""
+        states = [s.state if isinstance(s, Chunk) else None for s in sequences]
+        sequences = [s.data if isinstance(s, Chunk) else s for s in sequences]
         lengths = np.array([len(s) for s in sequences], dtype=np.int64)
         steps = int(lengths.max())
         if spec.kind == "tokens":
@@ -119,9 +140,15 @@ class Runtime:
             x = np.zeros((len(sequences), steps, spec.feature_size), dtype=np.float32)
         for i, s in enumerate(sequences):
             x[i, :len(s)] = s
-        out = self.run("model", {"tokens" if spec.kind == "tokens" else "x": x,
-                                 "lengths": lengths})
-        return [{k: (v[i, :n] if k in self.per_step else v[i]) for k, v in out.items()}
+        feeds = {"tokens" if spec.kind == "tokens" else "x": x, "lengths": lengths}
+        if any(s is not None for s in states):
+            h0 = feeds[INITIAL_STATE] = np.zeros((len(states), spec.state_size), np.float32)
+            for i, s in enumerate(states):
+                if s is not None:
+                    h0[i] = s
+        out = self.run(graph, feeds)
+        per_step = self.per_step[graph]
+        return [{k: (v[i, :n] if k in per_step else v[i]) for k, v in out.items()}
                 for i, n in enumerate(lengths.tolist())]
 
     def warm_up(self, spec: ModelSpec, batch: int) -> None:

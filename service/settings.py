@@ -46,6 +46,12 @@ class Settings(BaseSettings):
                     "(the training BPTT window) is smaller: the hidden state carries")
     max_new_tokens: int = Field(256, ge=1, le=100_000,
                                 description="upper bound of /generate's max_new_tokens")
+    max_sessions: int = Field(10_000, ge=1, le=10_000_000,
+                              description="open server-side sessions; beyond it a new one "
+                                          "gets 429")
+    session_idle_timeout_s: float = Field(
+        300.0, gt=0, le=86_400,
+        description="a session unused this long is ended (its state dropped)")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 31,
                                 description="request body limit (413 beyond it)")
     inference_threads: int = Field(

@@ -158,7 +158,9 @@ def test_oip_metadata_and_readiness(client):
     meta = client.get("/v2/models/adding").json()
     assert meta["versions"] == ["4", "5"] and meta["platform"] == "onnxruntime_onnx"
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, -1, 2]},
-                              {"name": "lengths", "datatype": "INT64", "shape": [-1]}]
+                              {"name": "lengths", "datatype": "INT64", "shape": [-1]},
+                              {"name": "initial_state", "datatype": "FP32", "shape": [-1, 8],
+                               "optional": True}]
     assert [o["name"] for o in meta["outputs"]] == ["value", "state"]
     assert meta["parameters"]["version"] == "5"
     assert client.get("/v2/models/adding/versions/4").json()["parameters"]["version"] == "4"

@@ -1,6 +1,7 @@
 """The service on a real uvicorn server on 127.0.0.1: tritonclient, dynamic batching under
 concurrency, hot-swap under load, refused versions, the predict client, SIGTERM."""
 
+import itertools
 import json
 import os
 import signal
@@ -40,7 +41,7 @@ def test_tritonclient_round_trip(service_packages, tmp_path):
         assert client.is_model_ready("digits") and client.is_model_ready("digits", "1")
         assert client.get_server_metadata()["name"] == "orthornn"
         meta = client.get_model_metadata("digits")
-        assert [i["name"] for i in meta["inputs"]] == ["x", "lengths"]
+        assert [i["name"] for i in meta["inputs"]] == ["x", "lengths", "initial_state"]
         assert client.get_model_config("digits")["max_batch_size"] > 0
         g = golden(repo / "digits" / "1")
         x, lengths = g["model/x"], g["model/lengths"]
@@ -66,6 +67,20 @@ def test_tritonclient_round_trip(service_packages, tmp_path):
         np.testing.assert_allclose(result.as_numpy("state")[0],
                                    reference(repo / "words" / "1", [tokens[0]])[0]["state"],
                                    atol=1e-6)
+        # a sequence through the OIP sequence parameters: chunks of one sequence_id end
+        # where the whole sequence ends
+        seq = x[:1, :lengths[0]]
+        whole = reference(repo / "digits" / "1", [seq[0]])[0]
+        bounds = [0, 3, 4, seq.shape[1]]
+        for k, (a, b) in enumerate(itertools.pairwise(bounds)):
+            chunk = triton.InferInput("x", [1, b - a, 1], "FP32")
+            chunk.set_data_from_numpy(np.ascontiguousarray(seq[:, a:b]))
+            result = client.infer("digits", [chunk], sequence_id=42, sequence_start=k == 0,
+                                  sequence_end=b == seq.shape[1])
+        np.testing.assert_allclose(result.as_numpy("state")[0], whole["state"], atol=1e-5)
+        np.testing.assert_allclose(result.as_numpy("logits")[0], whole["logits"], atol=1e-5)
+        with pytest.raises(triton.InferenceServerException, match="session '42' is not open"):
+            client.infer("digits", [chunk], sequence_id=42)
         with pytest.raises(triton.InferenceServerException, match="unknown input"):
             bad = triton.InferInput("y", [1, 3], "INT64")
             bad.set_data_from_numpy(tokens)

@@ -1,0 +1,290 @@
+"""The model work behind the HTTP routes: requests in, answers out (as MLServer's
+``DataPlane`` serves REST and gRPC alike). The HTTP layer (``service.app``) reads bodies,
+maps errors to status codes and counts metrics; everything that touches a model version,
+a batcher, a state or a session is here.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, suppress
+
+import numpy as np
+import orjson
+from pydantic import BaseModel, ValidationError
+
+from . import inputs
+from .inputs import ClientError
+from .protocol import InferenceRequest, PredictRequest
+from .registry import NotFound, Registry
+from .runtime import Chunk
+from .settings import Settings
+from .streaming import (
+    Session,
+    Sessions,
+    StateConflict,
+    UnknownSession,
+    decode_state,
+    encode_state,
+    state_version,
+)
+
+DATATYPE_BYTES = {"FP32": np.dtype("<f4"), "INT64": np.dtype("<i8")}
+SEQUENCE_KEYS = ("sequence_id", "sequence_start", "sequence_end")
+
+
+def parse(model: type[BaseModel], body: bytes, allow_empty: bool = False):
+    if allow_empty and not body.strip():
+        return model()
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise ClientError(_describe(e)) from None
+
+
+def _describe(e: ValidationError) -> str:
+    errors = e.errors(include_url=False)
+    first = max(errors, key=lambda err: len(err["loc"]))  # the most specific union branch
+    if any(err["type"] == "json_invalid" for err in errors):
+        return f"body is not valid JSON: {first['msg']}"
+    where = ""
+    for part in first["loc"]:
+        if isinstance(part, int):
+            where += f"[{part}]"
+        elif "[" in part or part in ("float", "int", "str", "bool", "list", "constrained-str"):
+            continue  # a union member's tag, not a field
+        else:
+            where += f".{part}" if where else part
+    return f"{where or 'body'}: {first['msg']}"
+
+
+def version_param(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return value
+    if not (isinstance(value, str) and value.isascii() and value.isdigit()) or \
+            not 1 <= int(value) < 2**62:
+        raise NotFound(f"version must be a positive integer; got {value!r}")
+    return int(value)
+
+
+class DataPlane:
+    def __init__(self, settings: Settings, registry: Registry, metrics=None):
+        self.settings, self.registry = settings, registry
+        self.sessions = Sessions(
+            max_sessions=settings.max_sessions, idle_timeout_s=settings.session_idle_timeout_s,
+            hold=lambda name, version: registry.acquire(name, version, session=True),
+            release=lambda mv: registry.release(mv, session=True), metrics=metrics)
+
+    @contextmanager
+    def hold(self, labels: dict, name: str, version: int | None):
+        """Acquire a model version for one request; ``labels`` (the request's scope
+        state) gets the metric labels."""
+        mv = self.registry.acquire(name, version)
+        labels["labels"] = (name, str(mv.version))
+        try:
+            yield mv
+        finally:
+            self.registry.release(mv)
+
+    # -- /predict --------------------------------------------------------------------------
+
+    async def predict(self, body: bytes, labels: dict) -> dict:
+        # the common body (float sequences) without pydantic; anything it does not take,
+        # and every mistake, goes through pydantic and the checks that name the field
+        fast = inputs.fast_predict_request(body)
+        req = fast or parse(PredictRequest, body)
+        if req.session is not None:
+            return await self._predict_session(req, body, fast, labels)
+        for flag in ("start", "end"):
+            if getattr(req, flag):
+                raise ClientError(f"{flag}: only with 'session'")
+        version = version_param(req.version)
+        if req.states is not None:
+            made_by = state_version(req.states)
+            if version is None:
+                version = made_by  # a state continues the version that made it
+            elif made_by is not None and made_by != version:
+                raise StateConflict(f"states: made by version {made_by}, the request asks "
+                                    f"for version {version}; a state only continues the "
+                                    f"version that made it")
+        with self.hold(labels, req.model, version) as mv:
+            seqs = self._sequences(mv, req, body, fast)
+            if req.states is not None:
+                if len(req.states) != len(seqs):
+                    raise ClientError(f"states: one per sequence ({len(seqs)}); got "
+                                      f"{len(req.states)}")
+                self._check_streaming(mv)
+                seqs = [Chunk(s, decode_state(st, mv.name, mv.version, mv.spec.state_size,
+                                              f"states[{i}]"))
+                        for i, (s, st) in enumerate(zip(seqs, req.states, strict=True))]
+            outputs, _ = await self._run(mv, seqs, req)
+        return {"model": mv.name, "version": mv.version, "outputs": outputs}
+
+    async def _predict_session(self, req, body: bytes, fast, labels: dict) -> dict:
+        if req.states is not None:
+            raise ClientError("states: not with 'session' (the session keeps its state)")
+        if req.start:
+            session = self.sessions.start(req.session, req.model, version_param(req.version))
+        else:
+            session = self.sessions.get(req.session, req.model)
+            version = version_param(req.version)
+            if version is not None and version != session.mv.version:
+                raise StateConflict(f"session {req.session!r} runs on version "
+                                    f"{session.mv.version}, not {version}")
+        outputs = await self._session_chunk(
+            session, req, labels, lambda mv: self._sequences(mv, req, body, fast),
+            started=req.start, end=req.end)
+        return {"model": session.mv.name, "version": session.mv.version, "outputs": outputs,
+                "session": session.id}
+
+    async def _session_chunk(self, session: Session, req, labels: dict, read, *,
+                             started: bool, end: bool, run=None):
+        """Apply one chunk to a session, after the chunks that arrived before it; ``read``
+        gives the chunk's sequences from the session's model version."""
+        mv = session.mv
+        labels["labels"] = (mv.name, str(mv.version))
+        ok = False
+        try:
+            async with session.lock:  # one chunk at a time, in arrival order
+                if session.closed:
+                    raise UnknownSession(f"session {session.id!r} ended while this request "
+                                         f"waited")
+                self._check_streaming(mv)
+                seqs = read(mv)
+                if len(seqs) != 1:
+                    raise ClientError(f"a session takes one sequence per request; got "
+                                      f"{len(seqs)}")
+                chunk = Chunk(seqs[0], session.state)
+                outputs, states = await (run or self._run)(mv, [chunk], req)
+                session.state = np.array(states[0], dtype=np.float32)
+                session.steps += len(chunk)
+                session.last_used = time.monotonic()
+                ok = True
+        finally:
+            if end or (started and not ok):  # a failed first chunk opens nothing
+                self.sessions.end(session)
+        return outputs
+
+    def _sequences(self, mv, req, body: bytes, fast) -> list[np.ndarray]:
+        spec = mv.spec
+        if fast is not None and spec.kind == "float":
+            with suppress(ClientError):
+                return inputs.predict_sequences(spec, fast, self.settings.max_request_sequences)
+        if fast is not None:
+            req = parse(PredictRequest, body)
+        return inputs.predict_sequences(spec, req, self.settings.max_request_sequences)
+
+    @staticmethod
+    def _check_streaming(mv) -> None:
+        if not mv.spec.streaming:
+            raise ClientError(f"model {mv.name!r} version {mv.version} was exported before "
+                              f"streaming (its graphs take no initial state); export it again "
+                              f"to continue sequences across requests")
+
+    async def _run(self, mv, seqs: list, req) -> tuple[list[dict], list[np.ndarray]]:
+        """Batch the sequences; (the /predict outputs, the state after each sequence)."""
+        spec = mv.spec
+        batcher = mv.batcher
+        if req.per_step:
+            if spec.task not in ("classify", "regress"):
+                raise ClientError(f"per_step: for classify and regress models; {spec.task} "
+                                  f"models already answer every step")
+            if mv.steps_batcher is None:
+                raise ClientError(f"per_step: model {mv.name!r} version {mv.version} has no "
+                                  f"per-step graph; export it again")
+            batcher = mv.steps_batcher
+
+        def post(rows: list[dict]):
+            out = inputs.shape_outputs(spec, rows, seqs, req.top_k, req.per_step)
+            if req.return_state:
+                for item, row in zip(out, rows, strict=True):
+                    item["state"] = encode_state(mv.name, mv.version, row["state"])
+            return out, [row["state"] for row in rows]
+        return await batcher.submit(seqs, post)
+
+    # -- Open Inference Protocol ------------------------------------------------------------
+
+    async def infer(self, body: bytes, tail: bytes, name: str, version: str | None,
+                    labels: dict) -> tuple[bytes, list[bytes]]:
+        """An OIP inference request (JSON header ``body`` and binary ``tail``): the JSON
+        answer and the binary output blobs. The request parameters ``sequence_id``,
+        ``sequence_start`` and ``sequence_end`` (as tritonclient sends them) run it on a
+        session."""
+        req = parse(InferenceRequest, body)
+        binaries = inputs.binary_chunks(req, tail)
+        params = req.parameters or {}
+        if any(k in params for k in SEQUENCE_KEYS):
+            session, start, end = self._sequence(params, name, version_param(version))
+            result: dict = {}
+
+            def read(mv) -> list:
+                seqs, result["steps"] = self._infer_sequences(mv, req, binaries)
+                return seqs
+
+            async def run(mv, seqs, _req):
+                result["answer"] = await self._infer_run(mv, req, seqs, result["steps"])
+                return None, [result["answer"][1]["state"][0]]
+            await self._session_chunk(session, req, labels, read, started=start, end=end,
+                                      run=run)
+            return self._infer_answer(session.mv, req, *result["answer"])
+        with self.hold(labels, name, version_param(version)) as mv:
+            seqs, steps = self._infer_sequences(mv, req, binaries)
+            answer = await self._infer_run(mv, req, seqs, steps)
+        return self._infer_answer(mv, req, *answer)
+
+    def _sequence(self, params: dict, name: str, version: int | None):
+        sid, start, end = (params.get(k) for k in SEQUENCE_KEYS)
+        if isinstance(sid, bool) or not isinstance(sid, int | str) or sid in ("", 0):
+            raise ClientError("parameters.sequence_id: required with sequence_start or "
+                              "sequence_end, a non-zero integer or a non-empty string")
+        for key, flag in (("sequence_start", start), ("sequence_end", end)):
+            if flag is not None and not isinstance(flag, bool):
+                raise ClientError(f"parameters.{key}: must be true or false")
+        sid = str(sid)
+        if start:
+            return self.sessions.start(sid, name, version), True, bool(end)
+        session = self.sessions.get(sid, name)
+        if version is not None and version != session.mv.version:
+            raise StateConflict(f"sequence {sid!r} runs on version {session.mv.version}, not "
+                                f"{version}")
+        return session, False, bool(end)
+
+    def _infer_sequences(self, mv, req, binaries) -> tuple[list, int]:
+        return inputs.infer_sequences(mv.spec, req, binaries, mv.spec.io["model"],
+                                      self.settings.max_request_sequences)
+
+    async def _infer_run(self, mv, req, seqs: list, steps: int) -> tuple[list[str], dict]:
+        runtime = mv.runtime
+        names = runtime.output_names["model"]
+        wanted = [o.name for o in req.outputs] if req.outputs else names
+        unknown = [n for n in wanted if n not in names]
+        if unknown:
+            raise ClientError(f"outputs: unknown output {unknown[0]!r}; the model has {names}")
+        tensors = await mv.batcher.submit(
+            seqs, lambda rows: inputs.outputs_to_tensors(rows, names, steps,
+                                                         runtime.per_step["model"]))
+        return wanted, tensors
+
+    @staticmethod
+    def _infer_answer(mv, req, wanted: list[str], tensors: dict) -> tuple[bytes, list[bytes]]:
+        binary_all = bool((req.parameters or {}).get("binary_data_output"))
+        binary = {o.name: bool((o.parameters or {}).get("binary_data", binary_all))
+                  for o in req.outputs} if req.outputs else dict.fromkeys(wanted, binary_all)
+        datatypes = {o["name"]: o["datatype"] for o in mv.spec.io["model"]["outputs"]}
+        outputs, blobs = [], []
+        for n in wanted:
+            arr = tensors[n]
+            item = {"name": n, "shape": list(arr.shape), "datatype": datatypes[n]}
+            if binary[n]:
+                blob = arr.astype(DATATYPE_BYTES[datatypes[n]]).tobytes()
+                item["parameters"] = {"binary_data_size": len(blob)}
+                blobs.append(blob)
+            else:
+                item["data"] = arr.reshape(-1)
+            outputs.append(item)
+        answer = {"model_name": mv.name, "model_version": str(mv.version), "outputs": outputs}
+        if req.id is not None:
+            answer["id"] = req.id
+        return orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY), blobs

@@ -1,0 +1,185 @@
+"""State carried across requests: client-held state tokens and server-side sessions.
+
+A recurrent model's answer to a chunk of a sequence depends on the chunks before it only
+through the hidden state after them. The service hands that state out (``return_state``)
+as an opaque JSON value that names the model version that made it, and continues from it
+(``states``); any replica serving that version can answer the next chunk. A state from
+another model or version, of the wrong size or with non-finite numbers is refused: a
+state is never applied to weights it was not made by.
+
+Sessions keep the state in the service instead (``session``: ID). A session is pinned to
+the version it started on: it holds that version (the registry keeps it loaded across hot
+swaps) until it ends, or idles out, and requests on one session are applied one at a time
+in arrival order (an asyncio lock, whose waiters are woken first come, first served).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .inputs import ClientError
+
+
+class StateConflict(ClientError):
+    """A state or session of another model version (409)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, status=409)
+
+
+def encode_state(name: str, version: int, state: np.ndarray) -> dict:
+    """The opaque state value of one sequence: {"model", "version", "data": base64 of the
+    float32 little-endian state vector}."""
+    data = np.ascontiguousarray(state, dtype="<f4").tobytes()
+    return {"model": name, "version": version, "data": base64.b64encode(data).decode()}
+
+
+def state_version(states: list, field_name: str = "states") -> int | None:
+    """The version every state of a request names (None for no states); ClientError when
+    they are malformed or disagree."""
+    versions = set()
+    for i, s in enumerate(states):
+        if not isinstance(s, dict) or not isinstance(s.get("version"), int) \
+                or isinstance(s.get("version"), bool):
+            raise ClientError(f"{field_name}[{i}]: must be a state exactly as a response "
+                              f"returned it (an object with model, version and data)")
+        versions.add(s["version"])
+    if len(versions) > 1:
+        raise StateConflict(f"{field_name}: the states come from different versions "
+                            f"{sorted(versions)}; one request continues one version")
+    return versions.pop() if versions else None
+
+
+def decode_state(value, name: str, version: int, size: int, where: str) -> np.ndarray:
+    """A state vector [size] from an opaque state value, checked against the model version
+    about to continue from it."""
+    if not isinstance(value, dict) or set(value) != {"model", "version", "data"} \
+            or not isinstance(value["data"], str):
+        raise ClientError(f"{where}: must be a state exactly as a response returned it "
+                          f"(an object with model, version and data)")
+    if value["model"] != name or value["version"] != version:
+        raise StateConflict(f"{where}: a state of model {value['model']!r} version "
+                            f"{value['version']!r} cannot continue on model {name!r} version "
+                            f"{version}: a state only continues the version that made it")
+    try:
+        raw = base64.b64decode(value["data"].encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        raise ClientError(f"{where}.data: not valid base64") from None
+    if len(raw) != 4 * size:
+        raise ClientError(f"{where}.data: the state of this model has {size} numbers; "
+                          f"got {len(raw) / 4:g}")
+    state = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+    if not np.isfinite(state).all():
+        raise ClientError(f"{where}.data: the state holds non-finite numbers (NaN or inf)")
+    return state
+
+
+# -- server-side sessions -----------------------------------------------------------------
+
+class SessionLimit(Exception):
+    """Too many open sessions (429)."""
+
+
+class UnknownSession(ClientError):
+    def __init__(self, message: str):
+        super().__init__(message, status=404)
+
+
+@dataclass(eq=False)
+class Session:
+    id: str
+    model: str
+    mv: object  # the registry's ModelVersion, held while the session lives
+    state: np.ndarray | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_used: float = field(default_factory=time.monotonic)
+    steps: int = 0
+    closed: bool = False
+
+
+class Sessions:
+    """The open sessions of a service. ``hold(mv)`` / ``release(mv)`` pin a model version
+    (the registry's session hold); ``metrics`` counts starts, ends and expiries."""
+
+    def __init__(self, *, max_sessions: int, idle_timeout_s: float, hold, release,
+                 metrics=None):
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self._hold, self._release = hold, release
+        self.metrics = metrics
+        self._open: dict[str, Session] = {}
+        self._sweeper: asyncio.Task | None = None
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def start(self, session_id: str, model: str, version: int | None) -> Session:
+        """Open a session on a model's version (default: newest)."""
+        if session_id in self._open:
+            raise ClientError(f"session {session_id!r} is already open; end it first or "
+                              f"use another id", status=409)
+        if len(self._open) >= self.max_sessions:
+            raise SessionLimit(f"session {session_id!r}: the service holds the maximum of "
+                               f"{self.max_sessions} open sessions; retry later")
+        mv = self._hold(model, version)
+        session = self._open[session_id] = Session(session_id, model, mv)
+        self._count("session_starts", model)
+        self._gauge()
+        return session
+
+    def get(self, session_id: str, model: str) -> Session:
+        session = self._open.get(session_id)
+        if session is None:
+            raise UnknownSession(f"session {session_id!r} is not open (never started, "
+                                 f"ended, or idle for over {self.idle_timeout_s:g} s); start "
+                                 f"it with \"start\": true")
+        if session.model != model:
+            raise ClientError(f"session {session_id!r} belongs to model {session.model!r}, "
+                              f"not {model!r}")
+        return session
+
+    def end(self, session: Session, reason: str = "session_ends") -> None:
+        if session.closed:
+            return
+        session.closed = True
+        if self._open.get(session.id) is session:
+            del self._open[session.id]
+        self._release(session.mv)
+        self._count(reason, session.model)
+        self._gauge()
+
+    def expire(self, now: float | None = None) -> int:
+        """End the sessions idle for longer than the timeout (not those in a request)."""
+        now = time.monotonic() if now is None else now
+        idle = [s for s in self._open.values()
+                if now - s.last_used > self.idle_timeout_s and not s.lock.locked()]
+        for session in idle:
+            self.end(session, "session_expiries")
+        return len(idle)
+
+    def start_sweeper(self) -> None:
+        async def sweep():
+            while True:
+                await asyncio.sleep(min(1.0, self.idle_timeout_s / 4))
+                self.expire()
+        self._sweeper = asyncio.get_running_loop().create_task(sweep())
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for session in list(self._open.values()):
+            self.end(session, "session_ends")
+
+    def _count(self, name: str, model: str) -> None:
+        if self.metrics is not None:
+            getattr(self.metrics, name).labels(model).inc()
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.sessions_active.set(len(self._open))
