@@ -61,6 +61,12 @@ def add_serve_parsers(sub) -> None:
     predict.add_argument("--version", type=int)
     predict.add_argument("--top-k", type=int)
     predict.add_argument("--timeout", type=float, default=60.0)
+    predict.add_argument("--stream", action="store_true",
+                         help="send each sequence in chunks through a server-side session and "
+                              "print one JSON line per chunk (the answer after it)")
+    predict.add_argument("--chunk-size", type=int, default=8,
+                         help="with --stream: time steps (or words of a text) per chunk "
+                              "(default 8)")
     predict.set_defaults(run=run_predict)
 
 
@@ -131,25 +137,67 @@ def _request_body(path: Path, model: str, version: int | None, top_k: int | None
     return body
 
 
-def run_predict(args: argparse.Namespace) -> int:
+class _HTTPFailure(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _post_predict(url: str, body: dict, timeout: float) -> dict:
     import urllib.error
     import urllib.request
 
-    body = _request_body(Path(args.file), args.model, args.version, args.top_k)
-    request = urllib.request.Request(args.url.rstrip("/") + "/predict",
+    request = urllib.request.Request(url.rstrip("/") + "/predict",
                                      data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=args.timeout) as response:
-            answer = json.loads(response.read())
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
     except urllib.error.HTTPError as e:
         try:
             message = json.loads(e.read()).get("error", "")
         except ValueError:
             message = ""
-        print(f"orthornn predict: HTTP {e.code}: {message or e.reason}", file=sys.stderr)
-        return 2 if 400 <= e.code < 500 else 1
+        raise _HTTPFailure(e.code, message or str(e.reason)) from None
     except (urllib.error.URLError, OSError) as e:
-        raise ValueError(f"cannot reach {args.url!r}: {getattr(e, 'reason', e)}") from None
+        raise ValueError(f"cannot reach {url!r}: {getattr(e, 'reason', e)}") from None
+
+
+def _stream(args: argparse.Namespace, body: dict) -> None:
+    """Each sequence of the body through its own session, --chunk-size steps (or words)
+    a request; one JSON line per chunk."""
+    import uuid
+
+    if args.chunk_size < 1:
+        raise ValueError(f"--chunk-size must be an integer >= 1; got {args.chunk_size}")
+    texts = body.pop("text", None)
+    items = [t.split() for t in texts] if texts is not None else body.pop("inputs", None)
+    if not items:
+        raise ValueError(f"FILE {args.file!r} holds no sequence to stream")
+    field = "text" if texts is not None else "inputs"
+    run = uuid.uuid4().hex[:12]
+    for i, seq in enumerate(items):
+        session = f"predict-{run}-{i}"
+        starts = list(range(0, len(seq), args.chunk_size)) or [0]
+        for k, start in enumerate(starts):
+            part = seq[start:start + args.chunk_size]
+            chunk = {**body, field: [" ".join(part) if texts is not None else part],
+                     "session": session, "start": k == 0, "end": k == len(starts) - 1}
+            answer = _post_predict(args.url, chunk, args.timeout)
+            print(json.dumps({"sequence": i, "chunk": k,
+                              "steps": [start, start + len(part)], "version": answer["version"],
+                              "output": answer["outputs"][0]}), flush=True)
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    body = _request_body(Path(args.file), args.model, args.version, args.top_k)
+    try:
+        if args.stream:
+            _stream(args, body)
+            return 0
+        answer = _post_predict(args.url, body, args.timeout)
+    except _HTTPFailure as e:
+        print(f"orthornn predict: HTTP {e.code}: {e}", file=sys.stderr)
+        return 2 if 400 <= e.code < 500 else 1
     print(json.dumps(answer, indent=2))
     return 0

@@ -27,6 +27,7 @@ from .service_helpers import (
     make_repo,
     publish_copy,
     reference,
+    softmax,
     wait_ready,
 )
 
@@ -278,6 +279,26 @@ def test_predict_client_command(service_packages, tmp_path, capsys):
         assert cli(["predict", "--url", srv.url, "--model", "nope",
                     str(tmp_path / "x.json")]) == 2
         assert "HTTP 404: model 'nope' is not loaded" in capsys.readouterr().err
+        # --stream: each sequence through a session, a line per chunk, ending where one
+        # request of the whole sequence ends
+        x = np.random.default_rng(0).random((2, 7, 1)).astype(np.float32)
+        np.savez(tmp_path / "s.npz", x=x)
+        assert cli(["predict", "--url", srv.url, "--model", "digits", "--stream",
+                    "--chunk-size", "3", str(tmp_path / "s.npz")]) == 0
+        lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert [(r["sequence"], r["steps"]) for r in lines] == [
+            (i, s) for i in (0, 1) for s in ([0, 3], [3, 6], [6, 7])]
+        ref = reference(repo / "digits" / "1", list(x))
+        for i in (0, 1):
+            np.testing.assert_allclose(lines[3 * i + 2]["output"]["probabilities"],
+                                       softmax(ref[i]["logits"].astype(float)), atol=1e-5)
+        assert cli(["predict", "--url", srv.url, "--model", "words", "--stream",
+                    "--chunk-size", "2", str(tmp_path / "t.txt")]) == 0
+        lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert [r["steps"] for r in lines] == [[0, 2], [2, 3], [0, 2]]
+        assert cli(["predict", "--url", srv.url, "--model", "digits", "--stream",
+                    "--chunk-size", "0", str(tmp_path / "s.npz")]) == 2
+        assert "--chunk-size must be an integer >= 1" in capsys.readouterr().err
     assert cli(["predict", "--url", "http://127.0.0.1:9", "--model", "m",
                 str(tmp_path / "x.json")]) == 2
     assert "cannot reach" in capsys.readouterr().err
