@@ -1,11 +1,19 @@
-"""The HTTP layer (FastAPI): thin handlers over the registry, the batcher and the schemas.
+"""The HTTP layer: one route table, thin handlers over ``service.dataplane``.
 
-Request bodies are read as bytes and validated with the pydantic schemas of
-``service.protocol`` (one pass of pydantic's JSON parser); the OpenAPI document still
-describes them. The hot path, POST /predict, is answered by ``Service`` before FastAPI's
-layers and reads well-formed float sequences with simdjson and numpy
-(``inputs.fast_predict_request``), falling back to pydantic for anything else. Every
-client mistake is a 4xx with {"error": "..."}; anything else is a logged 500.
+Every route is a row of ``ROUTES`` (built in ``create_app``): method, path template,
+handler ``(body, scope, **path parameters) -> Response`` and its OpenAPI description.
+The table is served by ``Routes``, a small ASGI dispatcher that answers a matching request
+without FastAPI's routing, dependency and validation layers (the fast path), and the same
+rows are registered with FastAPI, which gives the OpenAPI document and /docs (and 404 /
+405 for what matches no row). Around both, written once and applied to every route:
+
+    Observe (outermost): admission (over ``max_inflight_requests`` requests in flight ->
+        503 with Retry-After at once, so answered requests keep a bounded latency), the
+        body-size limit, the in-flight gauge, request counts and durations;
+    any middleware added with ``app.add_middleware`` (it sees every route);
+    Routes (innermost of the middleware): the table, with the error mapping ``answer``.
+
+Every client mistake is a 4xx with {"error": "..."}; anything else is a logged 500.
 """
 
 from __future__ import annotations
@@ -14,11 +22,10 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as dist_version
-from typing import Any
+from dataclasses import dataclass, field
 
 import orjson
 from fastapi import FastAPI, Request
@@ -28,10 +35,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import auth, generate
+from . import auth
 from .batcher import QueueFull
-from .dataplane import DataPlane, parse
-from .dataplane import version_param as _version_param
+from .dataplane import DataPlane, server_version
 from .inputs import ClientError
 from .metrics import UNKNOWN, Metrics
 from .protocol import (
@@ -53,13 +59,7 @@ from .settings import Settings
 from .streaming import SessionLimit
 
 log = logging.getLogger("orthornn.service")
-
-
-def _version() -> str:
-    try:
-        return dist_version("orthornn")
-    except PackageNotFoundError:
-        return "0+unknown"
+Handler = Callable[..., Awaitable[Response]]
 
 
 class JSON(Response):
@@ -77,8 +77,8 @@ class BodyTooLarge(Exception):
     pass
 
 
-def known_error(exc: Exception, max_body: int) -> JSON | None:
-    """The answer to a client mistake raised by a handler (None: not one of ours)."""
+def answer(exc: Exception, max_body: int, where: str = "") -> JSON:
+    """The one error mapping: a client mistake's 4xx, or a logged 500."""
     if isinstance(exc, ClientError):
         return error(exc.status, str(exc))
     if isinstance(exc, NotFound):
@@ -87,26 +87,182 @@ def known_error(exc: Exception, max_body: int) -> JSON | None:
         return error(429, str(exc), headers={"Retry-After": "1"})
     if isinstance(exc, BodyTooLarge):
         return error(413, f"body: larger than the limit of {max_body} bytes")
+    if isinstance(exc, RequestValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "request"
+        return error(400, f"{where}: {first.get('msg', 'invalid')}")
+    if isinstance(exc, StarletteHTTPException):
+        return error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+    log.error("internal error on %s", where or "a request", exc_info=exc)
+    return error(500, "internal server error (logged)")
+
+
+def header(scope, name: bytes) -> str | None:
+    """A request header (name in lower case) from the ASGI scope, or None."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
     return None
 
 
-class Observer:
-    """The body-size limit, in-flight gauge, request counter and duration histogram
-    (labels: the route template and the model/version a handler set), for the Observe
-    middleware and the direct routes of Service. Label children are cached."""
+def labels(scope: dict) -> dict:
+    """The request's scope["state"] (what request.state shows); the dataplane puts the
+    model/version metric labels there."""
+    return scope.setdefault("state", {})
 
-    def __init__(self, metrics: Metrics, max_body: int):
-        self.metrics, self.max_body = metrics, max_body
+
+# -- the route table ---------------------------------------------------------------------
+
+ERRORS = {400: {"model": ErrorResponse, "description": "bad input (the message names the "
+                                                      "field)"},
+          404: {"model": ErrorResponse, "description": "unknown model, version or session"},
+          413: {"model": ErrorResponse, "description": "body too large"},
+          503: {"model": ErrorResponse, "description": "overloaded (Retry-After) or not "
+                                                      "ready"}}
+INFER_ERRORS = {**ERRORS,
+                409: {"model": ErrorResponse, "description": "a state or session of another "
+                                                            "model version"},
+                429: {"model": ErrorResponse, "description": "queue full or too many "
+                                                            "sessions (Retry-After)"}}
+ADMIN_ERRORS = {**ERRORS, 401: {"model": ErrorResponse, "description": "missing or wrong "
+                                                                      "bearer token"}}
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str  # a template: {name} matches one path segment
+    handler: Handler  # (body, scope, **path parameters) -> Response
+    summary: str
+    response_model: type | None = None
+    body: type[BaseModel] | None = None  # the request body's schema (OpenAPI)
+    body_required: bool = True
+    errors: dict = field(default_factory=lambda: ERRORS)
+    admin: bool = False  # the repository API: bearer token
+    response_class: type[Response] = JSON
+
+    @property
+    def pattern(self) -> re.Pattern:
+        return re.compile(re.sub(r"\\{(\w+)\\}", r"(?P<\1>[^/]+)", re.escape(self.path)))
+
+
+class RouteTable:
+    """The routes, matched by method and path (a root_path stripped first)."""
+
+    def __init__(self, routes: list[Route]):
+        self.routes = routes
+        self._table = [(r.method, r.pattern, r) for r in routes]
+
+    def match(self, scope) -> tuple[Route, dict] | None:
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        for method, pattern, route in self._table:
+            if method == scope["method"]:
+                found = pattern.fullmatch(path)
+                if found is not None:
+                    return route, found.groupdict()
+        return None
+
+
+class Routes:
+    """ASGI middleware (the innermost): answers the table's routes itself; anything else
+    (/docs, /openapi.json, 404, 405) goes on to FastAPI."""
+
+    def __init__(self, app, table: RouteTable, max_body: int):
+        self.app, self.table, self.max_body = app, table, max_body
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            found = scope.get("orthornn.route") or self.table.match(scope)
+            if found is not None:
+                return await self.answer(*found, scope, receive, send)
+        await self.app(scope, receive, send)
+
+    async def answer(self, route: Route, params: dict, scope, receive, send) -> None:
+        try:
+            body = await read_body(receive)
+            if body is None:
+                return  # the client went away
+            response = await route.handler(body, scope, **params)
+        except Exception as exc:
+            response = answer(exc, self.max_body, f"{scope['method']} {scope['path']}")
+        await response(scope, receive, send)
+
+
+async def read_body(receive) -> bytes | None:
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class Observe:
+    """ASGI middleware (the outermost): admission, the body limit, the in-flight gauge and
+    the request metrics of every route (labels: the route template and the model/version
+    the dataplane set). Label children are cached."""
+
+    EXEMPT = ("/v2/health/", "/metrics")  # answered even when overloaded
+
+    def __init__(self, app, table: RouteTable, metrics: Metrics, max_body: int,
+                 max_inflight: int):
+        self.app, self.table, self.metrics = app, table, metrics
+        self.max_body, self.max_inflight = max_body, max_inflight
+        self.inflight = 0
         self._counters: dict[tuple, object] = {}
         self._durations: dict[str, object] = {}
 
-    def too_large(self, scope) -> JSON | None:
-        """413 at once when Content-Length says so."""
-        for key, value in scope["headers"]:
-            if key == b"content-length":
-                if not value.isdigit() or int(value) > self.max_body:
-                    return error(413, f"body: larger than the limit of {self.max_body} bytes")
-                break
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = 500
+        found = scope["orthornn.route"] = self.table.match(scope)
+
+        async def send_wrapper(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    raise BodyTooLarge
+            return message
+
+        self.inflight += 1
+        self.metrics.inflight.inc()
+        try:
+            refused = self.refuse(scope)
+            if refused is not None:
+                await refused(scope, receive, send_wrapper)
+            else:
+                await self.app(scope, limited_receive, send_wrapper)
+        finally:
+            self.inflight -= 1
+            self.metrics.inflight.dec()
+            endpoint = found[0].path if found is not None else \
+                getattr(scope.get("route"), "path", None) or "other"
+            self.record(scope, endpoint, status, start)
+
+    def refuse(self, scope) -> JSON | None:
+        """503 at once beyond the in-flight limit; 413 at once when Content-Length says so."""
+        if self.inflight > self.max_inflight and not scope["path"].startswith(self.EXEMPT):
+            return error(503, f"overloaded: {self.max_inflight} requests in flight; retry "
+                              f"later", headers={"Retry-After": "1"})
+        length = header(scope, b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return error(413, f"body: larger than the limit of {self.max_body} bytes")
         return None
 
     def record(self, scope, endpoint: str, status: int, start: float) -> None:
@@ -123,144 +279,27 @@ class Observer:
                 endpoint)
         histogram.observe(time.perf_counter() - start)
 
-    async def direct(self, handler, endpoint: str, params: dict, scope, receive,
-                     send) -> None:
-        """Answer a request with handler(body, scope, **params) -> Response, without the
-        framework's routing, dependency and middleware layers; errors answer like the
-        app's handlers; metrics count it under the route template ``endpoint``."""
-        start = time.perf_counter()
-        status = 500
-        self.metrics.inflight.inc()
-        try:
-            response = self.too_large(scope)
-            if response is None:
-                try:
-                    body = await self._read(receive)
-                    if body is None:
-                        return  # the client went away
-                    response = await handler(body, scope, **params)
-                except Exception as exc:
-                    response = known_error(exc, self.max_body)
-                    if response is None:
-                        log.error("internal error on %s %s", scope["method"], scope["path"],
-                                  exc_info=exc)
-                        response = error(500, "internal server error (logged)")
-            status = response.status_code
-            await response(scope, receive, send)
-        finally:
-            self.metrics.inflight.dec()
-            self.record(scope, endpoint, status, start)
 
-    async def _read(self, receive) -> bytes | None:
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                raise BodyTooLarge
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-class Observe:
-    """ASGI middleware: the Observer's accounting for every request the app routes."""
-
-    def __init__(self, app, observer: Observer):
-        self.app, self.observer = app, observer
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start = time.perf_counter()
-        status = 500
-        observer = self.observer
-
-        async def send_wrapper(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > observer.max_body:
-                    raise BodyTooLarge
-            return message
-
-        observer.metrics.inflight.inc()
-        try:
-            too_large = observer.too_large(scope)
-            if too_large is not None:
-                await too_large(scope, receive, send_wrapper)
-            else:
-                await self.app(scope, limited_receive, send_wrapper)
-        finally:
-            observer.metrics.inflight.dec()
-            route = scope.get("route")
-            observer.record(scope, getattr(route, "path", None) or "other", status, start)
-
-
-class Service(FastAPI):
-    """The FastAPI app, with ``direct`` routes answered before the framework's layers: the
-    inference paths (POST /predict and the OIP infer routes). Each is (path template,
-    handler(body, scope, **path parameters)); their FastAPI routes stay for the OpenAPI
-    document (and for apps mounted under a root_path)."""
-
-    def __init__(self, *, observer: Observer, **kwargs):
-        super().__init__(**kwargs)
-        self.observer = observer
-        self._direct: list[tuple[re.Pattern, str, Any]] = []
-
-    def add_direct(self, template: str, handler) -> None:
-        """template: a POST path with {name} parameters (one path segment each)."""
-        pattern = re.sub(r"\\{(\w+)\\}", r"(?P<\1>[^/]+)", re.escape(template))
-        self._direct.append((re.compile(pattern), template, handler))
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and not self.root_path \
-                and not scope.get("root_path"):
-            for pattern, template, handler in self._direct:
-                match = pattern.fullmatch(scope["path"])
-                if match is not None:
-                    return await self.observer.direct(handler, template, match.groupdict(),
-                                                      scope, receive, send)
-        await super().__call__(scope, receive, send)
-
-
-def _header(scope, name: bytes) -> str | None:
-    """A request header (name in lower case) from the ASGI scope, or None."""
-    for key, value in scope["headers"]:
-        if key == name:
-            return value.decode("latin-1")
-    return None
-
-
-def _state(scope: dict) -> dict:
-    """The request's scope["state"] (what request.state shows)."""
-    return scope.setdefault("state", {})
-
-
-def _body(model: type[BaseModel], required: bool = True) -> dict:
-    return {"requestBody": {"required": required, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
-
-
-ERRORS = {400: {"model": ErrorResponse, "description": "bad input (the message names the "
-                                                      "field)"},
-          404: {"model": ErrorResponse, "description": "unknown model or version"},
-          413: {"model": ErrorResponse, "description": "body too large"}}
-INFER_ERRORS = {**ERRORS, 429: {"model": ErrorResponse, "description": "queue full"}}
-ADMIN_ERRORS = {**ERRORS, 401: {"model": ErrorResponse, "description": "missing or wrong "
-                                                                      "bearer token"}}
+def _openapi_row(app: FastAPI, route: Route) -> None:
+    """Register a table row with FastAPI: the OpenAPI document, and the answer to a
+    request the dispatcher passed on (it calls the same handler)."""
+    async def endpoint(request: Request):
+        return await route.handler(await request.body(), request.scope, **request.path_params)
+    extra: dict = {}
+    params = re.findall(r"{(\w+)}", route.path)
+    if params:
+        extra["parameters"] = [{"name": p, "in": "path", "required": True,
+                                "schema": {"type": "string"}} for p in params]
+    if route.body is not None:
+        extra["requestBody"] = {"required": route.body_required, "content": {
+            "application/json": {"schema": {
+                "$ref": f"#/components/schemas/{route.body.__name__}"}}}}
+    if route.admin:
+        extra["x-orthornn-admin"] = True
+    app.add_api_route(route.path, endpoint, methods=[route.method], summary=route.summary,
+                      response_model=route.response_model, responses=route.errors,
+                      response_class=route.response_class, openapi_extra=extra or None,
+                      name=route.handler.__name__)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -281,196 +320,68 @@ def create_app(settings: Settings) -> FastAPI:
         await registry.close()
         executor.shutdown(wait=True)
 
-    observer = Observer(metrics, settings.max_body_bytes)
-    app = Service(observer=observer, title="orthornn inference service", version=_version(),
+    app = FastAPI(title="orthornn inference service", version=server_version(),
                   lifespan=lifespan, default_response_class=JSON,
                   description="Predictions from orthogonal RNNs exported as ONNX packages: "
-                              "a simple /predict API, /generate for language models and the "
-                              "Open Inference Protocol (v2, REST).")
+                              "a simple /predict API (with state carried across requests), "
+                              "/generate for language models and the Open Inference "
+                              "Protocol (v2, REST, with sequences).")
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.registry = registry
     app.state.dataplane = dataplane
     app.state.draining = False
-    app.add_middleware(Observe, observer=observer)
 
-    hold = dataplane.hold
+    # -- handlers: (body, scope, **path parameters) -> Response ---------------------------
 
-    # -- errors -------------------------------------------------------------------
+    async def predict(body: bytes, scope: dict) -> Response:
+        return JSON(await dataplane.predict(body, labels(scope)))
 
-    async def _known(request, exc: Exception):
-        return known_error(exc, settings.max_body_bytes)
-
-    for kind in (ClientError, NotFound, QueueFull, SessionLimit, BodyTooLarge):
-        app.add_exception_handler(kind, _known)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "request"
-        return error(400, f"{where}: {first.get('msg', 'invalid')}")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request, exc: StarletteHTTPException):
-        return error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _bug(request, exc: Exception):
-        log.exception("internal error on %s %s", request.method, request.url.path)
-        return error(500, "internal server error (logged)")
-
-    # -- the simple API ---------------------------------------------------------------
-
-    async def predict_body(body: bytes, scope: dict) -> JSON:
-        return JSON(await dataplane.predict(body, _state(scope)))
-
-    app.add_direct("/predict", predict_body)
-
-    @app.post("/predict", response_model=PredictResponse, responses=INFER_ERRORS,
-              openapi_extra=_body(PredictRequest), summary="predict from sequences or text")
-    async def predict(request: Request):
-        return await predict_body(await request.body(), request.scope)
-
-    @app.post("/generate", response_model=GenerateResponse, responses=INFER_ERRORS,
-              openapi_extra=_body(GenerateRequest),
-              summary="language models: sample text, carrying the hidden state")
-    async def generate_text(request: Request):
-        req = parse(GenerateRequest, await request.body())
-        with hold(_state(request.scope), req.model, _version_param(req.version)) as mv:
-            prompt = generate.prompt_ids(mv.spec, req, settings.max_new_tokens)
-            # a thread of its own (asyncio's default pool): a long generation must not hold
-            # the inference threads, and the batcher must not wait for it
-            mv.generating += 1
-            try:
-                result = await asyncio.to_thread(generate.generate, mv.runtime, mv.spec,
-                                                 prompt, req)
-            finally:
-                mv.generating -= 1
-        return JSON({"model": mv.name, "version": mv.version, **result})
-
-    # -- Open Inference Protocol -------------------------------------------------------
-
-    @app.get("/v2", response_model=ServerMetadata, summary="server metadata")
-    async def server_metadata():
-        return JSON({"name": "orthornn", "version": _version(),
-                     "extensions": ["binary_tensor_data", "model_repository"]})
-
-    @app.get("/v2/health/live", summary="liveness")
-    async def live():
-        return JSON({"live": True})
-
-    @app.get("/v2/health/ready", responses={503: {"model": ErrorResponse}},
-             summary="readiness: every configured model loaded and warm, not shutting down")
-    async def ready():
-        if app.state.draining:
-            return error(503, "shutting down")
-        if not registry.ready():
-            return error(503, "models are still loading (or failed: see /v2/repository/index)")
-        return JSON({"ready": True})
-
-    def metadata(name: str, version: str | None) -> dict:
-        mv = registry.get(name, _version_param(version))
-        io = mv.spec.io["model"]
-        return {"name": name, "versions": [str(v) for v in registry.serving().get(name, [])],
-                "platform": "onnxruntime_onnx",
-                "inputs": io["inputs"], "outputs": io["outputs"],
-                "parameters": {"version": str(mv.version), "task": mv.spec.task,
-                               "arch": mv.spec.arch, "max_length": mv.spec.max_length,
-                               "labels": mv.spec.labels,
-                               "spectral": mv.manifest.spectral or {}}}
-
-    @app.get("/v2/models/{name}", response_model=ModelMetadata, responses=ERRORS,
-             summary="model metadata (newest loaded version)")
-    async def model_metadata(name: str):
-        return JSON(metadata(name, None))
-
-    @app.get("/v2/models/{name}/versions/{version}", response_model=ModelMetadata,
-             responses=ERRORS, summary="model version metadata")
-    async def version_metadata(name: str, version: str):
-        return JSON(metadata(name, version))
-
-    def model_ready(name: str, version: str | None):
-        v = _version_param(version)
-        if registry.model_ready(name, v):
-            return JSON({"name": name, "ready": True})
-        on_disk = name in {r["name"] for r in registry.index()}
-        if not on_disk:
-            raise NotFound(f"model {name!r} is not in the repository")
-        return error(503, f"model {name!r}" + (f" version {v}" if v else "") + " is not ready")
-
-    @app.get("/v2/models/{name}/ready", responses={**ERRORS, 503: {"model": ErrorResponse}},
-             summary="model readiness")
-    async def ready_model(name: str):
-        return model_ready(name, None)
-
-    @app.get("/v2/models/{name}/versions/{version}/ready",
-             responses={**ERRORS, 503: {"model": ErrorResponse}}, summary="version readiness")
-    async def ready_version(name: str, version: str):
-        return model_ready(name, version)
-
-    @app.get("/v2/models/{name}/config", responses=ERRORS,
-             summary="Triton-style model configuration (for tritonclient)")
-    async def model_config(name: str):
-        mv = registry.get(name)
-        io = mv.spec.io["model"]
-
-        def tensors(items):
-            return [{"name": t["name"], "data_type": "TYPE_" + t["datatype"],
-                     "dims": t["shape"][1:], **({"optional": True} if t.get("optional")
-                                                else {})} for t in items]
-        return JSON({"name": name, "platform": "onnxruntime_onnx",
-                     "max_batch_size": settings.max_request_sequences,
-                     "input": tensors(io["inputs"]), "output": tensors(io["outputs"]),
-                     "dynamic_batching": {"max_queue_delay_microseconds":
-                                          int(settings.max_queue_delay_ms * 1000)}
-                     if settings.batching else None,
-                     "version_policy": {settings.version_policy: {
-                         "num_versions": settings.keep_versions}}})
+    async def generate_text(body: bytes, scope: dict) -> Response:
+        return JSON(await dataplane.generate(body, labels(scope)))
 
     async def infer(body: bytes, scope: dict, name: str, version: str | None = None):
-        header = _header(scope, b"inference-header-content-length")
+        length = header(scope, b"inference-header-content-length")
         tail = b""
-        if header is not None:
-            if not header.isdigit() or int(header) > len(body):
+        if length is not None:
+            if not length.isdigit() or int(length) > len(body):
                 raise ClientError("Inference-Header-Content-Length: must be an integer no "
                                   "larger than the body")
-            body, tail = body[:int(header)], body[int(header):]
-        head, blobs = await dataplane.infer(body, tail, name, version, _state(scope))
+            body, tail = body[:int(length)], body[int(length):]
+        head, blobs = await dataplane.infer(body, tail, name, version, labels(scope))
         if not blobs:
             return Response(head, media_type="application/json")
         return Response(head + b"".join(blobs), media_type="application/octet-stream",
                         headers={"Inference-Header-Content-Length": str(len(head))})
 
-    @app.post("/v2/models/{name}/infer", response_model=InferenceResponse,
-              responses=INFER_ERRORS, openapi_extra=_body(InferenceRequest),
-              summary="inference (newest loaded version)")
-    async def infer_model(name: str, request: Request):
-        return await infer(await request.body(), request.scope, name)
+    async def server_metadata(body: bytes, scope: dict) -> Response:
+        return JSON(dataplane.server_metadata())
 
-    @app.post("/v2/models/{name}/versions/{version}/infer", response_model=InferenceResponse,
-              responses=INFER_ERRORS, openapi_extra=_body(InferenceRequest),
-              summary="inference on one version")
-    async def infer_version(name: str, version: str, request: Request):
-        return await infer(await request.body(), request.scope, name, version)
+    async def live(body: bytes, scope: dict) -> Response:
+        return JSON({"live": True})
 
-    app.add_direct("/v2/models/{name}/infer", infer)
-    app.add_direct("/v2/models/{name}/versions/{version}/infer", infer)
+    async def ready(body: bytes, scope: dict) -> Response:
+        if app.state.draining:
+            return error(503, "shutting down")
+        if not dataplane.ready():
+            return error(503, "models are still loading (or failed: see /v2/repository/index)")
+        return JSON({"ready": True})
 
-    # -- model repository API ----------------------------------------------------------
+    async def model_metadata(body: bytes, scope: dict, name: str,
+                             version: str | None = None) -> Response:
+        return JSON(dataplane.model_metadata(name, version, labels(scope)))
 
-    @app.post("/v2/repository/index", response_model=list[RepositoryModel],
-              responses=ADMIN_ERRORS, openapi_extra=_body(RepositoryIndexRequest, False),
-              summary="every model version in the repository with its state")
-    async def repository_index(request: Request):
-        admin(request)
-        req = parse(RepositoryIndexRequest, await request.body(), allow_empty=True)
-        rows = await asyncio.to_thread(registry.index)
-        if req.ready is not None:
-            rows = [r for r in rows if (r["state"] == "READY") == req.ready]
-        return JSON(rows)
+    async def model_ready(body: bytes, scope: dict, name: str,
+                          version: str | None = None) -> Response:
+        if dataplane.model_ready(name, version, labels(scope)):
+            return JSON({"name": name, "ready": True})
+        return error(503, f"model {name!r}" + (f" version {version}" if version else "")
+                     + " is not ready")
 
-    async def _admin_body(request: Request) -> None:
-        body = await request.body()
+    async def model_config(body: bytes, scope: dict, name: str) -> Response:
+        return JSON(dataplane.model_config(name, labels(scope)))
+
+    def admin_body(body: bytes) -> None:
         if body.strip():
             try:
                 value = orjson.loads(body)
@@ -479,29 +390,73 @@ def create_app(settings: Settings) -> FastAPI:
             if not isinstance(value, dict):
                 raise ClientError("body: must be a JSON object")
 
-    @app.post("/v2/repository/models/{name}/load", responses=ADMIN_ERRORS,
-              summary="load (or reload) a model now, verifying it")
-    async def load_model(name: str, request: Request):
-        admin(request)
-        await _admin_body(request)
-        errors = await asyncio.to_thread(registry.load, name)
-        if not registry.model_ready(name):
-            raise ClientError(f"model {name!r} failed to load: " + "; ".join(errors))
-        return JSON({"name": name, "versions": registry.serving()[name], "refused": errors})
+    async def repository_index(body: bytes, scope: dict) -> Response:
+        admin(scope)
+        return JSON(await dataplane.repository_index(body))
 
-    @app.post("/v2/repository/models/{name}/unload", responses=ADMIN_ERRORS,
-              summary="stop serving a model (in-flight requests finish)")
-    async def unload_model(name: str, request: Request):
-        admin(request)
-        await _admin_body(request)
-        await asyncio.to_thread(registry.unload, name)
-        return JSON({"name": name, "unloaded": True})
+    async def load_model(body: bytes, scope: dict, name: str) -> Response:
+        admin(scope)
+        admin_body(body)
+        return JSON(await dataplane.load(name))
 
-    # -- operations -----------------------------------------------------------------
+    async def unload_model(body: bytes, scope: dict, name: str) -> Response:
+        admin(scope)
+        admin_body(body)
+        return JSON(await dataplane.unload(name))
 
-    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
-    async def prometheus():
+    async def prometheus(body: bytes, scope: dict) -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
+
+    ready_errors = {**ERRORS, 503: {"model": ErrorResponse}}
+    routes = [
+        Route("POST", "/predict", predict, "predict from sequences or text (optionally "
+              "continuing from states or a session)", PredictResponse, PredictRequest,
+              errors=INFER_ERRORS),
+        Route("POST", "/generate", generate_text, "language models: sample text, carrying "
+              "the hidden state", GenerateResponse, GenerateRequest, errors=INFER_ERRORS),
+        Route("GET", "/v2", server_metadata, "server metadata", ServerMetadata),
+        Route("GET", "/v2/health/live", live, "liveness"),
+        Route("GET", "/v2/health/ready", ready, "readiness: every configured model loaded "
+              "and warm, not shutting down", errors=ready_errors),
+        Route("GET", "/v2/models/{name}", model_metadata, "model metadata (newest loaded "
+              "version)", ModelMetadata),
+        Route("GET", "/v2/models/{name}/versions/{version}", model_metadata,
+              "model version metadata", ModelMetadata),
+        Route("GET", "/v2/models/{name}/ready", model_ready, "model readiness",
+              errors=ready_errors),
+        Route("GET", "/v2/models/{name}/versions/{version}/ready", model_ready,
+              "version readiness", errors=ready_errors),
+        Route("GET", "/v2/models/{name}/config", model_config, "Triton-style model "
+              "configuration (for tritonclient)"),
+        Route("POST", "/v2/models/{name}/infer", infer, "inference (newest loaded version; "
+              "sequence_id / sequence_start / sequence_end parameters for sequences)",
+              InferenceResponse, InferenceRequest, errors=INFER_ERRORS),
+        Route("POST", "/v2/models/{name}/versions/{version}/infer", infer,
+              "inference on one version", InferenceResponse, InferenceRequest,
+              errors=INFER_ERRORS),
+        Route("POST", "/v2/repository/index", repository_index, "every model version in the "
+              "repository with its state", list[RepositoryModel], RepositoryIndexRequest,
+              body_required=False, errors=ADMIN_ERRORS, admin=True),
+        Route("POST", "/v2/repository/models/{name}/load", load_model, "load (or reload) a "
+              "model now, verifying it", errors=ADMIN_ERRORS, admin=True),
+        Route("POST", "/v2/repository/models/{name}/unload", unload_model, "stop serving a "
+              "model (in-flight requests finish)", errors=ADMIN_ERRORS, admin=True),
+        Route("GET", "/metrics", prometheus, "Prometheus metrics", response_class=Response),
+    ]
+    table = app.state.routes = RouteTable(routes)
+    for route in routes:
+        _openapi_row(app, route)
+    # added first: innermost, so middleware added later (by us or a user) wraps it
+    app.add_middleware(Routes, table=table, max_body=settings.max_body_bytes)
+    app.add_middleware(Observe, table=table, metrics=metrics, max_body=settings.max_body_bytes,
+                       max_inflight=settings.max_inflight_requests)
+
+    async def _error(request, exc: Exception):
+        return answer(exc, settings.max_body_bytes, f"{request.method} {request.url.path}")
+
+    for kind in (ClientError, NotFound, QueueFull, SessionLimit, BodyTooLarge,
+                 RequestValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(kind, _error)
 
     def openapi():
         if app.openapi_schema:
@@ -514,14 +469,13 @@ def create_app(settings: Settings) -> FastAPI:
             s = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(s.pop("$defs", {}))
             components[model.__name__] = s
+        for ops in schema["paths"].values():
+            for op in ops.values():
+                if op.pop("x-orthornn-admin", False) and settings.admin_token is not None:
+                    op["security"] = [{"bearer": []}]
         if settings.admin_token is not None:
-            components_root = schema["components"]
-            components_root["securitySchemes"] = {"bearer": {"type": "http",
-                                                             "scheme": "bearer"}}
-            for path, ops in schema["paths"].items():
-                if path.startswith("/v2/repository"):
-                    for op in ops.values():
-                        op["security"] = [{"bearer": []}]
+            schema["components"]["securitySchemes"] = {"bearer": {"type": "http",
+                                                                  "scheme": "bearer"}}
         app.openapi_schema = schema
         return schema
 

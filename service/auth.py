@@ -5,21 +5,22 @@ from __future__ import annotations
 
 import hmac
 
-from fastapi import Request
 from pydantic import SecretStr
 
 from .inputs import ClientError
 
 
 def bearer(token: SecretStr | None):
-    """A check for handlers: raises ClientError(401) unless the request carries
-    ``Authorization: Bearer <token>`` (compared in constant time)."""
+    """A check for handlers: raises ClientError(401) unless the request (its ASGI scope)
+    carries ``Authorization: Bearer <token>`` (compared in constant time)."""
     expected = token.get_secret_value().encode() if token is not None else None
 
-    def check(request: Request) -> None:
+    def check(scope: dict) -> None:
         if expected is None:
             return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        value = next((v.decode("latin-1") for k, v in scope["headers"]
+                      if k == b"authorization"), "")
+        scheme, _, given = value.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
                                                                  expected):
             raise ClientError("authorization: a valid bearer token is required for the "

@@ -6,16 +6,19 @@ a batcher, a state or a session is here.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import contextmanager, suppress
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
 
 import numpy as np
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from . import inputs
+from . import generate, inputs
 from .inputs import ClientError
-from .protocol import InferenceRequest, PredictRequest
+from .protocol import GenerateRequest, InferenceRequest, PredictRequest, RepositoryIndexRequest
 from .registry import NotFound, Registry
 from .runtime import Chunk
 from .settings import Settings
@@ -31,6 +34,13 @@ from .streaming import (
 
 DATATYPE_BYTES = {"FP32": np.dtype("<f4"), "INT64": np.dtype("<i8")}
 SEQUENCE_KEYS = ("sequence_id", "sequence_start", "sequence_end")
+
+
+def server_version() -> str:
+    try:
+        return dist_version("orthornn")
+    except PackageNotFoundError:
+        return "0+unknown"
 
 
 def parse(model: type[BaseModel], body: bytes, allow_empty: bool = False):
@@ -87,6 +97,95 @@ class DataPlane:
             yield mv
         finally:
             self.registry.release(mv)
+
+    # -- server and model metadata ----------------------------------------------------------
+
+    @staticmethod
+    def server_metadata() -> dict:
+        return {"name": "orthornn", "version": server_version(),
+                "extensions": ["binary_tensor_data", "model_repository", "sequences"]}
+
+    def ready(self) -> bool:
+        return self.registry.ready()
+
+    def model_metadata(self, name: str, version: str | None, labels: dict) -> dict:
+        mv = self.registry.get(name, version_param(version))
+        labels["labels"] = (name, str(mv.version))
+        io = mv.spec.io["model"]
+        return {"name": name, "versions": [str(v) for v in self.registry.serving().get(name, [])],
+                "platform": "onnxruntime_onnx",
+                "inputs": io["inputs"], "outputs": io["outputs"],
+                "parameters": {"version": str(mv.version), "task": mv.spec.task,
+                               "arch": mv.spec.arch, "max_length": mv.spec.max_length,
+                               "labels": mv.spec.labels, "streaming": mv.spec.streaming,
+                               "spectral": mv.manifest.spectral or {}}}
+
+    def model_ready(self, name: str, version: str | None, labels: dict) -> bool:
+        """True when ready; False when in the repository but not ready; NotFound else."""
+        v = version_param(version)
+        labels["labels"] = (name, str(v or ""))
+        if self.registry.model_ready(name, v):
+            return True
+        if name not in {r["name"] for r in self.registry.index()}:
+            raise NotFound(f"model {name!r} is not in the repository")
+        return False
+
+    def model_config(self, name: str, labels: dict) -> dict:
+        """Triton's model configuration, as tritonclient reads it."""
+        s = self.settings
+        mv = self.registry.get(name)
+        labels["labels"] = (name, str(mv.version))
+        io = mv.spec.io["model"]
+
+        def tensors(items):
+            return [{"name": t["name"], "data_type": "TYPE_" + t["datatype"],
+                     "dims": t["shape"][1:], **({"optional": True} if t.get("optional")
+                                                else {})} for t in items]
+        config = {"name": name, "platform": "onnxruntime_onnx",
+                  "max_batch_size": s.max_request_sequences,
+                  "input": tensors(io["inputs"]), "output": tensors(io["outputs"]),
+                  "dynamic_batching": {"max_queue_delay_microseconds":
+                                       int(s.max_queue_delay_ms * 1000)} if s.batching else None,
+                  "version_policy": {s.version_policy: {"num_versions": s.keep_versions}}}
+        if mv.spec.streaming:  # sequences: state kept per sequence_id, idle ones ended
+            config["sequence_batching"] = {
+                "max_sequence_idle_microseconds": int(s.session_idle_timeout_s * 1e6)}
+        return config
+
+    # -- /generate ---------------------------------------------------------------------------
+
+    async def generate(self, body: bytes, labels: dict) -> dict:
+        req = parse(GenerateRequest, body)
+        with self.hold(labels, req.model, version_param(req.version)) as mv:
+            prompt = generate.prompt_ids(mv.spec, req, self.settings.max_new_tokens)
+            # a thread of its own (asyncio's default pool): a long generation must not hold
+            # the inference threads, and the batcher must not wait for it
+            mv.generating += 1
+            try:
+                result = await asyncio.to_thread(generate.generate, mv.runtime, mv.spec,
+                                                 prompt, req)
+            finally:
+                mv.generating -= 1
+        return {"model": mv.name, "version": mv.version, **result}
+
+    # -- the model repository ------------------------------------------------------------------
+
+    async def repository_index(self, body: bytes) -> list[dict]:
+        req = parse(RepositoryIndexRequest, body, allow_empty=True)
+        rows = await asyncio.to_thread(self.registry.index)
+        if req.ready is not None:
+            rows = [r for r in rows if (r["state"] == "READY") == req.ready]
+        return rows
+
+    async def load(self, name: str) -> dict:
+        errors = await asyncio.to_thread(self.registry.load, name)
+        if not self.registry.model_ready(name):
+            raise ClientError(f"model {name!r} failed to load: " + "; ".join(errors))
+        return {"name": name, "versions": self.registry.serving()[name], "refused": errors}
+
+    async def unload(self, name: str) -> dict:
+        await asyncio.to_thread(self.registry.unload, name)
+        return {"name": name, "unloaded": True}
 
     # -- /predict --------------------------------------------------------------------------
 
@@ -212,7 +311,7 @@ class DataPlane:
         answer and the binary output blobs. The request parameters ``sequence_id``,
         ``sequence_start`` and ``sequence_end`` (as tritonclient sends them) run it on a
         session."""
-        req = parse(InferenceRequest, body)
+        req = inputs.fast_infer_request(body) or parse(InferenceRequest, body)
         binaries = inputs.binary_chunks(req, tail)
         params = req.parameters or {}
         if any(k in params for k in SEQUENCE_KEYS):

@@ -46,6 +46,11 @@ class Settings(BaseSettings):
                     "(the training BPTT window) is smaller: the hidden state carries")
     max_new_tokens: int = Field(256, ge=1, le=100_000,
                                 description="upper bound of /generate's max_new_tokens")
+    max_inflight_requests: int = Field(
+        512, ge=1, le=1_000_000,
+        description="requests being answered at once; beyond it 503 with Retry-After at once "
+                    "(health and metrics excepted), so answered requests keep a bounded "
+                    "latency under overload")
     max_sessions: int = Field(10_000, ge=1, le=10_000_000,
                               description="open server-side sessions; beyond it a new one "
                                           "gets 429")

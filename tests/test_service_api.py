@@ -149,7 +149,8 @@ def test_generate_sampling_is_reproducible_with_a_seed(client):
 # -- Open Inference Protocol -------------------------------------------------------------
 
 def test_oip_server_and_health(client):
-    assert client.get("/v2").json()["extensions"] == ["binary_tensor_data", "model_repository"]
+    assert client.get("/v2").json()["extensions"] == ["binary_tensor_data", "model_repository",
+                                                     "sequences"]
     assert client.get("/v2/health/live").status_code == 200
     assert client.get("/v2/health/ready").json() == {"ready": True}
 

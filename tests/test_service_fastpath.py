@@ -124,7 +124,7 @@ def test_fast_path_leaves_the_rest_to_pydantic(body):
 
 
 def test_direct_routes_answer_errors_like_the_app(service_packages, tmp_path, monkeypatch):
-    """POST /predict and the OIP infer routes skip FastAPI's layers (Service.add_direct): a
+    """The route table is answered without FastAPI's layers (app.Routes): a
     bug is still a logged 500 with a JSON error, counted in the metrics under the route."""
     from fastapi.testclient import TestClient
     from orthornn.service import inputs
@@ -162,3 +162,69 @@ def test_direct_routes_answer_errors_like_the_app(service_packages, tmp_path, mo
                'model="digits",status="200",version="1"} 1.0' in text
         assert 'orthornn_requests_total{endpoint="/v2/models/{name}/infer",model="_unknown",' \
                'status="400",version=""} 1.0' in text
+
+
+# -- the OIP JSON fast path --------------------------------------------------------------
+
+def _decoded(req) -> list:
+    """Each input decoded as the model would (FP32 / INT64 declared as given), or the
+    ClientError message: the fast and the pydantic request must give the same."""
+    from orthornn.service.inputs import decode_tensor
+
+    out = []
+    for inp in req.inputs:
+        try:
+            arr = decode_tensor(inp, None, inp.datatype if inp.datatype in ("FP32", "INT64")
+                                else "FP32")
+            out.append((arr.dtype.str, arr.shape, arr.tobytes()))
+        except ClientError as e:
+            out.append(str(e))
+    return out
+
+
+def _infer_agrees(body: bytes) -> bool:
+    from orthornn.service.inputs import fast_infer_request
+    from orthornn.service.protocol import InferenceRequest
+
+    fast = fast_infer_request(body)
+    if fast is None:
+        return False
+    slow = InferenceRequest.model_validate_json(body)  # must not raise
+    assert (fast.id, fast.parameters, fast.outputs) == (slow.id, slow.parameters, slow.outputs)
+    assert [(i.name, i.shape, i.datatype) for i in fast.inputs] == \
+        [(i.name, i.shape, i.datatype) for i in slow.inputs]
+    assert _decoded(fast) == _decoded(slow)
+    return True
+
+
+tensor_data = st.lists(numbers, max_size=6) | st.lists(st.lists(numbers, max_size=3),
+                                                        max_size=3)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(datatype=st.sampled_from(["FP32", "INT64", "BYTES"]),
+       data=tensor_data | st.lists(leaf, max_size=4),
+       shape=st.lists(st.integers(0, 4), max_size=3),
+       extra=st.dictionaries(st.sampled_from(["id", "parameters", "outputs", "foo"]),
+                             st.none() | st.sampled_from(["7", {"sequence_id": 3},
+                                                          [{"name": "logits"}], 5]),
+                             max_size=2))
+def test_infer_fast_path_takes_only_what_pydantic_takes_and_agrees(datatype, data, shape,
+                                                                   extra):
+    body = json.dumps({"inputs": [{"name": "x", "shape": shape, "datatype": datatype,
+                                   "data": data}], **extra}).encode()
+    try:
+        _infer_agrees(body)
+    except ValidationError as e:
+        pytest.fail(f"the fast path took a body pydantic refuses: {body!r}: {e}")
+
+
+def test_infer_fast_path_takes_well_formed_bodies():
+    body = json.dumps({"id": "1", "parameters": {"sequence_id": 9, "sequence_start": True},
+                       "inputs": [{"name": "x", "shape": [1, 2, 1], "datatype": "FP32",
+                                   "data": [[[0.5], [1e-3]]]},
+                                  {"name": "lengths", "shape": [1], "datatype": "INT64",
+                                   "data": [2]}],
+                       "outputs": [{"name": "logits"}]}).encode()
+    assert _infer_agrees(body)

@@ -4,6 +4,7 @@ concurrency, hot-swap under load, refused versions, the predict client, SIGTERM.
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import numpy as np
 import pytest
 import tritonclient.http as triton
 from orthornn.export.package import sha256
+from orthornn.service.app import create_app
+from orthornn.service.settings import Settings
 
 from orthornn.cli import main as cli
 
@@ -369,3 +372,59 @@ def test_sigterm_drains_in_flight_requests(service_packages, tmp_path):
         match = [r for r in ref if np.allclose(probs, np.exp(r["logits"])
                                                / np.exp(r["logits"]).sum(), atol=1e-6)]
         assert len(match) == 1, probs
+
+
+def test_middleware_root_path_and_admission_apply_to_every_route(service_packages, tmp_path):
+    """One route table behind one middleware stack: a middleware added with add_middleware
+    sees the fast-path routes too; the table answers under a root_path; beyond
+    max_inflight_requests a request gets 503 + Retry-After at once while health answers."""
+    repo = make_repo(service_packages, tmp_path, {"digits": [1]})
+    seen: list[str] = []
+
+    class Tag:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http":
+                seen.append(scope["path"])
+            await self.app(scope, receive, send)
+
+    srv = LiveServer(repo=repo, max_inflight_requests=1)
+    srv.app.add_middleware(Tag)  # as a user would, after create_app
+    with srv:
+        body = json.dumps({"model": "digits", "inputs": [[0.1, 0.2]]}).encode()
+        x = {"name": "x", "shape": [1, 2, 1], "datatype": "FP32", "data": [0.1, 0.2]}
+        assert httpx.post(srv.url + "/predict", content=body).status_code == 200
+        assert httpx.post(srv.url + "/v2/models/digits/infer", json={"inputs": [x]}
+                          ).status_code == 200
+        assert httpx.get(srv.url + "/v2/models/digits").status_code == 200
+        assert httpx.get(srv.url + "/openapi.json").status_code == 200
+        assert seen == ["/predict", "/v2/models/digits/infer", "/v2/models/digits",
+                        "/openapi.json"]
+        # one request half-way through its body holds the only slot
+        go_on, half, answers = threading.Event(), threading.Event(), []
+        slow = threading.Thread(target=_slow_request, args=(srv.settings.port, body, half,
+                                                            go_on, answers))
+        slow.start()
+        assert half.wait(30)
+        time.sleep(0.2)
+        refused = httpx.post(srv.url + "/predict", content=body)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "overloaded" in refused.json()["error"]
+        assert httpx.get(srv.url + "/v2/health/ready").status_code == 200
+        go_on.set()
+        slow.join(30)
+        assert answers and answers[0][0] == 200
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert 'endpoint="/predict",model="_unknown",status="503"' in metrics
+        # metadata is counted under its model
+        assert re.search(r'orthornn_requests_total\{endpoint="/v2/models/\{name\}",'
+                         r'model="digits",status="200",version="1"\}', metrics)
+    from fastapi.testclient import TestClient
+
+    app = create_app(Settings(repo=repo, poll_interval_s=0))
+    with TestClient(app, root_path="/api") as c:
+        app.state.registry.scanned.wait(60)
+        r = c.post("/api/predict", content=body)
+        assert r.status_code == 200 and r.json()["model"] == "digits"
