@@ -6,8 +6,8 @@ process with dynamic batching on and then off, and drives it from this process w
 small asyncio HTTP/1.1 keep-alive client: for each concurrency (default 1, 8, 32),
 alternating rounds of ``GET /v2/health/live`` (the HTTP ceiling of the machine: same
 server, same client, no model work), ``POST /predict`` with one sequence per request
-(JSON numbers) and the same sequence as an Open Inference Protocol binary tensor
-(``POST /v2/models/bench/infer``); each ratio is the median of the rounds' ratios to
+(JSON numbers) and the same sequence as Open Inference Protocol JSON data and as a binary
+tensor (``POST /v2/models/bench/infer``); each ratio is the median of the rounds' ratios to
 the ceiling. Prints a table and writes
 bench/results/service.json. Client and server share the machine's cores, as a
 load balancer's sidecar would not: the ceiling is a ceiling for this setup only.
@@ -206,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
             "health": [_request("GET", "/v2/health/live")],
             "predict": [_request("POST", "/predict", json.dumps(
                 {"model": "bench", "inputs": [x.tolist()]}).encode()) for x in xs],
+            "infer_json": [_request("POST", "/v2/models/bench/infer", json.dumps(
+                {"inputs": [{"name": "x", "shape": [1, *x.shape], "datatype": "FP32",
+                             "data": x.ravel().tolist()}],
+                 "outputs": [{"name": "logits"}]}).encode()) for x in xs],
             "infer_binary": [_infer_binary(x) for x in xs]}
         for batching in (True, False):
             server = Server(repo, batching, args.server_arg)
@@ -232,19 +236,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _row(r: dict) -> str:
-    p, h, b = r["predict"], r["health"], r["infer_binary"]
+    p, h, j, b = r["predict"], r["health"], r["infer_json"], r["infer_binary"]
     return (f"| {'on' if r['batching'] else 'off':8} | {r['concurrency']:11} | "
             f"{h['throughput']:12.0f} | {p['throughput']:13.0f} | {p['ratio']:5.2f} | "
-            f"{p['p50_ms']:6.2f} | {p['p99_ms']:6.2f} | {b['throughput']:10.0f} | "
+            f"{p['p50_ms']:6.2f} | {p['p99_ms']:6.2f} | {j['throughput']:8.0f} | "
+            f"{j['ratio']:5.2f} | {j['p99_ms']:6.2f} | {b['throughput']:10.0f} | "
             f"{b['ratio']:5.2f} | {b['p99_ms']:6.2f} | "
-            f"{p['errors'] + h['errors'] + b['errors']:6} |")
+            f"{p['errors'] + h['errors'] + j['errors'] + b['errors']:6} |")
 
 
 def table(rows: list[dict]) -> str:
     head = ("| batching | concurrency | health req/s | predict req/s | ratio | p50 ms | p99 ms "
-            "| OIP binary | ratio | p99 ms | errors |\n"
+            "| OIP JSON | ratio | p99 ms | OIP binary | ratio | p99 ms | errors |\n"
             "| -------- | ----------- | ------------ | ------------- | ----- | ------ | ------ "
-            "| ---------- | ----- | ------ | ------ |")
+            "| -------- | ----- | ------ | ---------- | ----- | ------ | ------ |")
     return "\n".join([head, *(_row(r) for r in rows)])
 
 

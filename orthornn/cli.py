@@ -43,7 +43,7 @@ def _architectures(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("models", "ops", "export", "reproduce", "service")
+BENCHMARKS = ("models", "ops", "export", "reproduce", "service", "streaming")
 SOURCE_TREE = Path(__file__).resolve().parents[1]
 
 

@@ -41,6 +41,15 @@ def test_service_benchmark_runs(tmp_path):
     assert [(r["batching"], r["concurrency"]) for r in rows] == [
         (True, 1), (True, 2), (False, 1), (False, 2)]
     for r in rows:
-        for name in ("health", "predict", "infer_binary"):
+        for name in ("health", "predict", "infer_json", "infer_binary"):
             assert r[name]["errors"] == 0 and r[name]["requests"] > 0, (name, r)
         assert r["predict"]["ratio"] > 0 and r["infer_binary"]["ratio"] > 0
+
+
+def test_streaming_benchmark_runs(tmp_path):
+    out = tmp_path / "streaming.json"
+    assert _load("streaming").main(["--history", "40", "--chunk", "4", "--hidden", "8",
+                                    "--features", "2", "--out", str(out)]) == 0
+    ways = json.loads(out.read_text())["ways"]
+    assert set(ways) == {"session", "state", "resend"}
+    assert all(w["chunks"] == 10 for w in ways.values())
