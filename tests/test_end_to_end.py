@@ -98,10 +98,36 @@ def test_retrained_versions_swap_in_without_a_failed_request(tmp_path):
                 except httpx.HTTPError as error:
                     failures.append(repr(error))
 
+    sessions: list[list[int]] = []  # per session, the version of each of its answers
+
+    def session_client():  # sessions open across the swap stay on their version
+        chunk = [[0.5, 1], [0.2, 0]]
+        with httpx.Client(timeout=30) as http:
+            k = 0
+            while not done.is_set():
+                k += 1
+                versions = []
+                for i in range(4):
+                    body = {"model": "adder", "inputs": [chunk], "session": f"s{k}",
+                            "start": i == 0, "end": i == 3}
+                    try:
+                        r = http.post(url + "/predict", json=body)
+                    except httpx.HTTPError as error:
+                        failures.append(repr(error))
+                        break
+                    if r.status_code != 200:
+                        failures.append(r.text)
+                        break
+                    versions.append(r.json()["version"])
+                    time.sleep(0.02)
+                sessions.append(versions)
+
     try:
         wait_ready(proc, url)
         thread = threading.Thread(target=client)
         thread.start()
+        session_thread = threading.Thread(target=session_client)
+        session_thread.start()
         orthornn("train", *common, "--seed", "1", "--out", runs / "v2")  # retraining
         second = orthornn("export", runs / "v2", "--repo", repo, "--name", "adder").stdout
         assert second.strip() == str(repo / "adder" / "2")
@@ -139,8 +165,11 @@ def test_retrained_versions_swap_in_without_a_failed_request(tmp_path):
         assert set(seen[count:]) == {2}  # version 2 keeps serving
     finally:
         done.set()
+        thread.join(timeout=30)
+        session_thread.join(timeout=30)  # its last session ends before the server stops
         stop(proc)
-    thread.join(timeout=30)
     assert failures == []
+    assert sessions and all(len(set(v)) == 1 for v in sessions if v)  # never switched
+    assert {v[0] for v in sessions if v} == {1, 2}  # sessions on both sides of the swap
     assert seen and set(seen) <= {1, 2} and seen[0] == 1
     assert seen.index(2) == len(seen) - seen[::-1].index(1)  # 1 ... 1 2 ... 2: one switch

@@ -279,3 +279,52 @@ def test_idle_sessions_expire_and_10000_sessions_leave_memory_flat():
     grown = asyncio.run(rounds())
     assert len(sessions) == 0 and not held
     assert grown < 256 * 1024, grown  # two more rounds of 10,000 sessions: flat
+
+
+@pytest.fixture(scope="module")
+def every_arch(tmp_path_factory):
+    """A tiny classifier package of every recurrent architecture in both export modes."""
+    from orthornn.export.exporter import export_run
+    from orthornn.models import ARCHITECTURES
+    from orthornn.training.config import TrainConfig
+    from orthornn.training.trainer import train
+
+    root = tmp_path_factory.mktemp("every-arch")
+    rng = np.random.default_rng(0)
+    np.savez(root / "data.npz", x=rng.normal(size=(12, 9, 2)).astype(np.float32),
+             y=rng.integers(0, 3, size=12))
+    names = []
+    for arch, spec in ARCHITECTURES.items():
+        if not spec.recurrent:
+            continue
+        train(TrainConfig(arch=arch, task="classify", data=str(root / "data.npz"),
+                          hidden_size=4, steps=1, batch_size=4, log_every=1,
+                          out=str(root / arch)), progress=False)
+        for mode in ("dense", "factored"):
+            names.append(f"{arch}-{mode}")
+            export_run(root / arch, root / "repo", names[-1], mode=mode)
+    return root / "repo", names
+
+
+def test_every_architecture_and_mode_streams_through_http(every_arch):
+    repo, names = every_arch
+    app = create_app(Settings(repo=repo, poll_interval_s=0))
+    seq = np.random.default_rng(2).normal(size=(9, 2)).round(3).tolist()
+    with TestClient(app, raise_server_exceptions=False) as c:
+        app.state.registry.scanned.wait(120)
+        for name in names:
+            whole = _post(c, {"model": name, "inputs": [seq]})["outputs"][0]
+            state = None
+            for chunk in (seq[:1], seq[1:5], seq[5:]):
+                body = {"model": name, "inputs": [chunk], "return_state": True}
+                if state:
+                    body["states"] = [state]
+                out = _post(c, body)["outputs"][0]
+                state = out["state"]
+            np.testing.assert_allclose(out["probabilities"], whole["probabilities"],
+                                       atol=1e-5, err_msg=name)
+            for k, chunk in enumerate((seq[:4], seq[4:8], seq[8:])):
+                out = _post(c, {"model": name, "inputs": [chunk], "session": name,
+                                "start": k == 0, "end": k == 2})["outputs"][0]
+            np.testing.assert_allclose(out["probabilities"], whole["probabilities"],
+                                       atol=1e-5, err_msg=name)
