@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import auth, generate, inputs
 from .batcher import QueueFull
+from .docs import add_docs
 from .inputs import ClientError
 from .metrics import UNKNOWN, Metrics
 from .protocol import (
@@ -52,6 +53,7 @@ from .settings import Settings
 
 log = logging.getLogger("orthornn.service")
 DATATYPE_BYTES = {"FP32": np.dtype("<f4"), "INT64": np.dtype("<i8")}
+WARNING_HEADER = "Orthornn-Input-Warning"
 
 
 def _version() -> str:
@@ -316,6 +318,7 @@ def create_app(settings: Settings) -> FastAPI:
     observer = Observer(metrics, settings.max_body_bytes)
     app = Service(observer=observer, title="orthornn inference service", version=_version(),
                   lifespan=lifespan, default_response_class=JSON,
+                  docs_url=None, redoc_url=None,  # service.docs: offline assets
                   description="Predictions from orthogonal RNNs exported as ONNX packages: "
                               "a simple /predict API, /generate for language models and the "
                               "Open Inference Protocol (v2, REST).")
@@ -324,6 +327,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.registry = registry
     app.state.draining = False
     app.add_middleware(Observe, observer=observer)
+    add_docs(app)
 
     @contextmanager
     def hold(state: dict, name: str, version: int | None):
@@ -335,6 +339,13 @@ def create_app(settings: Settings) -> FastAPI:
             yield mv
         finally:
             registry.release(mv)
+
+    def out_of_range(mv, seqs: list, field: str) -> str | None:
+        """The warning for inputs far outside mv's training range (counted), or None."""
+        warning = inputs.range_warning(mv.spec, seqs, field)
+        if warning is not None:
+            metrics.inputs_out_of_range.labels(mv.name, str(mv.version)).inc()
+        return warning
 
     # -- errors -------------------------------------------------------------------
 
@@ -376,9 +387,12 @@ def create_app(settings: Settings) -> FastAPI:
                 if fast is not None:
                     req = parse(PredictRequest, body)
                 seqs = inputs.predict_sequences(spec, req, settings.max_request_sequences)
+            warning = out_of_range(mv, seqs, "inputs")
             outputs = await mv.batcher.submit(
-                seqs, lambda rows: inputs.shape_outputs(spec, rows, seqs, req.top_k))
-        return JSON({"model": mv.name, "version": mv.version, "outputs": outputs})
+                seqs, lambda rows: inputs.shape_outputs(spec, rows, seqs, req.top_k,
+                                                        req.allow_unk))
+        return JSON({"model": mv.name, "version": mv.version, "outputs": outputs},
+                    headers=None if warning is None else {WARNING_HEADER: warning})
 
     app.add_direct("/predict", predict_body)
 
@@ -424,8 +438,9 @@ def create_app(settings: Settings) -> FastAPI:
             return error(503, "models are still loading (or failed: see /v2/repository/index)")
         return JSON({"ready": True})
 
-    def metadata(name: str, version: str | None) -> dict:
+    def metadata(name: str, version: str | None, scope: dict) -> dict:
         mv = registry.get(name, _version_param(version))
+        _state(scope)["labels"] = (name, str(mv.version))  # metrics: under the model's name
         io = mv.spec.io["model"]
         return {"name": name, "versions": [str(v) for v in registry.serving().get(name, [])],
                 "platform": "onnxruntime_onnx",
@@ -433,21 +448,23 @@ def create_app(settings: Settings) -> FastAPI:
                 "parameters": {"version": str(mv.version), "task": mv.spec.task,
                                "arch": mv.spec.arch, "max_length": mv.spec.max_length,
                                "labels": mv.spec.labels,
+                               "preprocessing": mv.manifest.preprocessing,
                                "spectral": mv.manifest.spectral or {}}}
 
     @app.get("/v2/models/{name}", response_model=ModelMetadata, responses=ERRORS,
              summary="model metadata (newest loaded version)")
-    async def model_metadata(name: str):
-        return JSON(metadata(name, None))
+    async def model_metadata(name: str, request: Request):
+        return JSON(metadata(name, None, request.scope))
 
     @app.get("/v2/models/{name}/versions/{version}", response_model=ModelMetadata,
              responses=ERRORS, summary="model version metadata")
-    async def version_metadata(name: str, version: str):
-        return JSON(metadata(name, version))
+    async def version_metadata(name: str, version: str, request: Request):
+        return JSON(metadata(name, version, request.scope))
 
-    def model_ready(name: str, version: str | None):
+    def model_ready(name: str, version: str | None, scope: dict):
         v = _version_param(version)
         if registry.model_ready(name, v):
+            _state(scope)["labels"] = (name, str(v) if v else "")
             return JSON({"name": name, "ready": True})
         on_disk = name in {r["name"] for r in registry.index()}
         if not on_disk:
@@ -456,18 +473,19 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/v2/models/{name}/ready", responses={**ERRORS, 503: {"model": ErrorResponse}},
              summary="model readiness")
-    async def ready_model(name: str):
-        return model_ready(name, None)
+    async def ready_model(name: str, request: Request):
+        return model_ready(name, None, request.scope)
 
     @app.get("/v2/models/{name}/versions/{version}/ready",
              responses={**ERRORS, 503: {"model": ErrorResponse}}, summary="version readiness")
-    async def ready_version(name: str, version: str):
-        return model_ready(name, version)
+    async def ready_version(name: str, version: str, request: Request):
+        return model_ready(name, version, request.scope)
 
     @app.get("/v2/models/{name}/config", responses=ERRORS,
              summary="Triton-style model configuration (for tritonclient)")
-    async def model_config(name: str):
+    async def model_config(name: str, request: Request):
         mv = registry.get(name)
+        _state(request.scope)["labels"] = (name, str(mv.version))
         io = mv.spec.io["model"]
 
         def tensors(items):
@@ -502,6 +520,7 @@ def create_app(settings: Settings) -> FastAPI:
                                   f"{names}")
             seqs, steps = inputs.infer_sequences(spec, req, binaries, spec.io["model"],
                                                  settings.max_request_sequences)
+            warning = out_of_range(mv, seqs, "inputs[x]")
             tensors = await mv.batcher.submit(
                 seqs, lambda rows: inputs.outputs_to_tensors(rows, names, steps,
                                                              runtime.per_step))
@@ -524,10 +543,11 @@ def create_app(settings: Settings) -> FastAPI:
         if req.id is not None:
             answer["id"] = req.id
         head = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+        headers = {} if warning is None else {WARNING_HEADER: warning}
         if not blobs:
-            return Response(head, media_type="application/json")
+            return Response(head, media_type="application/json", headers=headers)
         return Response(head + b"".join(blobs), media_type="application/octet-stream",
-                        headers={"Inference-Header-Content-Length": str(len(head))})
+                        headers={**headers, "Inference-Header-Content-Length": str(len(head))})
 
     @app.post("/v2/models/{name}/infer", response_model=InferenceResponse,
               responses=INFER_ERRORS, openapi_extra=_body(InferenceRequest),

@@ -48,13 +48,21 @@ def _float_sequence(spec: ModelSpec, seq: list | np.ndarray, field: str) -> np.n
     return arr
 
 
+def _echo(value) -> str:
+    """A client's number as it most likely wrote it: whole numbers without ".0" (JSON
+    integers reach us as floats where the schema also takes fractions)."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return repr(value)
+
+
 def _token_sequence(spec: ModelSpec, seq: list, field: str) -> np.ndarray:
     vocab = len(spec.vocabulary or ())
     out = np.empty(len(seq), dtype=np.int64)
     for t, tok in enumerate(seq):
         if isinstance(tok, list) or not float(tok).is_integer() or not 0 <= tok < vocab:
             raise ClientError(f"{field}[{t}]: token ids must be integers in [0, {vocab - 1}] "
-                              f"(the vocabulary has {vocab} tokens); got {tok!r}")
+                              f"(the vocabulary has {vocab} tokens); got {_echo(tok)}")
         out[t] = int(tok)
     return out
 
@@ -81,6 +89,9 @@ def predict_sequences(spec: ModelSpec, req: PredictRequest, max_sequences: int
                           f"got {len(items)}")
     if req.top_k is not None and spec.task in ("regress", "seq2seq"):
         raise ClientError(f"top_k: not used by {spec.task} models")
+    if req.allow_unk and spec.task != "lm":
+        raise ClientError(f"allow_unk: only language models take it; {spec.name!r} is a "
+                          f"{spec.task} model")
     sequences = []
     for i, seq in enumerate(items):
         where = f"{field}[{i}]"
@@ -95,6 +106,28 @@ def predict_sequences(spec: ModelSpec, req: PredictRequest, max_sequences: int
         _check_length(spec, len(arr), where + (" (tokens)" if req.text is not None else ""))
         sequences.append(arr)
     return sequences
+
+
+def range_warning(spec: ModelSpec, sequences: list[np.ndarray], field: str) -> str | None:
+    """A one-line warning (ASCII, for a header) when a float input lies far outside the
+    range the model was trained on (``runtime.RANGE_MARGIN``), else None. Such inputs are
+    answered, but the answer means little: usually the client skipped the model's
+    preprocessing (GET /v2/models/NAME shows it)."""
+    low, high = spec.input_low, spec.input_high
+    if low is None or spec.kind != "float":
+        return None
+    for i, seq in enumerate(sequences):
+        if not len(seq):
+            continue
+        lo, hi = seq.min(axis=0), seq.max(axis=0)
+        bad = (lo < low) | (hi > high)
+        if bad.any():
+            f = int(np.argmax(bad))
+            value = float(lo[f] if lo[f] < low[f] else hi[f])
+            return (f"{field}[{i}] feature {f}: {value:.4g} is far outside the training range "
+                    f"[{spec.training_min[f]:.4g}, {spec.training_max[f]:.4g}]; inputs must "
+                    f"be preprocessed as the model's manifest says (GET /v2/models/{spec.name})")
+    return None
 
 
 _PREDICT_KEYS = frozenset(PredictRequest.model_fields)
@@ -123,8 +156,8 @@ def fast_predict_request(body: bytes) -> PredictRequest | None:
     if type(data) is not simdjson.Object:
         return None
     keys = set(data.keys())
-    if len(keys) != len(data) or not keys <= _PREDICT_KEYS:
-        return None  # a duplicate key (pydantic keeps the last) or an unknown one
+    if len(keys) != len(data) or not keys <= _PREDICT_KEYS or "allow_unk" in keys:
+        return None  # a duplicate key (pydantic keeps the last), an unknown or a rare one
     model, version, top_k = data.get("model"), data.get("version"), data.get("top_k")
     seqs = data.get("inputs")
     if type(model) is not str or not 1 <= len(model) <= 128 or "[" in model \
@@ -161,7 +194,7 @@ def fast_predict_request(body: bytes) -> PredictRequest | None:
     if body.count(b"[") != brackets:
         return None
     return PredictRequest.model_construct(model=model, version=version, inputs=arrays,
-                                          text=None, top_k=top_k)
+                                          text=None, top_k=top_k, allow_unk=False)
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
@@ -193,9 +226,9 @@ def prepare_rows(spec: ModelSpec, rows: list[dict]) -> None:
 
 
 def shape_outputs(spec: ModelSpec, rows: list[dict], sequences: list[np.ndarray],
-                  top_k: int | None) -> list[dict]:
+                  top_k: int | None, allow_unk: bool = False) -> list[dict]:
     """Per sequence, the /predict answer from its output rows (runs in the inference
-    thread)."""
+    thread). Language models list no <unk> among next_tokens unless allow_unk."""
     if rows and spec.task == "classify" and PROBABILITIES not in rows[0]:
         prepare_rows(spec, rows)  # not batched through the batcher's prepare step
     out = []
@@ -220,7 +253,10 @@ def shape_outputs(spec: ModelSpec, rows: list[dict], sequences: list[np.ndarray]
             scored = len(seq) - 1
             ll = float(logp[np.arange(scored), seq[1:]].sum()) if scored else 0.0
             p = np.exp(logp[-1])
-            best = np.argsort(-p, kind="stable")[:top_k or 5]
+            rank = -p
+            if not allow_unk and spec.unk_id is not None:
+                rank[spec.unk_id] = np.inf  # last: never among the top k
+            best = np.argsort(rank, kind="stable")[:min(top_k or 5, len(p) - (not allow_unk))]
             vocab = spec.vocabulary or []
             item = {"next_tokens": [{"token": vocab[j], "id": int(j),
                                      "probability": float(p[j])} for j in best],
