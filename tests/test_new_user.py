@@ -108,7 +108,7 @@ def test_training_records_preprocessing_and_the_manifest_carries_it(service_pack
     adding = read_manifest(service_packages / "adding" / "1").preprocessing
     assert adding["transform"] is None and len(adding["training_range"]["max"]) == 2
     assert read_manifest(service_packages / "words" / "1").preprocessing is None
-    with pytest.raises(PackageError, match="training_range.max"):
+    with pytest.raises(PackageError, match=r"training_range\.max"):
         check_preprocessing({"training_range": {"mean": [0], "std": [1], "min": [0],
                                                 "max": [1, 2]}}, 1)
 
@@ -217,10 +217,11 @@ def test_empty_repository_logs_a_warning_and_is_ready(tmp_path, caplog):
 
 
 def test_train_help_shows_every_default():
-    from orthornn.cli import build_parser
     from orthornn.training import tasks, trainer
     from orthornn.training.cli import UNSET
     from orthornn.training.config import TrainConfig
+
+    from orthornn.cli import build_parser
 
     parser = build_parser()
     train = next(a for a in parser._actions if a.dest == "command").choices["train"]
