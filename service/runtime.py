@@ -64,6 +64,8 @@ class ModelSpec:
     #: training range (RANGE_MARGIN of the range beyond its ends); None: not checked
     input_low: np.ndarray | None = None
     input_high: np.ndarray | None = None
+    input_low_max: float = 0.0
+    input_high_min: float = 0.0
     training_min: list | None = None
     training_max: list | None = None
 
@@ -92,6 +94,8 @@ class ModelSpec:
             margin = RANGE_MARGIN * np.where(high > low, high - low, np.maximum(np.abs(high), 1))
             spec.input_low = (low - margin).astype(np.float32)
             spec.input_high = (high + margin).astype(np.float32)
+            spec.input_low_max = float(spec.input_low.max())
+            spec.input_high_min = float(spec.input_high.min())
             spec.training_min, spec.training_max = stats["min"], stats["max"]
         return spec
 
