@@ -66,6 +66,14 @@ def build_defaults(root: Path, progress: bool = True) -> tuple[Path, dict[str, s
 def quickstart(root: str | Path, host: str = "127.0.0.1", port: int = 8000,
                serve: bool = True) -> Path:
     root = Path(root)
+    if serve:  # what would stop the server, before minutes of training
+        from orthornn.service.server import listen
+        from orthornn.service.settings import Settings
+
+        refusal = Settings(repo=root, host=host, port=port).repository_api_exposure()
+        if refusal is not None:
+            raise ValueError(refusal)
+        listen(host, port).close()
     start = time.monotonic()
     repo, done = build_defaults(root)
     report = "".join(f"  {name}: {what}\n" for name, what in done.items())

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from orthornn.export.package import PackageError, check_preprocessing, read_manifest
+from orthornn.export.package import PackageError, read_manifest
 from orthornn.service.app import create_app
 from orthornn.service.commands import _request_body
 from orthornn.service.settings import Settings
@@ -108,6 +108,8 @@ def test_training_records_preprocessing_and_the_manifest_carries_it(service_pack
     adding = read_manifest(service_packages / "adding" / "1").preprocessing
     assert adding["transform"] is None and len(adding["training_range"]["max"]) == 2
     assert read_manifest(service_packages / "words" / "1").preprocessing is None
+    from orthornn.export.package import check_preprocessing
+
     with pytest.raises(PackageError, match=r"training_range\.max"):
         check_preprocessing({"training_range": {"mean": [0], "std": [1], "min": [0],
                                                 "max": [1, 2]}}, 1)
@@ -307,3 +309,18 @@ def test_serve_beyond_loopback_without_token_refuses_to_start(repo):
 def test_manifest_round_trips_preprocessing_json(service_packages):
     data = json.loads((service_packages / "digits" / "1" / "manifest.json").read_text())
     assert "preprocessing" in data and data["preprocessing"]["training_range"]["count"] > 0
+
+
+def test_quickstart_checks_port_and_exposure_before_training(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = orthornn("quickstart", "--dir", tmp_path / "qs", "--port", port, timeout=60)
+    assert result.returncode == 2 and "already in use" in result.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORTHORNN_")}
+    result = subprocess.run([sys.executable, "-m", "orthornn", "quickstart", "--dir",
+                             str(tmp_path / "qs"), "--host", "0.0.0.0"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "ORTHORNN_ADMIN_TOKEN" in result.stderr
+    assert not (tmp_path / "qs").exists()  # nothing trained
