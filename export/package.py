@@ -109,6 +109,9 @@ class Manifest:
     labels: list | None = None
     vocabulary_file: str | None = None
     spectral: dict = field(default_factory=dict)
+    #: float inputs: how raw values became the model's inputs and the range it was trained
+    #: on (``check_preprocessing``); None for token inputs and packages before this field
+    preprocessing: dict | None = None
     training: dict | None = None
     source: dict = field(default_factory=dict)
     created: str = ""
@@ -149,7 +152,46 @@ class Manifest:
                                f"{manifest.output_name!r} for task {manifest.task!r}")
         if manifest.input_spec.kind == "tokens" and not manifest.vocabulary_file:
             raise PackageError("manifest field 'vocabulary_file' is required for token inputs")
+        if manifest.preprocessing is not None:
+            check_preprocessing(manifest.preprocessing, manifest.input_spec.feature_size)
         return manifest
+
+
+def _numbers(name: str, value, sizes: tuple[int, ...]) -> list[float]:
+    if not isinstance(value, list) or len(value) not in sizes or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and np.isfinite(v)
+            for v in value):
+        raise PackageError(f"manifest field {name!r} must be a list of "
+                           f"{' or '.join(map(str, sizes))} finite numbers; got {value!r}")
+    return value
+
+
+def check_preprocessing(d, feature_size: int) -> dict:
+    """The ``preprocessing`` field of float-input packages::
+
+        {"transform": {"kind": "affine", "offset": [..], "scale": [..], "description": ".."}
+                      or null,         # model input = (raw - offset) / scale, per feature
+         "training_range": {"source": "..", "count": N, "mean": [d], "std": [d],
+                            "min": [d], "max": [d]}}   # of the model inputs seen in training
+
+    offset and scale have 1 (every feature) or feature_size numbers."""
+    _check("preprocessing", d, dict)
+    transform = d.get("transform")
+    if transform is not None:
+        _check("preprocessing.transform", transform, dict)
+        _check("preprocessing.transform.kind", transform.get("kind"), str, ("affine",))
+        for key in ("offset", "scale"):
+            _numbers(f"preprocessing.transform.{key}", transform.get(key), (1, feature_size))
+        if any(v == 0 for v in transform["scale"]):
+            raise PackageError("manifest field 'preprocessing.transform.scale' must not hold 0")
+    stats = d.get("training_range")
+    if stats is not None:
+        _check("preprocessing.training_range", stats, dict)
+        for key in ("mean", "std", "min", "max"):
+            _numbers(f"preprocessing.training_range.{key}", stats.get(key), (feature_size,))
+        if any(lo > hi for lo, hi in zip(stats["min"], stats["max"], strict=True)):
+            raise PackageError("manifest field 'preprocessing.training_range': min above max")
+    return d
 
 
 def sha256(path: str | Path) -> str:

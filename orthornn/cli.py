@@ -19,7 +19,7 @@ EXTRAS = {
     "train": ("torch", "safetensors", "tqdm", "yaml", "matplotlib", "sklearn", "sktime",
               "mnist1d", "gensim"),
     "serve": ("fastapi", "starlette", "uvicorn", "uvloop", "httptools", "pydantic",
-              "pydantic_settings", "orjson", "simdjson", "prometheus_client"),
+              "pydantic_settings", "orjson", "simdjson", "prometheus_client", "fastapi_offline"),
     "gpu": ("triton",),
 }
 

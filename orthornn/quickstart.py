@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_MODELS = {
@@ -27,8 +28,11 @@ curl -s http://{host}:{port}/predict -H 'content-type: application/json' \\
   -d '{{"model": "words", "text": ["the history of the"], "top_k": 5}}'"""
 
 
-def build_defaults(root: Path, progress: bool = True) -> Path:
-    """Train and publish whichever default model the repository lacks; returns REPO."""
+def build_defaults(root: Path, progress: bool = True) -> tuple[Path, dict[str, str]]:
+    """Train and publish whichever default model the repository lacks; returns REPO and,
+    per model, what was done ("trained and published VERSION_DIR" or "reused ...").
+    progress: training and export report progress (a bar on a terminal, else a line
+    every few seconds)."""
     from orthornn.export.exporter import export_run
     from orthornn.export.repository import versions
     from orthornn.training.checkpoint import read_run_config
@@ -36,9 +40,12 @@ def build_defaults(root: Path, progress: bool = True) -> Path:
     from orthornn.training.trainer import train
 
     repo, runs = root / "models", root / "runs"
+    done: dict[str, str] = {}
     for name, options in DEFAULT_MODELS.items():
-        if versions(repo / name):
+        found = versions(repo / name)
+        if found:
             print(f"quickstart: {name}: using {repo / name}", file=sys.stderr)
+            done[name] = f"reused {repo / name / str(max(found))}"
             continue
         run = runs / name
         if not (run / "summary.json").is_file():
@@ -50,22 +57,40 @@ def build_defaults(root: Path, progress: bool = True) -> Path:
                   file=sys.stderr)
             train(TrainConfig(out=str(run), **options), progress=progress)
         read_run_config(run)
-        print(f"quickstart: published {export_run(run, repo, name)}", file=sys.stderr)
-    return repo
+        published = export_run(run, repo, name, progress=progress)
+        print(f"quickstart: published {published}", file=sys.stderr)
+        done[name] = f"trained ({run}) and published {published}"
+    return repo, done
 
 
 def quickstart(root: str | Path, host: str = "127.0.0.1", port: int = 8000,
                serve: bool = True) -> Path:
     root = Path(root)
-    repo = build_defaults(root, progress=sys.stderr.isatty())
+    if serve:  # what would stop the server, before minutes of training
+        from orthornn.service.server import listen
+        from orthornn.service.settings import Settings
+
+        refusal = Settings(repo=root, host=host, port=port).repository_api_exposure()
+        if refusal is not None:
+            raise ValueError(refusal)
+        listen(host, port).close()
+    start = time.monotonic()
+    repo, done = build_defaults(root)
+    report = "".join(f"  {name}: {what}\n" for name, what in done.items())
+    if not serve:
+        print(f"\nquickstart: the model repository {repo} is complete "
+              f"({time.monotonic() - start:.0f} s):\n{report}\nServe it with:\n\n"
+              f"  orthornn serve --repo {repo} --host {host} --port {port}\n\n"
+              f"then, once /v2/health/ready answers 200:\n\n"
+              + CURL.format(host=host, port=port) + "\n", file=sys.stderr)
+        return repo
     print("\nTry it (once the server says it is ready):\n\n"
           + CURL.format(host=host, port=port) + "\n", file=sys.stderr)
-    if serve:
-        args = [sys.executable, "-m", "orthornn", "serve", "--repo", str(repo),
-                "--host", host, "--port", str(port)]
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os.execv(sys.executable, args)  # a clean, torch-free server process
+    args = [sys.executable, "-m", "orthornn", "serve", "--repo", str(repo),
+            "--host", host, "--port", str(port)]
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os.execv(sys.executable, args)  # a clean, torch-free server process
     return repo
 
 

@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import auth
 from .batcher import QueueFull
 from .dataplane import DataPlane, server_version
+from .docs import add_docs
 from .inputs import ClientError
 from .metrics import UNKNOWN, Metrics
 from .protocol import (
@@ -59,6 +60,7 @@ from .settings import Settings
 from .streaming import SessionLimit
 
 log = logging.getLogger("orthornn.service")
+WARNING_HEADER = "Orthornn-Input-Warning"
 Handler = Callable[..., Awaitable[Response]]
 
 
@@ -322,6 +324,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="orthornn inference service", version=server_version(),
                   lifespan=lifespan, default_response_class=JSON,
+                  docs_url=None, redoc_url=None,  # service.docs: offline assets
                   description="Predictions from orthogonal RNNs exported as ONNX packages: "
                               "a simple /predict API (with state carried across requests), "
                               "/generate for language models and the Open Inference "
@@ -334,8 +337,13 @@ def create_app(settings: Settings) -> FastAPI:
 
     # -- handlers: (body, scope, **path parameters) -> Response ---------------------------
 
+    def warned(scope: dict) -> dict | None:
+        """The input-range warning header the dataplane left for this request, if any."""
+        warning = labels(scope).get("warning")
+        return None if warning is None else {WARNING_HEADER: warning}
+
     async def predict(body: bytes, scope: dict) -> Response:
-        return JSON(await dataplane.predict(body, labels(scope)))
+        return JSON(await dataplane.predict(body, labels(scope)), headers=warned(scope))
 
     async def generate_text(body: bytes, scope: dict) -> Response:
         return JSON(await dataplane.generate(body, labels(scope)))
@@ -349,10 +357,11 @@ def create_app(settings: Settings) -> FastAPI:
                                   "larger than the body")
             body, tail = body[:int(length)], body[int(length):]
         head, blobs = await dataplane.infer(body, tail, name, version, labels(scope))
+        headers = warned(scope) or {}
         if not blobs:
-            return Response(head, media_type="application/json")
+            return Response(head, media_type="application/json", headers=headers)
         return Response(head + b"".join(blobs), media_type="application/octet-stream",
-                        headers={"Inference-Header-Content-Length": str(len(head))})
+                        headers={**headers, "Inference-Header-Content-Length": str(len(head))})
 
     async def server_metadata(body: bytes, scope: dict) -> Response:
         return JSON(dataplane.server_metadata())
@@ -446,6 +455,7 @@ def create_app(settings: Settings) -> FastAPI:
     table = app.state.routes = RouteTable(routes)
     for route in routes:
         _openapi_row(app, route)
+    add_docs(app)
     # added first: innermost, so middleware added later (by us or a user) wraps it
     app.add_middleware(Routes, table=table, max_body=settings.max_body_bytes)
     app.add_middleware(Observe, table=table, metrics=metrics, max_body=settings.max_body_bytes,

@@ -11,7 +11,8 @@ from pathlib import Path
 # flag -> settings field; a flag left out keeps the ORTHORNN_* variable or the default
 SERVE_FLAGS = [
     ("--repo", str, "model repository root (ORTHORNN_REPO)"),
-    ("--host", str, "address to listen on (default 127.0.0.1)"),
+    ("--host", str, "address to listen on (default 127.0.0.1; beyond loopback the "
+                    "repository API needs ORTHORNN_ADMIN_TOKEN)"),
     ("--port", int, "port (default 8000)"),
     ("--models", str, "comma-separated models required for readiness (default: all found)"),
     ("--version-policy", str, "latest (default) or all"),
@@ -43,6 +44,10 @@ def add_serve_parsers(sub) -> None:
                     "the repository API token only as ORTHORNN_ADMIN_TOKEN.")
     for flag, kind, text in SERVE_FLAGS:
         serve.add_argument(flag, type=kind, help=text)
+    serve.add_argument("--allow-open-repository-api", action="store_true", default=None,
+                       help="start without ORTHORNN_ADMIN_TOKEN also when --host is not a "
+                            "loopback address (default: refuse; "
+                            "ORTHORNN_ALLOW_OPEN_REPOSITORY_API)")
     batching = serve.add_mutually_exclusive_group()
     batching.add_argument("--batching", dest="batching", action="store_true", default=None,
                           help="dynamic batching on (default)")
@@ -52,9 +57,10 @@ def add_serve_parsers(sub) -> None:
 
     predict = sub.add_parser(
         "predict", help="send a file to a running service's /predict and print the answer",
-        description="FILE: .json (a list of sequences, or a whole /predict body), .npy / .npz "
-                    "(x [N, T, d] with optional lengths [N]) or .txt (one text per line, for "
-                    "language models).")
+        description="FILE: .json (a list of sequences, or a whole /predict body), .npy "
+                    "(the array x) or .npz (arrays x and optional lengths [N]), x [N, T, d] "
+                    "numbers ([N, T] for one feature, or token ids), or .txt (one text per "
+                    "line, for language models).")
     predict.add_argument("file", metavar="FILE")
     predict.add_argument("--url", required=True, help="service base URL, e.g. "
                                                       "http://127.0.0.1:8000")
@@ -79,6 +85,7 @@ def settings_from_args(args: argparse.Namespace):
     values = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
               for flag, _, _ in SERVE_FLAGS}
     values["batching"] = args.batching
+    values["allow_open_repository_api"] = args.allow_open_repository_api
     try:
         return Settings(**{k: v for k, v in values.items() if v is not None})
     except ValidationError as e:
@@ -108,22 +115,22 @@ def _request_body(path: Path, model: str, version: int | None, top_k: int | None
     elif suffix in (".npy", ".npz"):
         import numpy as np
 
-        with np.load(path, allow_pickle=False) as loaded:
-            if suffix == ".npy":
-                x, lengths = loaded, None
-            else:
-                if "x" not in loaded.files:
-                    raise ValueError(f"FILE {str(path)!r} has no array 'x'")
-                x = loaded["x"]
-                lengths = loaded["lengths"] if "lengths" in loaded.files else None
-            x = np.asarray(x)
+        x, lengths = _read_array_file(path, suffix)
+        if x.dtype.kind not in "iuf":
+            raise ValueError(f"x must hold numbers; got dtype {x.dtype}")
         if x.ndim == 2 and x.dtype.kind in "iu":  # token ids [N, T]
             x = x.astype(np.int64)
-        elif x.ndim != 3:
-            raise ValueError(f"x must be [N, T, d] floats or [N, T] token ids; got shape "
-                             f"{list(x.shape)}")
+        elif x.ndim not in (2, 3):
+            raise ValueError(f"x must be [N, T, d] (or [N, T] with one feature) numbers or "
+                             f"[N, T] token ids; got shape {list(x.shape)}")
         rows = x.tolist()
         if lengths is not None:
+            lengths = np.asarray(lengths)
+            if lengths.shape != (len(rows),) or lengths.dtype.kind not in "iu" or (
+                    len(rows) and not 1 <= lengths.min() <= lengths.max() <= x.shape[1]):
+                raise ValueError(f"lengths must be {len(rows)} integers in [1, {x.shape[1]}] "
+                                 f"(one per sequence of x); got {lengths.dtype} "
+                                 f"{list(lengths.shape)}")
             rows = [r[:int(n)] for r, n in zip(rows, lengths, strict=True)]
         body = {"inputs": rows}
     elif suffix == ".txt":
@@ -136,6 +143,30 @@ def _request_body(path: Path, model: str, version: int | None, top_k: int | None
     if top_k is not None:
         body["top_k"] = top_k
     return body
+
+
+def _read_array_file(path: Path, suffix: str):
+    """(x, lengths or None) of a .npy file (x itself) or an .npz file (arrays x and
+    optional lengths); ValueError naming the file when it cannot be read."""
+    import numpy as np
+
+    try:
+        if suffix == ".npy":
+            return np.asarray(np.load(path, allow_pickle=False)), None
+        with np.load(path, allow_pickle=False) as loaded:
+            if "x" not in loaded.files:
+                raise ValueError(f"FILE {str(path)!r} has no array 'x' (it holds "
+                                 f"{', '.join(loaded.files) or 'no arrays'})")
+            lengths = loaded["lengths"] if "lengths" in loaded.files else None
+            return np.asarray(loaded["x"]), lengths
+    except (OSError, EOFError) as error:
+        raise ValueError(f"FILE {str(path)!r} is not a readable {suffix} file: {error}") \
+            from None
+    except ValueError as error:
+        if str(error).startswith("FILE "):
+            raise
+        raise ValueError(f"FILE {str(path)!r} is not a readable {suffix} file: {error}") \
+            from None
 
 
 class _HTTPFailure(Exception):

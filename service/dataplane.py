@@ -81,7 +81,7 @@ def version_param(value) -> int | None:
 
 class DataPlane:
     def __init__(self, settings: Settings, registry: Registry, metrics=None):
-        self.settings, self.registry = settings, registry
+        self.settings, self.registry, self.metrics = settings, registry, metrics
         self.sessions = Sessions(
             max_sessions=settings.max_sessions, idle_timeout_s=settings.session_idle_timeout_s,
             hold=lambda name, version: registry.acquire(name, version, session=True),
@@ -118,6 +118,7 @@ class DataPlane:
                 "parameters": {"version": str(mv.version), "task": mv.spec.task,
                                "arch": mv.spec.arch, "max_length": mv.spec.max_length,
                                "labels": mv.spec.labels, "streaming": mv.spec.streaming,
+                               "preprocessing": mv.manifest.preprocessing,
                                "spectral": mv.manifest.spectral or {}}}
 
     def model_ready(self, name: str, version: str | None, labels: dict) -> bool:
@@ -210,6 +211,7 @@ class DataPlane:
                                     f"version that made it")
         with self.hold(labels, req.model, version) as mv:
             seqs = self._sequences(mv, req, body, fast)
+            self._check_range(mv, seqs, "inputs", labels)
             if req.states is not None:
                 if len(req.states) != len(seqs):
                     raise ClientError(f"states: one per sequence ({len(seqs)}); got "
@@ -252,6 +254,7 @@ class DataPlane:
                                          f"waited")
                 self._check_streaming(mv)
                 seqs = read(mv)
+                self._check_range(mv, seqs, "inputs", labels)
                 if len(seqs) != 1:
                     raise ClientError(f"a session takes one sequence per request; got "
                                       f"{len(seqs)}")
@@ -275,6 +278,16 @@ class DataPlane:
             req = parse(PredictRequest, body)
         return inputs.predict_sequences(spec, req, self.settings.max_request_sequences)
 
+    def _check_range(self, mv, seqs: list, field: str, labels: dict) -> None:
+        """Inputs far outside the training range are answered, with a warning (a response
+        header) and a count: usually the client skipped the model's preprocessing."""
+        data = [s.data if isinstance(s, Chunk) else s for s in seqs]
+        warning = inputs.range_warning(mv.spec, data, field)
+        if warning is not None:
+            labels["warning"] = warning
+            if self.metrics is not None:
+                self.metrics.inputs_out_of_range.labels(mv.name, str(mv.version)).inc()
+
     @staticmethod
     def _check_streaming(mv) -> None:
         if not mv.spec.streaming:
@@ -296,7 +309,8 @@ class DataPlane:
             batcher = mv.steps_batcher
 
         def post(rows: list[dict]):
-            out = inputs.shape_outputs(spec, rows, seqs, req.top_k, req.per_step)
+            out = inputs.shape_outputs(spec, rows, seqs, req.top_k, req.per_step,
+                                       req.allow_unk)
             if req.return_state:
                 for item, row in zip(out, rows, strict=True):
                     item["state"] = encode_state(mv.name, mv.version, row["state"])
@@ -330,6 +344,7 @@ class DataPlane:
             return self._infer_answer(session.mv, req, *result["answer"])
         with self.hold(labels, name, version_param(version)) as mv:
             seqs, steps = self._infer_sequences(mv, req, binaries)
+            self._check_range(mv, seqs, "inputs[x]", labels)
             answer = await self._infer_run(mv, req, seqs, steps)
         return self._infer_answer(mv, req, *answer)
 

@@ -32,8 +32,11 @@ def prompt_ids(spec: ModelSpec, req: GenerateRequest, max_new_tokens: int) -> li
     return ids
 
 
-def _pick(logits: np.ndarray, req: GenerateRequest, rng: np.random.Generator) -> int:
+def _pick(logits: np.ndarray, req: GenerateRequest, rng: np.random.Generator,
+          banned: int | None = None) -> int:
     logits = logits.astype(np.float64)
+    if banned is not None:  # <unk> unless the request allows it
+        logits[banned] = -np.inf
     if req.temperature == 0:
         return int(np.argmax(logits))
     z = logits / req.temperature
@@ -54,10 +57,11 @@ def generate(runtime: Runtime, spec: ModelSpec, prompt: list[int], req: Generate
                                 "lengths": np.array([len(context)], dtype=np.int64)})
     logits, state = out["logits"][0, len(context) - 1], out["state"]
     rng = np.random.default_rng(req.seed)
+    banned = None if req.allow_unk else spec.unk_id
     ids: list[int] = []
     reason = "length"
     for i in range(req.max_new_tokens):
-        token = _pick(logits, req, rng)
+        token = _pick(logits, req, rng, banned)
         ids.append(token)
         if req.stop_at_eos and token == eos:
             reason = "eos"

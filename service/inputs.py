@@ -49,13 +49,21 @@ def _float_sequence(spec: ModelSpec, seq: list | np.ndarray, field: str) -> np.n
     return arr
 
 
+def _echo(value) -> str:
+    """A client's number as it most likely wrote it: whole numbers without ".0" (JSON
+    integers reach us as floats where the schema also takes fractions)."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return repr(value)
+
+
 def _token_sequence(spec: ModelSpec, seq: list, field: str) -> np.ndarray:
     vocab = len(spec.vocabulary or ())
     out = np.empty(len(seq), dtype=np.int64)
     for t, tok in enumerate(seq):
         if isinstance(tok, list) or not float(tok).is_integer() or not 0 <= tok < vocab:
             raise ClientError(f"{field}[{t}]: token ids must be integers in [0, {vocab - 1}] "
-                              f"(the vocabulary has {vocab} tokens); got {tok!r}")
+                              f"(the vocabulary has {vocab} tokens); got {_echo(tok)}")
         out[t] = int(tok)
     return out
 
@@ -82,6 +90,9 @@ def predict_sequences(spec: ModelSpec, req: PredictRequest, max_sequences: int
                           f"got {len(items)}")
     if req.top_k is not None and spec.task in ("regress", "seq2seq"):
         raise ClientError(f"top_k: not used by {spec.task} models")
+    if req.allow_unk and spec.task != "lm":
+        raise ClientError(f"allow_unk: only language models take it; {spec.name!r} is a "
+                          f"{spec.task} model")
     sequences = []
     for i, seq in enumerate(items):
         where = f"{field}[{i}]"
@@ -98,7 +109,32 @@ def predict_sequences(spec: ModelSpec, req: PredictRequest, max_sequences: int
     return sequences
 
 
-# the keys of the common body; any other (streaming ones included) takes pydantic's path
+def range_warning(spec: ModelSpec, sequences: list[np.ndarray], field: str) -> str | None:
+    """A one-line warning (ASCII, for a header) when a float input lies far outside the
+    range the model was trained on (``runtime.RANGE_MARGIN``), else None. Such inputs are
+    answered, but the answer means little: usually the client skipped the model's
+    preprocessing (GET /v2/models/NAME shows it)."""
+    low, high = spec.input_low, spec.input_high
+    if low is None or spec.kind != "float":
+        return None
+    # the hot path: two contiguous reductions per sequence rule out most requests (no value
+    # below the highest lower bound nor above the lowest upper bound)
+    surely_low, surely_high = spec.input_low_max, spec.input_high_min
+    for i, seq in enumerate(sequences):
+        if not len(seq) or (seq.min() >= surely_low and seq.max() <= surely_high):
+            continue
+        lo, hi = seq.min(axis=0), seq.max(axis=0)
+        bad = (lo < low) | (hi > high)
+        if bad.any():
+            f = int(np.argmax(bad))
+            value = float(lo[f] if lo[f] < low[f] else hi[f])
+            return (f"{field}[{i}] feature {f}: {value:.4g} is far outside the training range "
+                    f"[{spec.training_min[f]:.4g}, {spec.training_max[f]:.4g}]; inputs must "
+                    f"be preprocessed as the model's manifest says (GET /v2/models/{spec.name})")
+    return None
+
+
+# the keys of the common body; any other (streaming ones, allow_unk) takes pydantic's path
 _PREDICT_KEYS = frozenset({"model", "version", "inputs", "text", "top_k"})
 _NUMBER_ERRORS = (TypeError, ValueError, RuntimeError)  # what simdjson raises on non-numbers
 
@@ -125,8 +161,8 @@ def fast_predict_request(body: bytes) -> PredictRequest | None:
     if type(data) is not simdjson.Object:
         return None
     keys = set(data.keys())
-    if len(keys) != len(data) or not keys <= _PREDICT_KEYS:
-        return None  # a duplicate key (pydantic keeps the last) or an unknown one
+    if len(keys) != len(data) or not keys <= _PREDICT_KEYS or "allow_unk" in keys:
+        return None  # a duplicate key (pydantic keeps the last), an unknown or a rare one
     model, version, top_k = data.get("model"), data.get("version"), data.get("top_k")
     seqs = data.get("inputs")
     if type(model) is not str or not 1 <= len(model) <= 128 or "[" in model \
@@ -163,7 +199,7 @@ def fast_predict_request(body: bytes) -> PredictRequest | None:
     if body.count(b"[") != brackets:
         return None
     return PredictRequest.model_construct(model=model, version=version, inputs=arrays,
-                                          text=None, top_k=top_k)
+                                          text=None, top_k=top_k, allow_unk=False)
 
 
 _INFER_KEYS = frozenset(InferenceRequest.model_fields)
@@ -279,9 +315,11 @@ def _per_step_items(spec: ModelSpec, y: np.ndarray, top_k: int | None) -> list[d
 
 
 def shape_outputs(spec: ModelSpec, rows: list[dict], sequences: list,
-                  top_k: int | None, per_step: bool = False) -> list[dict]:
+                  top_k: int | None, per_step: bool = False, allow_unk: bool = False
+                  ) -> list[dict]:
     """Per sequence, the /predict answer from its output rows (runs in the inference
-    thread). ``sequences``: arrays, or Chunks that continued from a state."""
+    thread). ``sequences``: arrays, or Chunks that continued from a state. Language models
+    list no <unk> among next_tokens unless allow_unk."""
     if per_step:
         out = []
         for row in rows:
@@ -302,16 +340,19 @@ def shape_outputs(spec: ModelSpec, rows: list[dict], sequences: list,
             idx = np.argmax(y, axis=-1)
             item = {"indices": idx.tolist(), "labels": [_label(spec, int(j)) for j in idx]}
         else:  # lm: y [T, V]; position t predicts token t + 1
-            tokens = getattr(seq, "data", seq)
+            tokens = seq.data if isinstance(seq, Chunk) else seq
             logp = _log_softmax(y)
             scored = len(tokens) - 1
             ll = float(logp[np.arange(scored), tokens[1:]].sum()) if scored else 0.0
-            if getattr(seq, "state", None) is not None and "initial_logits" in row:
+            if isinstance(seq, Chunk) and seq.state is not None and "initial_logits" in row:
                 # a continued chunk: its first token is predicted by the state it continues
                 ll += float(_log_softmax(row["initial_logits"].astype(np.float64))[tokens[0]])
                 scored += 1
             p = np.exp(logp[-1])
-            best = np.argsort(-p, kind="stable")[:top_k or 5]
+            rank = -p
+            if not allow_unk and spec.unk_id is not None:
+                rank[spec.unk_id] = np.inf  # last: never among the top k
+            best = np.argsort(rank, kind="stable")[:min(top_k or 5, len(p) - (not allow_unk))]
             vocab = spec.vocabulary or []
             item = {"next_tokens": [{"token": vocab[j], "id": int(j),
                                      "probability": float(p[j])} for j in best],

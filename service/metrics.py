@@ -34,6 +34,10 @@ class Metrics:
         self.batch_size = Histogram(
             "orthornn_batch_size", "sequences per onnxruntime run", ["model"],
             buckets=BATCH_BUCKETS, registry=r)
+        self.inputs_out_of_range = Counter(
+            "orthornn_inputs_out_of_range",
+            "requests with an input far outside the model's training range (answered with "
+            "an Orthornn-Input-Warning header)", ["model", "version"], registry=r)
         self.inflight = Gauge("orthornn_inflight_requests", "requests being answered",
                               registry=r)
         self.queue_depth = Gauge("orthornn_queue_depth", "sequences waiting for a batch",

@@ -47,6 +47,10 @@ class PredictRequest(_Model):
     end: bool = Field(False, description="with session: close it after this chunk")
     per_step: bool = Field(False, description="classify / regress: an output after every "
                                               "time step, in 'steps'")
+    allow_unk: bool = Field(
+        False, description="lm: let <unk> (the stand-in for every out-of-vocabulary word) be "
+                           "among next_tokens; by default it is left out (probabilities stay "
+                           "the model's, not renormalised)")
 
 
 class Candidate(BaseModel):
@@ -93,6 +97,7 @@ class GenerateRequest(_Model):
     top_k: Annotated[int, Strict()] | None = Field(None, ge=1, le=1_000_000)
     seed: Annotated[int, Strict()] | None = Field(None, ge=0, le=2**63 - 1)
     stop_at_eos: bool = True
+    allow_unk: bool = Field(False, description="let <unk> be generated (default: never)")
 
 
 class GenerateResponse(BaseModel):

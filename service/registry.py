@@ -325,6 +325,13 @@ class Registry:
         try:
             if not self._configured:
                 self._configured = {n for n in self._model_names() if versions(self.repo / n)}
+                if not self._configured:
+                    log.warning(
+                        "the model repository %s holds no model versions: the service reports "
+                        "ready with nothing to serve; models published later are loaded "
+                        "%s (readiness does not wait for them; --models NAME,... makes it)",
+                        self.repo, f"within {self.settings.poll_interval_s:g} s"
+                        if self.settings.poll_interval_s > 0 else "by the repository API only")
             self.scan()
         except Exception:  # never let the poller die silently
             log.exception("repository scan failed")

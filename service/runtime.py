@@ -13,6 +13,9 @@ from orthornn.export.vocabulary import UNK, words
 
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 NUMPY_TYPES = {"FP32": np.float32, "INT64": np.int64}
+#: an input is far outside the training range when it lies beyond min - m (max - min) or
+#: max + m (max - min) of its feature (m (|max| or 1) for a feature constant in training)
+RANGE_MARGIN = 0.5
 
 
 def available_providers() -> list[str]:
@@ -73,6 +76,14 @@ class ModelSpec:
     vocabulary: list[str] | None = None
     token_ids: dict[str, int] = field(default_factory=dict)
     io: dict = field(default_factory=dict)
+    #: float inputs: per feature, the bounds beyond which an input is "far outside" the
+    #: training range (RANGE_MARGIN of the range beyond its ends); None: not checked
+    input_low: np.ndarray | None = None
+    input_high: np.ndarray | None = None
+    input_low_max: float = 0.0
+    input_high_min: float = 0.0
+    training_min: list | None = None
+    training_max: list | None = None
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, package: Path, max_token_length: int) -> ModelSpec:
@@ -94,7 +105,21 @@ class ModelSpec:
             spec.max_length = max(spec.max_length, max_token_length)
         if spec.max_length <= 0:
             spec.max_length = max_token_length
+        stats = (manifest.preprocessing or {}).get("training_range")
+        if spec.kind == "float" and stats:
+            low, high = np.array(stats["min"]), np.array(stats["max"])
+            margin = RANGE_MARGIN * np.where(high > low, high - low, np.maximum(np.abs(high), 1))
+            spec.input_low = (low - margin).astype(np.float32)
+            spec.input_high = (high + margin).astype(np.float32)
+            spec.input_low_max = float(spec.input_low.max())
+            spec.input_high_min = float(spec.input_high.min())
+            spec.training_min, spec.training_max = stats["min"], stats["max"]
         return spec
+
+    @property
+    def unk_id(self) -> int | None:
+        """The id of <unk> in a language model's vocabulary (None: it has none)."""
+        return self.token_ids.get(UNK)
 
     def encode(self, text: str) -> list[int]:
         unk = self.token_ids.get(UNK, 0)

@@ -5,8 +5,10 @@ stop sending), then the listener closes, in-flight requests finish (at most
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
+import socket
 import sys
 import threading
 
@@ -38,11 +40,36 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to HOST:PORT (before any model is loaded); ValueError, one line,
+    when the address is taken or cannot be used."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn chooses
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+    except (OSError, OverflowError) as error:
+        sock.close()
+        if isinstance(error, socket.gaierror):
+            raise ValueError(f"host {host!r} cannot be resolved: {error.strerror}") from None
+        taken = getattr(error, "errno", None) == errno.EADDRINUSE
+        raise ValueError(f"port {port} on {host} is " + (
+            "already in use (another server listens there; choose another --port)"
+            if taken else f"not available: {getattr(error, 'strerror', None) or error}")) \
+            from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(settings: Settings) -> int:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not settings.repo.is_dir():
         raise ValueError(f"repo {str(settings.repo)!r} is not a directory")
+    refusal = settings.repository_api_exposure()
+    if refusal is not None:
+        raise ValueError(refusal)
+    sock = listen(settings.host, settings.port)  # a busy port fails before any model loads
     # The event loop thread is busy with HTTP most of the time; an inference thread whose
     # batch has finished needs the GIL for a moment to hand the answers over. CPython's
     # default switch interval (5 ms) would keep it waiting that long, idling the model.
@@ -53,5 +80,5 @@ def serve(settings: Settings) -> int:
                             timeout_graceful_shutdown=settings.drain_timeout_s or None,
                             limit_concurrency=None, timeout_keep_alive=30)
     server = DrainingServer(config, app, settings.shutdown_delay_s)
-    server.run()
+    server.run(sockets=[sock])
     return 0

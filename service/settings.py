@@ -3,11 +3,22 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def is_loopback(host: str) -> bool:
+    """Whether HOST (an address or "localhost") is reachable from this machine only."""
+    if host.strip().lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:  # another host name: it may resolve beyond loopback
+        return False
 
 
 class Settings(BaseSettings):
@@ -70,7 +81,12 @@ class Settings(BaseSettings):
         default_factory=list,
         description="onnxruntime execution providers (empty: CUDA when available, then CPU)")
     admin_token: SecretStr | None = Field(
-        None, description="bearer token of the repository API (unset: the API is open)")
+        None, description="bearer token of the repository API (load, unload, index); unset: "
+                          "the API is open, which the service allows only on a loopback "
+                          "host unless allow_open_repository_api is set")
+    allow_open_repository_api: bool = Field(
+        False, description="start without admin_token also when listening beyond loopback "
+                           "(anyone who reaches the port may load and unload models)")
     shutdown_delay_s: float = Field(
         0.0, ge=0, le=600,
         description="after SIGTERM, seconds readiness answers 503 while requests are still "
@@ -85,6 +101,17 @@ class Settings(BaseSettings):
         if isinstance(value, str):  # --models a,b or ORTHORNN_MODELS=a,b
             return [v.strip() for v in value.split(",") if v.strip()]
         return value
+
+    def repository_api_exposure(self) -> str | None:
+        """Why the service must not start (the repository API would be open beyond
+        loopback), or None."""
+        if self.admin_token is not None or self.allow_open_repository_api \
+                or is_loopback(self.host):
+            return None
+        return (f"host {self.host}: the repository API (load, unload, index) would be open "
+                f"to anyone reaching port {self.port}; set ORTHORNN_ADMIN_TOKEN, listen on "
+                f"127.0.0.1, or pass --allow-open-repository-api "
+                f"(ORTHORNN_ALLOW_OPEN_REPOSITORY_API=true) to allow it")
 
     @field_validator("admin_token", mode="before")
     @classmethod

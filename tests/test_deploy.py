@@ -268,6 +268,17 @@ def test_server_probes_lifecycle_and_settings():
     assert token["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"],
                                                   "key": "admin-token"}
     assert len(secret["data"]["admin-token"]) > 40  # a generated random token, base64
+    # the pod listens beyond loopback, where the service refuses an open repository API:
+    # with the chart's token it starts
+    import base64
+
+    from orthornn.service.settings import Settings
+
+    host = config["data"]["ORTHORNN_HOST"]
+    admin = base64.b64decode(secret["data"]["admin-token"]).decode()
+    assert Settings(repo="/models", host=host).repository_api_exposure() is not None
+    assert Settings(repo="/models", host=host, admin_token=admin).repository_api_exposure() \
+        is None
 
 
 def test_settings_names_match_the_service():

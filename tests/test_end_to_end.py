@@ -1,5 +1,6 @@
-"""End to end, with the real commands as separate processes: the quickstart and the
-README's curl example, and retraining hot-swapped into a running service."""
+"""End to end, with the real commands as separate processes: the quickstart and every
+README example with the answer it shows, and retraining hot-swapped into a running
+service."""
 
 import json
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.readme_examples import check, examples
 from tests.service_helpers import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,28 +46,44 @@ def stop(proc):
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
-def test_quickstart_serves_the_readme_curl_example(tmp_path):
+@pytest.mark.timeout(1200)  # training both models: 2.5 min on 2 busy cores, 10 under heavy load
+def test_quickstart_serves_every_readme_example(tmp_path):
     root = tmp_path / "qs"
-    orthornn("quickstart", "--dir", root, "--no-serve")
+    built = orthornn("quickstart", "--dir", root, "--no-serve", timeout=1100)  # not a tty
     assert (root / "models" / "digits" / "1" / "manifest.json").is_file()
     assert (root / "models" / "words" / "1" / "step.onnx").is_file()
+    # progress in the log: lines with step, rate and ETA (5 s apart), and the exports
+    progress = re.findall(r"^train (scornn digits|svdrnn lm): step \d+/\d+ .*$",
+                          built.stderr, flags=re.M)
+    assert {"scornn digits", "svdrnn lm"} <= set(progress), built.stderr[-3000:]
+    assert re.search(r"step/s, elapsed \S+, ETA ", built.stderr), built.stderr[-3000:]
+    assert "export words: stage 4/4 (100%)" in built.stderr
+    # --no-serve says what it did, not "once the server says it is ready"
+    assert "once the server says it is ready" not in built.stderr
+    assert f"digits: trained ({root / 'runs' / 'digits'}) and published " \
+           f"{root / 'models' / 'digits' / '1'}" in built.stderr
+    assert f"orthornn serve --repo {root / 'models'}" in built.stderr
     again = orthornn("quickstart", "--dir", root, "--no-serve", timeout=120)
     assert "using" in again.stderr and "training" not in again.stderr  # reused
+    assert f"words: reused {root / 'models' / 'words' / '1'}" in again.stderr
 
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Two commands"):readme.index("## The architectures")]
-    (curl,) = [b for b in re.findall(r"```sh\n(.*?)```", section, flags=re.S) if "curl" in b]
     port = free_port()
     proc = start("quickstart", "--dir", root, "--port", port)  # execs orthornn serve
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url)
-        result = subprocess.run(["bash", "-c", curl.replace(":8000", f":{port}")],
-                                capture_output=True, text=True, timeout=60)
-        answer = json.loads(result.stdout)
-        (output,) = answer["outputs"]
-        assert answer["model"] == "words" and len(output["next_tokens"]) == 5
-        assert output["perplexity"] > 1
+        found = examples()
+        assert len(found) >= 6
+        wrong = []
+        for example in found:  # every answer the README shows is what these models give
+            command = example.command.replace("localhost:8000", f"127.0.0.1:{port}")
+            command = command.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+            result = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
+                                    timeout=60)
+            problem = check(example, result.stdout)
+            if problem:
+                wrong.append(f"{example.command[:100]}: {problem}")
+        assert not wrong, "\n".join(wrong)
         digits = httpx.post(url + "/predict", json={"model": "digits",
                                                     "inputs": [[0.0] * 20 + [0.5] * 44]})
         assert digits.status_code == 200 and digits.json()["outputs"][0]["label"] in "0123456789"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 
 from .config import DEVICES, OPTIMIZERS, SCHEDULES, TASK_NAMES, TrainConfig, read_config_file
 
@@ -14,7 +13,7 @@ HELP = {
     "task": f"task: {', '.join(TASK_NAMES)}",
     "out": "run directory to create (RUN_DIR)",
     "hidden_size": "hidden state size n",
-    "embedding_size": "token embedding size (lm; default hidden size)",
+    "embedding_size": "token embedding size (task lm)",
     "seq_len": "sequence length T (adding) or time lag T (copy)",
     "dataset": "UCR/UEA set bundled with sktime (task ucr)",
     "point_by_point": "feed UCR series one point per step (task ucr)",
@@ -22,21 +21,49 @@ HELP = {
     "vocab_size": "vocabulary size incl. <unk> and <eos> (task lm)",
     "bptt": "steps per truncated-backprop window (task lm)",
     "data": ".npz file with x [N, T, d] (+ lengths) and y [N] (task classify)",
-    "steps": f"optimizer steps (default {1000})",
+    "steps": "optimizer steps",
     "epochs": "epochs over the training set instead of steps (data set tasks)",
     "batch_size": "sequences per step",
     "optimizer": f"optimizer: {', '.join(OPTIMIZERS)}",
     "lr": "learning rate",
-    "orthogonal_lr": "learning rate of the orthogonal parameters (default lr)",
+    "orthogonal_lr": "learning rate of the orthogonal parameters",
     "schedule": f"learning-rate schedule: {', '.join(SCHEDULES)}",
     "clip": "gradient-norm clipping threshold (0 disables)",
     "seed": "random seed (initialisation and batches)",
     "device": f"device: {', '.join(DEVICES)}",
     "log_every": "steps between validation, logging and checkpoints",
-    "eval_every": "steps between validations (default log_every)",
+    "eval_every": "steps between validations",
     "eval_batch_size": "sequences per evaluation batch",
     "plot": "write RUN_DIR/curves.png at the end",
 }
+
+
+# what an unset (None) option means (tests/test_cli.py checks these against the tasks'
+# and the trainer's defaults); the other defaults are TrainConfig's own values
+UNSET = {
+    "out": "none: required",
+    "embedding_size": "the hidden size",
+    "seq_len": "200 for adding, 100 for copy",
+    "dataset": "none: required by --task ucr",
+    "point_by_point": "false: L/n_i steps of n_i values",
+    "corpus": "the bundled Wikipedia + news corpus",
+    "vocab_size": "10000",
+    "bptt": "70",
+    "data": "none: required by --task classify",
+    "steps": "1000 unless --epochs is given",  # trainer.DEFAULT_STEPS (a test keeps it so)
+    "epochs": "none: --steps",
+    "orthogonal_lr": "--lr",
+    "eval_every": "--log-every",
+}
+
+
+def default_text(f: dataclasses.Field) -> str:
+    if f.name in UNSET:
+        return UNSET[f.name]
+    value = f.default
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
 
 
 def _parse_option(text: str) -> tuple[str, object]:
@@ -57,10 +84,13 @@ def add_train_parser(sub) -> None:
                             description="Train a model. Every option can also come from "
                             "--config FILE (YAML or JSON); flags override the file.",
                             argument_default=argparse.SUPPRESS)
-    parser.add_argument("--config", help="YAML or JSON file of options")
+    parser.add_argument("--config", help="YAML or JSON file of options (default: none)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue the run in --out (its options, overridden by flags)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+                        help="continue the run in --out (its options, overridden by flags; "
+                             "default: a new run)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress report (default: a bar on a terminal, a line every "
+                             "few seconds in a log)")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "hidden_size":
@@ -70,14 +100,17 @@ def add_train_parser(sub) -> None:
         if f.name == "arch_options":
             parser.add_argument("--option", dest="arch_options", action="append",
                                 type=_parse_option, metavar="KEY=VALUE",
-                                help="architecture option, e.g. --option m1=16 (repeatable)")
+                                help="architecture option, e.g. --option m1=16 (repeatable; "
+                                     "default: the architecture's own, see orthornn "
+                                     "architectures)")
             continue
         kind = f.type if isinstance(f.type, str) else f.type.__name__
+        text = f"{HELP[f.name]} (default: {default_text(f)})"
         if "bool" in kind:
-            parser.add_argument(*flag, dest=f.name, action="store_true", help=HELP.get(f.name))
+            parser.add_argument(*flag, dest=f.name, action="store_true", help=text)
             continue
         conv = int if kind.startswith("int") else float if kind.startswith("float") else str
-        parser.add_argument(*flag, dest=f.name, type=conv, help=HELP.get(f.name))
+        parser.add_argument(*flag, dest=f.name, type=conv, help=text)
     parser.set_defaults(run=run_train)
 
 
@@ -109,7 +142,7 @@ def run_train(args: argparse.Namespace) -> int:
     from .trainer import train
 
     summary = train(config, resume=getattr(args, "resume", False),
-                    progress=not getattr(args, "no_progress", False) and sys.stderr.isatty())
+                    progress=not getattr(args, "no_progress", False))
     if summary is not None:
         metric = summary["metric"]
         print(f"{config.out}: test {metric} = {summary['test'][metric]:.4f} "

@@ -99,7 +99,7 @@ def validate(config: TrainConfig) -> TrainConfig:
         raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}; got {config.arch!r}")
     check_choice("task", config.task, TASK_NAMES)
     if not config.out:
-        raise ValueError("out (the run directory) is required")
+        raise ValueError("--out RUN_DIR is required (out: the run directory to create)")
     check_int("hidden_size", config.hidden_size, 1, 65536)
     if not isinstance(config.arch_options, dict):
         raise ValueError("arch_options must be a mapping of option names to values")

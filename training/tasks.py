@@ -41,6 +41,9 @@ class Task:
     vocabulary: list[str] | None = None
     max_length: int = 0
     options: dict = field(default_factory=dict)  # what rebuilds this data pipeline
+    #: how raw inputs became the model's inputs: {"kind": "affine", "offset": [...],
+    #: "scale": [...], "description": ...} (model input = (raw - offset) / scale); None: as given
+    transform: dict | None = None
 
     @property
     def higher_is_better(self) -> bool:
@@ -144,7 +147,12 @@ def _digits(permuted: bool) -> Task:
         x = x[:, torch.randperm(64, generator=torch.Generator().manual_seed(SPLIT_SEED))]
     splits = _split_fixed(x.unsqueeze(-1), torch.tensor(bunch.target))
     name = "permuted-digits" if permuted else "digits"
-    return _classification(name, *splits, [str(i) for i in range(10)], {})
+    task = _classification(name, *splits, [str(i) for i in range(10)], {})
+    task.transform = {"kind": "affine", "offset": [0.0], "scale": [16.0],
+                      "description": "scikit-learn's pixel values 0-16 divided by 16 (inputs "
+                                     "in [0, 1])" + (", pixels in a fixed permuted order"
+                                                     if permuted else "")}
+    return task
 
 
 def _mnist1d() -> Task:
@@ -203,6 +211,9 @@ def _ucr(dataset: str | None = None, point_by_point: bool = False) -> Task:
     from sktime.datasets import load_from_tsfile
 
     available = ucr_datasets()
+    if dataset is None:
+        raise ValueError(f"task 'ucr' needs --dataset NAME (dataset), one of: "
+                         f"{', '.join(available)}")
     if dataset not in available:
         raise ValueError(f"dataset must be one of the UCR/UEA sets bundled with sktime: "
                          f"{', '.join(available)}; got {dataset!r}")

@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from orthornn.models import build_model, spectral_summary
-from tqdm import tqdm
 
 from . import checkpoint
 from .config import TrainConfig, validate
 from .data import EpochSampler, Split, TokenStream
+from .preprocessing import input_preprocessing
+from .progress import progress_bar
 from .tasks import COPY_LENGTH, Task, make_task
 
 DEFAULT_STEPS = 1000
@@ -134,6 +135,7 @@ def run_config(config: TrainConfig, task: Task, model) -> dict:
                   "options": dict(config.arch_options)},
         "data": task.options,
         "input_spec": task.input_spec(),
+        "preprocessing": input_preprocessing(task),
         "labels": task.labels,
         "vocabulary_file": "vocab.txt" if task.vocabulary else None,
         "metric": task.metric,
@@ -144,7 +146,8 @@ def run_config(config: TrainConfig, task: Task, model) -> dict:
 
 
 def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict:
-    """Train and return the summary (also written to RUN_DIR/summary.json)."""
+    """Train and return the summary (also written to RUN_DIR/summary.json). progress: a
+    bar on a terminal, else a log line every few seconds (training.progress)."""
     validate(config)
     run_dir = Path(config.out)
     state_path = run_dir / "trainer_state.pt"
@@ -208,8 +211,9 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -
     eval_every = config.eval_every or config.log_every
     shard = slice(rank * config.batch_size // world, (rank + 1) * config.batch_size // world)
     losses: list[float] = []
-    bar = tqdm(total=total, initial=start, disable=not (progress and main), unit="step",
-               dynamic_ncols=True, desc=f"{config.arch} {task.name}")
+    # a bar on a terminal, a line every few seconds in a log
+    bar = progress_bar(total=total, initial=start, enabled=progress and main, unit="step",
+                       desc=f"train {config.arch} {task.name}")
     clock = time.perf_counter()
     for step in range(start, total):
         log_now = (step + 1) % config.log_every == 0 or step + 1 == total

@@ -1,0 +1,94 @@
+"""The README's example commands with the answers it shows: a `curl` command (lines
+joined at a trailing backslash) directly followed by `# ...` comment lines is an example;
+the comment is its answer. A JSON answer must match the real one as a subset (every key
+shown is there with an equal value; lists have the shown length; numbers agree within
+0.02 + 3%); a text answer must appear in the output (case-insensitive)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+SECTIONS = (("## Two commands", "## The architectures"), ("## Serving", "### Service speed"))
+
+
+@dataclass
+class Example:
+    command: str
+    answer: str
+
+    def expected(self):
+        return json.loads(self.answer) if self.answer[:1] in "{[" else self.answer
+
+
+def examples(text: str | None = None) -> list[Example]:
+    text = README.read_text() if text is None else text
+    found = []
+    for start, end in SECTIONS:
+        section = text[text.index(start):text.index(end)]
+        for block in re.findall(r"```sh\n(.*?)```", section, flags=re.S):
+            lines = block.splitlines()
+            i = 0
+            while i < len(lines):
+                if not lines[i].startswith("curl "):
+                    i += 1
+                    continue
+                command = [lines[i]]
+                while (command[-1].endswith("\\") or "".join(command).count("'") % 2) \
+                        and i + 1 < len(lines):  # a continued line or an open quote
+                    i += 1
+                    command.append(lines[i])
+                i += 1
+                answer = []
+                while i < len(lines) and lines[i].startswith("#"):
+                    answer.append(lines[i][1:].strip())
+                    i += 1
+                if answer:
+                    found.append(Example("\n".join(command), " ".join(answer)))
+    return found
+
+
+def mismatch(expected, actual, where: str = "answer") -> str | None:
+    """None when ``actual`` matches ``expected`` as described above, else why not."""
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict):
+            return f"{where}: expected an object, got {actual!r}"
+        for key, value in expected.items():
+            if key not in actual:
+                return f"{where}.{key}: missing"
+            problem = mismatch(value, actual[key], f"{where}.{key}")
+            if problem:
+                return problem
+        return None
+    if isinstance(expected, list):
+        if not isinstance(actual, list) or len(actual) != len(expected):
+            return f"{where}: expected {len(expected)} items, got {actual!r}"
+        for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
+            problem = mismatch(e, a, f"{where}[{i}]")
+            if problem:
+                return problem
+        return None
+    if isinstance(expected, float) or (isinstance(actual, float) and
+                                       isinstance(expected, int | float)):
+        if not isinstance(actual, int | float) or abs(actual - expected) > \
+                0.02 + 0.03 * abs(expected):
+            return f"{where}: expected about {expected}, got {actual!r}"
+        return None
+    if expected != actual:
+        return f"{where}: expected {expected!r}, got {actual!r}"
+    return None
+
+
+def check(example: Example, output: str) -> str | None:
+    expected = example.expected()
+    if isinstance(expected, str):
+        return None if expected.lower() in output.lower() else \
+            f"{expected!r} not in the output {output[:500]!r}"
+    try:
+        actual = json.loads(output)
+    except ValueError:
+        return f"not JSON: {output[:500]!r}"
+    return mismatch(expected, actual)
