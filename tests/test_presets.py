@@ -8,12 +8,13 @@ import argparse
 
 import numpy as np
 import pytest
-from orthornn.cli import main as cli
 from orthornn.models import ARCHITECTURES, build_model
 from orthornn.training.cli import add_train_parser, resolve_args
 from orthornn.training.config import TASK_NAMES, TrainConfig, validate
 from orthornn.training.presets import PRESETS, resolve
 from orthornn.training.tasks import _BUILDERS, make_task, ucr_datasets
+
+from orthornn.cli import main as cli
 
 RECURRENT = [a for a in ARCHITECTURES if ARCHITECTURES[a].recurrent]
 DATASETS = ("ArrowHead", "GunPoint", "ItalyPowerDemand", "BasicMotions")
@@ -52,7 +53,8 @@ def test_every_preset_resolves_to_a_valid_configuration(task, arch, user_data):
     assert all(v is None or k in accepted for k, v in config.task_options().items())
     kind = {"adding": "regress", "copy": "seq2seq", "lm": "lm"}.get(task, "classify")
     build_model(arch, kind, input_size=3 if kind != "lm" else 50,
-                hidden_size=config.hidden_size, num_outputs={"classify": 2, "seq2seq": 10}.get(kind),
+                hidden_size=config.hidden_size,
+                num_outputs={"classify": 2, "seq2seq": 10}.get(kind),
                 embedding_size=config.embedding_size, **config.arch_options)
     assert config.steps is not None or config.epochs is not None  # a budget, always
     assert sources["task"] == "flag"
