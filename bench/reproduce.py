@@ -249,8 +249,8 @@ def main(argv=None) -> int:
     print(f"total wall time {total / 60:.1f} min ({args.jobs} jobs)", file=sys.stderr)
     suffix = "-quick" if args.quick else "-full" if args.full else ""
     write_result(args.out / f"reproduce{suffix}.json",
-                 {"rows": results, "not_run": missing, "wall_seconds": round(total, 1), "jobs": args.jobs,
-                  "seeds": args.seeds, "full": args.full, "groups": groups,
+                 {"rows": results, "not_run": missing, "wall_seconds": round(total, 1),
+                  "jobs": args.jobs, "seeds": args.seeds, "full": args.full, "groups": groups,
                   "cpu_count": os.cpu_count(), "device": args.device})
     (args.out / f"reproduce{suffix}.md").write_text(text + "\n")
     return 0
