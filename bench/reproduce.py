@@ -10,8 +10,9 @@ verdict:
 * budget-limited: short of that after fewer steps than the paper's recipe runs;
 * not reproduced: short of it with the paper's budget.
 
-The default run fits about 30 minutes of 2 CPU cores (``--jobs 2``): each row says how
-many steps it ran against the preset's; ``--full`` runs the presets' (the papers') budgets
+The default run (``--jobs 2``) shortens the generated tasks' budgets for 2 CPU cores
+(measured: 44 minutes on 2 cores shared with other jobs); each row says how many steps
+it ran against the preset's; ``--full`` runs the presets' (the papers') budgets
 and every architecture of every row (for a GPU).
 
     python bench/reproduce.py [--full] [--only copy,ucr,...] [--seeds 3] [--jobs 2] [--quick]
