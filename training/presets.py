@@ -11,8 +11,9 @@ Values the papers do not give come from the authors' public code where it has th
 (zhangjiong724/spectral-RNN code/test.json and Params.py; SpartinStuff/scoRNN), else
 they are orthornn's own choices, marked as such with the measurement behind them.
 
-This module stays torch-free; only the batch-size fit (which reads the size of a data
-set's training split) imports the task code, and only when a data set task runs.
+Importing this module needs no torch (``train --help`` builds on TrainConfig alone);
+``resolve`` imports ``orthornn.models`` for the architectures' option names and, for the
+batch-size fit of a fixed data set, the task code that counts its training split.
 """
 
 from __future__ import annotations
