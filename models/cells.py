@@ -8,33 +8,63 @@ Both expose the same interface:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from .activations import Activation
 from .ops import rnn_scan, rnn_scan_steps
 from .parametrizations import Parametrization
+from .validation import check_float
+
+DEFAULT_A = 1 / (1 + math.exp(3.0))  # sigmoid(-3), FastRNN's initial a
+DEFAULT_B2 = 1 / (1 + math.exp(-3.0))  # sigmoid(3), FastRNN's initial b2
 
 
 class ScalarGates(nn.Module):
-    """a = sigmoid(alpha), b2 = sigmoid(beta) (FastRNN). With ``clip`` (SGORNN eq. 3),
-    b2 is clipped after the sigmoid to at most 1 - 2a, whatever alpha and beta are."""
+    """The scalar gates a and b2 of h_t = a g(.) + b2 h_{t-1}.
 
-    def __init__(self, clip: bool, alpha: float = -3.0, beta: float = 3.0):
+    FastRNN (``clip=False``): a = sigmoid(alpha), b2 = sigmoid(beta).
+    SGORNN (``clip=True``) must keep b2 <= 1 - 2a (eq. 3), which needs a < 1/2. Clipping
+    b2 after the sigmoid (the paper's wording) zeroes beta's gradient whenever the clip is
+    active, which FastRNN's initial values (alpha = -3, beta = 3) already make it at step 0.
+    So the constraint is built into the map instead:
+        a = sigmoid(alpha) / 2,   b2 = (1 - 2a) sigmoid(beta),
+    which holds for every alpha and beta and gives both a gradient everywhere.
+
+    ``a_init`` and ``b2_init`` are the gate values at initialisation (the parameters are
+    their pre-images); defaults: FastRNN's a = sigmoid(-3) = 0.047 and b2 = sigmoid(3) =
+    0.953 (FastRNN), or 0.95 (1 - 2a) = 0.860 (SGORNN, inside the constraint).
+    """
+
+    def __init__(self, clip: bool, a_init: float | None = None, b2_init: float | None = None):
         super().__init__()
         self.clip = clip
-        self.alpha = nn.Parameter(torch.tensor(float(alpha)))
-        self.beta = nn.Parameter(torch.tensor(float(beta)))
+        a_max = 0.5 if clip else 1.0
+        a = check_float("a_init", DEFAULT_A if a_init is None else a_init, 0.0, a_max,
+                        low_open=True)
+        if a >= a_max:
+            raise ValueError(f"a_init must be a number in (0, {a_max}), got {a_init!r}")
+        b2_max = 1 - 2 * a if clip else 1.0
+        b2 = check_float("b2_init", (0.95 * b2_max if clip else DEFAULT_B2)
+                         if b2_init is None else b2_init, 0.0, b2_max, low_open=True)
+        if b2 >= b2_max:
+            raise ValueError(f"b2_init must be a number in (0, {b2_max:g})"
+                             f"{' (1 - 2 a_init, SGORNN eq. 3)' if clip else ''}, got {b2_init!r}")
+        alpha = math.log(a / a_max / (1 - a / a_max))
+        beta = math.log((b2 / b2_max) / (1 - b2 / b2_max))
+        self.alpha = nn.Parameter(torch.tensor(alpha))
+        self.beta = nn.Parameter(torch.tensor(beta))
 
     def extra_repr(self) -> str:
         return f"clip={self.clip}"
 
     def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
-        a = torch.sigmoid(self.alpha)
-        b2 = torch.sigmoid(self.beta)
         if self.clip:
-            b2 = torch.minimum(b2, 1 - 2 * a)
-        return a, b2
+            a = 0.5 * torch.sigmoid(self.alpha)
+            return a, (1 - 2 * a) * torch.sigmoid(self.beta)
+        return torch.sigmoid(self.alpha), torch.sigmoid(self.beta)
 
 
 class Recurrence(nn.Module):

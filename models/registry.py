@@ -33,7 +33,8 @@ from .validation import check_choice, check_int
 class Architecture:
     name: str
     summary: str
-    #: option name -> default; None means "depends on hidden_size" (see the builder).
+    #: option name -> default; None means "computed by the builder" (from hidden_size, or
+    #: from another option: sgornn's b2_init from a_init).
     options: dict = field(default_factory=dict)
     #: builder(input_size, hidden_size, **options) -> recurrent layer
     build: Callable[..., nn.Module] | None = None
@@ -41,11 +42,17 @@ class Architecture:
     tasks: tuple[str, ...] = TASKS
 
 
-def _svdrnn(d, n, m1=None, m2=None, r=0.01, sigma_star=1.0, negative_slope=0.01):
+SVDRNN_ACTIVATIONS = ("leaky_relu", "modrelu", "relu", "tanh", "abs")
+
+
+def _svdrnn(d, n, m1=None, m2=None, r=0.01, sigma_star=1.0, negative_slope=0.01,
+            activation="leaky_relu"):
+    # leaky ReLU is the paper's (section 7); the copy preset uses modReLU, see README.
+    check_choice("activation", activation, SVDRNN_ACTIVATIONS)
     transition = SVDForm(HouseholderChain(n, m1, name="m1"),
                          BoundedSingularValues(n, r, sigma_star),
                          HouseholderChain(n, m2, name="m2"))
-    return Recurrence(d, transition, Activation("leaky_relu", n, negative_slope))
+    return Recurrence(d, transition, Activation(activation, n, negative_slope))
 
 
 def _ornn(d, n, m=None, negative_slope=0.01):
@@ -71,14 +78,15 @@ def _vprnn(d, n, rotations=None, seed=0):
     return Recurrence(d, RotationPermutation(n, rotations, seed=seed), Activation("relu", n))
 
 
-def _sgornn(d, n, rotations=None, seed=0):
+def _sgornn(d, n, rotations=None, seed=0, a_init=None, b2_init=None):
     return Recurrence(d, RotationPermutation(n, rotations, seed=seed), Activation("relu", n),
-                      ScalarGates(clip=True))
+                      ScalarGates(clip=True, a_init=a_init, b2_init=b2_init))
 
 
-def _fastrnn(d, n, activation="relu"):
+def _fastrnn(d, n, activation="relu", a_init=None, b2_init=None):
     check_choice("activation", activation, ("relu", "tanh"))
-    return Recurrence(d, DenseTransition(n), Activation(activation, n), ScalarGates(clip=False))
+    return Recurrence(d, DenseTransition(n), Activation(activation, n),
+                      ScalarGates(clip=False, a_init=a_init, b2_init=b2_init))
 
 
 def _rnn(d, n, activation="tanh"):
@@ -102,17 +110,18 @@ _ENTRIES = [
                  {"m": None, "negative_slope": 0.01}, _ornn),
     Architecture("svdrnn", "U diag(s) V^T, U and V from m1 and m2 Householder reflectors, "
                  "s = 2r(sigmoid(p) - 0.5) + sigma_star, leaky relu",
-                 {"m1": None, "m2": None, "r": 0.01, "sigma_star": 1.0, "negative_slope": 0.01},
-                 _svdrnn),
+                 {"m1": None, "m2": None, "r": 0.01, "sigma_star": 1.0, "negative_slope": 0.01,
+                  "activation": "leaky_relu"}, _svdrnn),
     Architecture("scornn", "scaled Cayley (I + A)^-1 (I - A) D, modReLU", {"rho": None}, _scornn),
     Architecture("dizzyrnn", "product of packed Givens rotations (optionally U diag(s) V^T), abs",
                  {"rotations": None, "svd": False, "svd_lambda": 0.01}, _dizzyrnn),
     Architecture("vprnn", "rotation and fixed permutation sublayers R_1 Q_1 ... R_k Q_k, relu",
                  {"rotations": None, "seed": 0}, _vprnn),
     Architecture("fastrnn", "dense W with scalar gates a, b2, relu (or tanh)",
-                 {"activation": "relu"}, _fastrnn),
-    Architecture("sgornn", "vprnn's W inside scalar gates with b2 <= 1 - 2a, relu",
-                 {"rotations": None, "seed": 0}, _sgornn),
+                 {"activation": "relu", "a_init": None, "b2_init": None}, _fastrnn),
+    Architecture("sgornn", "vprnn's W inside scalar gates a = sigmoid(alpha)/2, "
+                 "b2 = (1 - 2a) sigmoid(beta) <= 1 - 2a, relu",
+                 {"rotations": None, "seed": 0, "a_init": None, "b2_init": None}, _sgornn),
     Architecture("svdmlp", "deep MLP with rectangular SVD-parametrized layers, leaky relu",
                  {"depth": 2, "r": 0.5, "sigma_star": 1.0, "negative_slope": 0.01},
                  recurrent=False, tasks=("classify", "regress")),

@@ -5,6 +5,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,10 +27,15 @@ def test_models_benchmark_runs(tmp_path):
 
 
 def test_reproduce_benchmark_runs(tmp_path):
-    assert _load("reproduce").main(["--quick", "--only", "ucr", "--out", str(tmp_path),
-                                    "--runs", str(tmp_path / "runs")]) == 0
-    rows = json.loads((tmp_path / "reproduce-quick.json").read_text())
+    assert _load("reproduce").main(["--quick", "--only", "ucr", "--seeds", "2", "--out",
+                                    str(tmp_path), "--runs", str(tmp_path / "runs")]) == 0
+    rows = json.loads((tmp_path / "reproduce-quick.json").read_text())["rows"]
     assert [r["paper"] for r in rows] == [0.800, 0.960, 0.973]
+    for r in rows:  # the mean and sd are those of the seeds' values; the budget is beside
+        assert len(r["values"]) == 2 and r["mean"] == pytest.approx(sum(r["values"]) / 2)
+        assert r["sd"] == pytest.approx(abs(r["values"][0] - r["values"][1]) / 2 ** 0.5)
+        assert r["steps"] == 3 and r["paper_budget"] == "2000 steps"
+        assert r["verdict"] in ("reproduced", "close", "budget-limited", "not reproduced")
     assert "| UCR GunPoint | svdrnn |" in (tmp_path / "reproduce-quick.md").read_text()
 
 

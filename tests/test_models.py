@@ -168,7 +168,7 @@ def test_vanilla_rnn_does_not_preserve_gradient_norm():
     assert grad_h0.norm().item() < 1e-3 * math.sqrt(16)
 
 
-def test_sgornn_gate_clip_holds_for_any_parameters():
+def test_sgornn_gate_constraint_holds_for_any_parameters():
     gates = make("sgornn").layer.gates
     values = torch.tensor([-50.0, -5.0, -1.0, 0.0, 0.5, 1.0, 5.0, 50.0])
     for alpha in values:
@@ -177,7 +177,8 @@ def test_sgornn_gate_clip_holds_for_any_parameters():
                 gates.alpha.fill_(alpha)
                 gates.beta.fill_(beta)
             a, b2 = gates()
-            assert b2.item() <= 1 - 2 * a.item() + 1e-7
+            assert 0 <= a.item() <= 0.5
+            assert b2.item() <= 1 - 2 * a.item() + 1e-7  # SGORNN eq. 3
             assert b2.item() <= torch.sigmoid(beta).item() + 1e-7
     fast = make("fastrnn").layer.gates
     with torch.no_grad():
@@ -185,6 +186,39 @@ def test_sgornn_gate_clip_holds_for_any_parameters():
         fast.beta.fill_(2.0)
     a, b2 = fast()
     assert b2.item() == pytest.approx(torch.sigmoid(torch.tensor(2.0)).item())  # no clip
+
+
+def test_sgornn_gates_start_inside_the_constraint_and_both_get_gradient():
+    # FastRNN's alpha = -3, beta = 3 put b2 = 0.953 > 1 - 2a = 0.905: a clip after the
+    # sigmoid would be active at step 0 and beta's gradient exactly zero.
+    torch.manual_seed(0)
+    model = make("sgornn")
+    a, b2 = model.layer.gates()
+    assert a.item() == pytest.approx(1 / (1 + math.exp(3)), rel=1e-5)  # FastRNN's a
+    assert b2.item() == pytest.approx(0.95 * (1 - 2 * a.item()), rel=1e-5)
+    assert b2.item() < 1 - 2 * a.item()
+    x = torch.randn(4, 12, D)
+    model(x).square().sum().backward()
+    gates = model.layer.gates
+    assert gates.alpha.grad is not None and gates.alpha.grad.abs().item() > 1e-6
+    assert gates.beta.grad is not None and gates.beta.grad.abs().item() > 1e-6
+
+
+def test_sgornn_gate_initial_values_are_options_and_the_step_is_the_papers():
+    model = make("sgornn", a_init=0.2, b2_init=0.5)
+    a, b2 = model.layer.gates()
+    assert (a.item(), b2.item()) == (pytest.approx(0.2), pytest.approx(0.5))
+    # one step from h0 against SGORNN eq. 1 written out: h1 = a relu(W_x x + W h0 + b) + b2 h0
+    layer = model.layer
+    x, h0 = torch.randn(3, 1, D), torch.randn(3, N)
+    _, h1 = layer(x, h0)
+    w = layer.recurrent_weight()
+    z = x[:, 0] @ layer.input.weight.T + layer.input.bias + h0 @ w.T
+    torch.testing.assert_close(h1, 0.2 * torch.relu(z) + 0.5 * h0, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="b2_init"):
+        make("sgornn", a_init=0.2, b2_init=0.6)  # 0.6 > 1 - 2 * 0.2
+    with pytest.raises(ValueError, match="a_init"):
+        make("sgornn", a_init=0.5)
 
 
 def test_dizzyrnn_svd_regularization():

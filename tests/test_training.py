@@ -188,3 +188,52 @@ def test_best_checkpoint_rule():
     assert improves((1.0, 0.2), (1.0, 0.3), True)  # same accuracy: the lower loss wins
     assert not improves((1.0, 0.3), (1.0, 0.3), True)
     assert improves((0.1, 0.1), (0.2, 0.2), False)  # lower is better for mse / perplexity
+
+
+def _rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("select", ["best", "last"])
+def test_select_keeps_the_best_or_the_last_checkpoint(tmp_path, select):
+    run = tmp_path / select
+    summary = train(small(run, steps=16, log_every=2, lr=0.05, select=select), progress=False)
+    rows = _rows(run)
+    kept = checkpoint.load_weights(run / "model.safetensors")
+    last = checkpoint.load_weights(run / "last.safetensors")
+    best_row = min(rows, key=lambda r: r["val_mse"])  # the first of equal minima
+    assert summary["best_step"] == best_row["step"] and summary["select"] == select
+    same = all(torch.equal(kept[k], last[k]) for k in last)
+    if select == "last":
+        assert summary["kept_step"] == 16 and same
+    else:
+        assert summary["kept_step"] == best_row["step"]
+        assert same == (best_row["step"] == 16)
+    # the test figure is that of the kept weights, evaluated here independently
+    model, _ = checkpoint.load_model(run)
+    task = make_task("adding", seq_len=10)
+    assert evaluate(model, task, task.test, 256, "cpu")["mse"] == pytest.approx(
+        summary["test"]["mse"])
+
+
+def test_select_auto_rule():
+    from orthornn.training.trainer import MIN_SELECT_SIZE, resolve_select
+
+    small_val = make_task("ucr", dataset="ItalyPowerDemand").val  # 13 series
+    large_val = make_task("digits").val
+    assert len(small_val) < MIN_SELECT_SIZE <= len(large_val)
+    assert resolve_select("auto", small_val) == "last"
+    assert resolve_select("auto", large_val) == "best"
+    assert resolve_select("auto", make_task("adding", seq_len=10).val) == "best"
+    assert resolve_select("best", small_val) == "best"  # an explicit choice stands
+
+
+def test_sgornn_gates_are_logged(tmp_path):
+    run = tmp_path / "run"
+    train(small(run, arch="sgornn", steps=4, log_every=2, select="last"), progress=False)
+    rows = _rows(run)
+    model, _ = checkpoint.load_model(run)
+    a, b2 = model.layer.gates()
+    assert rows[-1]["gate_a"] == pytest.approx(a.item())
+    assert rows[-1]["gate_b2"] == pytest.approx(b2.item())
+    assert all(r["gate_b2"] <= 1 - 2 * r["gate_a"] for r in rows)

@@ -6,7 +6,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from .config import DEVICES, OPTIMIZERS, SCHEDULES, TASK_NAMES, TrainConfig, read_config_file
+from .config import (
+    DEVICES,
+    OPTIMIZERS,
+    SCHEDULES,
+    SELECTS,
+    TASK_NAMES,
+    TrainConfig,
+    read_config_file,
+)
 
 HELP = {
     "arch": "architecture (orthornn architectures lists them)",
@@ -27,13 +35,15 @@ HELP = {
     "optimizer": f"optimizer: {', '.join(OPTIMIZERS)}",
     "lr": "learning rate",
     "orthogonal_lr": "learning rate of the orthogonal parameters",
-    "schedule": f"learning-rate schedule: {', '.join(SCHEDULES)}",
+    "schedule": f"learning-rate schedule: {', '.join(SCHEDULES)} (linear: to 0 at the end)",
     "clip": "gradient-norm clipping threshold (0 disables)",
     "seed": "random seed (initialisation and batches)",
     "device": f"device: {', '.join(DEVICES)}",
     "log_every": "steps between validation, logging and checkpoints",
     "eval_every": "steps between validations",
     "eval_batch_size": "sequences per evaluation batch",
+    "select": f"which checkpoint is the run's model: {', '.join(SELECTS)} (auto: best by "
+              f"validation, or last when the validation split holds fewer than 50 sequences)",
     "plot": "write RUN_DIR/curves.png at the end",
 }
 
@@ -81,8 +91,13 @@ def _parse_option(text: str) -> tuple[str, object]:
 
 def add_train_parser(sub) -> None:
     parser = sub.add_parser("train", help="train a model on a task, writing RUN_DIR",
-                            description="Train a model. Every option can also come from "
-                            "--config FILE (YAML or JSON); flags override the file.",
+                            description="Train a model. Each task has a preset from the "
+                            "papers (per architecture where they differ; README lists them): "
+                            "--arch A --task T --out RUN runs it. Every option can also "
+                            "come from --config FILE (YAML or JSON); flags override the file, "
+                            "the file overrides the preset. The defaults shown apply where "
+                            "the task's preset sets nothing; --show-config prints the "
+                            "resolved values and where each came from.",
                             argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", help="YAML or JSON file of options (default: none)")
     parser.add_argument("--resume", action="store_true",
@@ -91,6 +106,9 @@ def add_train_parser(sub) -> None:
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress report (default: a bar on a terminal, a line every "
                              "few seconds in a log)")
+    parser.add_argument("--show-config", action="store_true",
+                        help="print the resolved configuration with the source of every "
+                        "value (default, preset: PAPER, config file, flag) and exit")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "hidden_size":
@@ -122,31 +140,53 @@ def add_plot_parser(sub) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return resolve_args(args)[0]
+
+
+def resolve_args(args: argparse.Namespace) -> tuple[TrainConfig, dict]:
+    """The configuration and the source of each value: flags over the config file (or
+    a resumed run's options) over the task's preset over the defaults."""
+    from .presets import resolve
+
     values: dict = {}
+    origin: dict = {}
     given = vars(args)
     if given.get("resume") and given.get("out"):
         from .checkpoint import read_run_config
 
-        values.update(read_run_config(given["out"])["train"])
+        resumed = read_run_config(given["out"])["train"]
+        values.update(resumed)
+        origin.update({k: "resumed run" for k in resumed})
     if given.get("config"):
-        values.update(read_config_file(given["config"]))
+        from_file = read_config_file(given["config"])
+        values.update(from_file)
+        origin.update({k: f"config file {given['config']}" for k in from_file})
     for f in dataclasses.fields(TrainConfig):
         if f.name in given:
             value = given[f.name]
-            values[f.name] = dict(value) if f.name == "arch_options" else value
-    return TrainConfig(**values)
+            if f.name == "arch_options":
+                value = {**values.get("arch_options", {}), **dict(value)}
+            values[f.name] = value
+            origin[f.name] = "flag"
+    return resolve(values, origin)
 
 
 def run_train(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
+    config, sources = resolve_args(args)
+    if getattr(args, "show_config", False):
+        from .presets import show
+
+        print(show(config, sources))
+        return 0
     from .trainer import train
 
     summary = train(config, resume=getattr(args, "resume", False),
                     progress=not getattr(args, "no_progress", False))
     if summary is not None:
         metric = summary["metric"]
-        print(f"{config.out}: test {metric} = {summary['test'][metric]:.4f} "
-              f"(best validation {summary['best_val']:.4f} at step {summary['best_step']})")
+        print(f"{config.out}: test {metric} = {summary['test'][metric]:.4f} (model of step "
+              f"{summary['kept_step']}, --select {summary['select']}; best validation "
+              f"{summary['best_val']:.4f} at step {summary['best_step']})")
     return 0
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 TASK_NAMES = ("adding", "copy", "digits", "permuted-digits", "mnist1d", "ucr", "lm", "classify")
 
 OPTIMIZERS = ("rmsprop", "adam")
-SCHEDULES = ("constant", "cosine", "step")
+SCHEDULES = ("constant", "cosine", "step", "linear")
+SELECTS = ("auto", "best", "last")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -51,6 +52,7 @@ class TrainConfig:
     log_every: int = 50
     eval_every: int | None = None
     eval_batch_size: int = 256
+    select: str = "auto"
     plot: bool = False
 
     def task_options(self) -> dict:
@@ -122,4 +124,5 @@ def validate(config: TrainConfig) -> TrainConfig:
     if config.eval_every is not None:
         check_int("eval_every", config.eval_every, 1)
     check_int("eval_batch_size", config.eval_batch_size, 1)
+    check_choice("select", config.select, SELECTS)
     return config

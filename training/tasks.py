@@ -236,6 +236,33 @@ def _ucr(dataset: str | None = None, point_by_point: bool = False) -> Task:
                            test, labels, {"dataset": dataset, "point_by_point": point_by_point})
 
 
+def _series_count(path: Path) -> int:
+    """Series in a .ts file: the non-empty lines after @data."""
+    lines = path.read_text(errors="replace").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().lower() == "@data")
+    return sum(1 for line in lines[start + 1:] if line.strip() and not line.startswith("#"))
+
+
+def train_size(name: str, dataset: str | None = None, data: str | None = None) -> int | None:
+    """Sequences in a fixed-data task's training split, without building the task (the
+    presets cap their batch size with it); None for generated tasks, lm and bad input
+    (which make_task then reports)."""
+    if name in ("digits", "permuted-digits"):
+        return int(1797 * 0.7)  # scikit-learn's 1,797 digits, _split_fixed's 70%
+    if name == "mnist1d":
+        return 3500
+    if name == "ucr" and dataset in ucr_datasets():
+        n = _series_count(_sktime_data() / dataset / f"{dataset}_TRAIN.ts")
+        return n - max(1, round(0.2 * n))
+    if name == "classify" and data is not None and Path(data).is_file():
+        try:
+            with np.load(data, allow_pickle=False) as f:
+                return int(len(f["y"]) * 0.8)
+        except (OSError, ValueError, KeyError):
+            return None
+    return None
+
+
 def _lm(corpus: str | None = None, vocab_size: int = 10000, bptt: int = 70,
         eval_columns: int = 10) -> Task:
     vocab_size = check_int("vocab_size", vocab_size, 3, 1_000_000)

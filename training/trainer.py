@@ -110,7 +110,34 @@ def _schedule(name: str, total: int):
         return lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
     if name == "step":  # x0.1 at half and at three quarters of the run
         return lambda step: 0.1 ** ((step >= total // 2) + (step >= 3 * total // 4))
+    if name == "linear":  # to zero at the end (SGORNN section 3.1)
+        return lambda step: max(0.0, 1 - min(step, total) / total)
     return lambda step: 1.0
+
+
+#: validation splits smaller than this cannot rank checkpoints: one series is 1/N of
+#: accuracy (7 series on ArrowHead: steps of 0.14), so --select auto keeps the last one.
+MIN_SELECT_SIZE = 50
+
+
+def resolve_select(select: str, val) -> str:
+    """'best' or 'last' for --select: auto is best unless the validation split is a fixed
+    set of fewer than MIN_SELECT_SIZE sequences."""
+    if select != "auto":
+        return select
+    if isinstance(val, Split) and len(val) < MIN_SELECT_SIZE:
+        return "last"
+    return "best"
+
+
+def gate_values(model) -> dict:
+    """The scalar gates a and b2 (sgornn, fastrnn), for metrics.jsonl."""
+    gates = getattr(getattr(model, "layer", None), "gates", None)
+    if gates is None:
+        return {}
+    with torch.no_grad():
+        a, b2 = gates()
+    return {"gate_a": a.item(), "gate_b2": b2.item()}
 
 
 def _total_steps(config: TrainConfig, task: Task, per_epoch: int | None) -> int:
@@ -209,6 +236,7 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
 
     eval_every = config.eval_every or config.log_every
+    select = resolve_select(config.select, task.val)
     shard = slice(rank * config.batch_size // world, (rank + 1) * config.batch_size // world)
     losses: list[float] = []
     # a bar on a terminal, a line every few seconds in a log
@@ -257,17 +285,18 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -
             improved = improves((value, metrics["loss"]), best, task.higher_is_better)
             if improved:
                 best, best_step = (value, metrics["loss"]), step + 1
+            keep = improved if select == "best" else True
             seconds = elapsed + time.perf_counter() - clock
             row = {"step": step + 1, "loss": sum(losses) / len(losses),
                    **{f"val_{k}": v for k, v in metrics.items()},
-                   **spectral_summary(model),
+                   **spectral_summary(model), **gate_values(model),
                    "grad_h0": h0.grad.norm().item() if h0 is not None and h0.grad is not None
                    else None,
                    "lr": optimizer.param_groups[0]["lr"], "seconds": round(seconds, 3)}
             losses = []
             bar.set_postfix(loss=f"{row['loss']:.4f}", **{task.metric: f"{value:.4f}"})
             if main:
-                if improved:
+                if keep:
                     checkpoint.save_weights(run_dir / "model.safetensors", model)
                 checkpoint.save_weights(run_dir / "last.safetensors", model)
                 checkpoint.save_torch(state_path, {
@@ -287,6 +316,7 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -
         summary = {
             "arch": model.arch, "task": task.name, "metric": task.metric,
             "test": test, "best_val": best[0], "best_step": best_step, "steps": total,
+            "select": select, "kept_step": best_step if select == "best" else total,
             "baseline": task.baseline,
             "parameters": sum(p.numel() for p in model.parameters()),
             "spectral": spectral_summary(best_model), "seconds": round(seconds, 3),

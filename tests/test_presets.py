@@ -1,0 +1,163 @@
+"""Task presets: every (task, architecture) resolves to a configuration the trainer
+accepts, whose batch size fits the data; flags, config files and resumed runs override
+the preset; --show-config names the source of every value."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+from orthornn.models import ARCHITECTURES, build_model
+from orthornn.training.cli import add_train_parser, resolve_args
+from orthornn.training.config import TASK_NAMES, TrainConfig, validate
+from orthornn.training.presets import PRESETS, resolve
+from orthornn.training.tasks import _BUILDERS, make_task, ucr_datasets
+
+from orthornn.cli import main as cli
+
+RECURRENT = [a for a in ARCHITECTURES if ARCHITECTURES[a].recurrent]
+DATASETS = ("ArrowHead", "GunPoint", "ItalyPowerDemand", "BasicMotions")
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers())
+    return parser.parse_args(["train", *argv])
+
+
+@pytest.fixture(scope="module")
+def user_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "small.npz"
+    rng = np.random.default_rng(0)
+    np.savez(path, x=rng.normal(size=(30, 5, 2)).astype(np.float32), y=np.arange(30) % 3)
+    return str(path)
+
+
+def test_every_task_has_a_preset():
+    assert set(PRESETS) == set(TASK_NAMES)
+
+
+@pytest.mark.parametrize("task", TASK_NAMES)
+@pytest.mark.parametrize("arch", RECURRENT)
+def test_every_preset_resolves_to_a_valid_configuration(task, arch, user_data):
+    given = {"arch": arch, "task": task, "out": "unused"}
+    if task == "ucr":
+        given["dataset"] = "ItalyPowerDemand"
+    if task == "classify":
+        given["data"] = user_data
+    config, sources = resolve(given)
+    validate(config)
+    # the task accepts every data option the preset sets, the model every arch option
+    accepted = _BUILDERS[task][1]
+    assert all(v is None or k in accepted for k, v in config.task_options().items())
+    kind = {"adding": "regress", "copy": "seq2seq", "lm": "lm"}.get(task, "classify")
+    build_model(arch, kind, input_size=3 if kind != "lm" else 50,
+                hidden_size=config.hidden_size,
+                num_outputs={"classify": 2, "seq2seq": 10}.get(kind),
+                embedding_size=config.embedding_size, **config.arch_options)
+    assert config.steps is not None or config.epochs is not None  # a budget, always
+    assert sources["task"] == "flag"
+    assert any(s.startswith("preset: ") for s in sources.values())
+
+
+@pytest.mark.parametrize("dataset", DATASETS)
+@pytest.mark.parametrize("arch", ["svdrnn", "sgornn", "scornn", "lstm"])
+def test_ucr_preset_batch_fits_the_training_split(dataset, arch):
+    config, sources = resolve({"arch": arch, "task": "ucr", "dataset": dataset})
+    n_train = len(make_task("ucr", dataset=dataset).train)  # built, not counted
+    assert config.batch_size <= n_train
+    if config.batch_size == n_train:
+        assert "capped" in sources["batch_size"]
+
+
+def test_user_data_preset_batch_is_capped_and_a_flag_is_not(user_data):
+    config, sources = resolve({"arch": "rnn", "task": "classify", "data": user_data})
+    n_train = len(make_task("classify", data=user_data).train)
+    assert n_train < 64 and config.batch_size == n_train
+    assert "capped" in sources["batch_size"]
+    config, sources = resolve({"arch": "rnn", "task": "classify", "data": user_data,
+                               "batch_size": 40})
+    assert config.batch_size == 40 and sources["batch_size"] == "flag"  # the trainer says no
+
+
+def test_the_issues_first_command_runs_as_given(tmp_path, capsys):
+    # `orthornn train --arch svdrnn --task ucr --dataset ItalyPowerDemand --out RUN` used to
+    # exit with "batch_size must be at most the training set size (54), got 64"
+    run = tmp_path / "run"
+    assert cli(["train", "--arch", "svdrnn", "--task", "ucr", "--dataset", "ItalyPowerDemand",
+                "--steps", "4", "--log-every", "2", "--out", str(run), "--no-progress"]) == 0
+    assert "test accuracy" in capsys.readouterr().out
+
+
+def test_preset_values_and_sources_are_the_papers():
+    config, sources = resolve({"arch": "svdrnn", "task": "ucr", "dataset": "ArrowHead"})
+    assert config.hidden_size == 32 and config.arch_options["m1"] == 16
+    assert "Table 4" in sources["hidden_size"] and "Table 4" in sources["arch_options.m1"]
+    # the paper's parameter count for ArrowHead's recurrence: 1,011 - 587 (oRNN) + 392
+    model = build_model("svdrnn", "classify", input_size=1, hidden_size=32, num_outputs=3,
+                        **config.arch_options)
+    recurrent = sum(p.numel() for p in model.layer.transition.parameters())
+    assert recurrent == 1011 - 587 + 392
+    config, _ = resolve({"arch": "scornn", "task": "adding", "seq_len": 750})
+    assert config.hidden_size == 170 and config.arch_options["rho"] == 119  # 7n/10
+    config, _ = resolve({"arch": "scornn", "task": "adding"})
+    assert config.arch_options["rho"] == 85  # n/2 at T = 200
+    config, _ = resolve({"arch": "sgornn", "task": "adding"})
+    assert (config.optimizer, config.lr, config.schedule, config.batch_size) == (
+        "rmsprop", 1e-2, "linear", 64)
+
+
+def test_flags_override_the_preset_and_the_file(tmp_path):
+    config, sources = resolve_args(parse(["--arch", "scornn", "--task", "copy", "--lr", "0.01",
+                                          "--hidden", "64", "--option", "rho=10"]))
+    assert (config.lr, config.hidden_size, config.arch_options["rho"]) == (0.01, 64, 10)
+    assert sources["lr"] == sources["hidden_size"] == sources["arch_options.rho"] == "flag"
+    assert config.orthogonal_lr == 1e-4 and sources["orthogonal_lr"].startswith("preset: ")
+    # a preset value computed from another follows the override: rho = n/2 of --hidden
+    config, _ = resolve_args(parse(["--arch", "scornn", "--task", "copy", "--hidden", "64"]))
+    assert config.arch_options["rho"] == 32
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("arch: svdrnn\ntask: copy\nlr: 0.005\nbatch_size: 7\n"
+                   "arch_options: {activation: leaky_relu}\n")
+    config, sources = resolve_args(parse(["--config", str(cfg), "--batch-size", "9"]))
+    assert config.lr == 0.005 and sources["lr"].startswith("config file")
+    assert config.batch_size == 9 and sources["batch_size"] == "flag"
+    assert config.arch_options["activation"] == "leaky_relu"
+    assert config.arch_options["m1"] == 16  # the rest of the preset's options stay
+    # giving epochs drops the preset's steps (and the other way round)
+    config, _ = resolve_args(parse(["--arch", "svdrnn", "--task", "digits", "--steps", "5"]))
+    assert (config.steps, config.epochs) == (5, None)
+
+
+def test_a_preset_never_asks_more_than_the_architecture_allows():
+    # --hidden 8: 16 reflectors and 14 rotation sublayers do not exist; the preset caps them
+    config, _ = resolve({"arch": "svdrnn", "task": "copy", "hidden_size": 8})
+    assert config.arch_options["m1"] == 8
+    config, _ = resolve({"arch": "sgornn", "task": "adding", "hidden_size": 8})
+    assert config.arch_options["rotations"] == 6
+
+
+def test_show_config_prints_every_value_with_its_source(capsys):
+    assert cli(["train", "--arch", "sgornn", "--task", "copy", "--lr", "0.002",
+                "--show-config"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines()}
+    assert set(TrainConfig.__dataclass_fields__) - {"arch_options"} <= set(lines)
+    assert lines["lr"].split()[1] == "0.002" and lines["lr"].endswith("flag")
+    assert "preset: scoRNN code scoRNN_copying.py" in lines["batch_size"]
+    assert "preset: SGORNN" in lines["arch_options.rotations"]
+    assert lines["seed"].endswith("default")
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default 128)" in out and "--show-config" in out and "preset" in out
+
+
+def test_bundled_ucr_sets_all_resolve():
+    for dataset in ucr_datasets():
+        config, _ = resolve({"arch": "svdrnn", "task": "ucr", "dataset": dataset})
+        assert config.batch_size >= 1
