@@ -154,7 +154,7 @@ def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         cli(["train", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "(default 128)" in out and "--show-config" in out and "preset" in out
+    assert "(default: 128)" in out and "--show-config" in out and "preset" in out
 
 
 def test_bundled_ucr_sets_all_resolve():

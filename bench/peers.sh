@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# orthornn beside its peers (the harness in ../shared/peers: wrk, server pinned to CPU 1,
+# client to CPU 0), in one run on one machine with the peers' input (B=1, T=128, d=9):
+#   1. the peers: a naive FastAPI + onnxruntime server and MLServer (run_peers.sh);
+#   2. orthornn serve (svdrnn classifier, n=128, 6 classes, dense export): POST /predict,
+#      the OIP infer route with JSON data and with a binary tensor, at concurrency 1, 8, 32;
+#   3. overload: /predict at concurrency 256 and 1024 (answered requests' latency, the rest
+#      refused at once with 503 + Retry-After).
+# Prints the harness's tables; JSON and logs go to OUT (default bench/results/peers).
+#   bash bench/peers.sh [OUT] [--duration S]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PEERS="${PEERS:-$ROOT/../shared/peers}"
+OUT="$(realpath -m "${1:-$ROOT/bench/results/peers}")"
+DURATION="${DURATION:-10}"
+PY="${XDG_CACHE_HOME:-$HOME/.cache}/orthornn-peers/base/bin/python"
+ORTHORNN_PY="$ROOT/.venv/bin/python"
+mkdir -p "$OUT"
+[ -x "$PY" ] || bash "$PEERS/setup.sh"
+
+# the peers' model input, and orthornn's package of the same shape
+"$PY" "$PEERS/make_model.py" --out "$OUT/model.onnx" --bodies "$OUT" --steps 128 --batch 1
+"$ORTHORNN_PY" - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+import numpy as np
+from orthornn.export.exporter import export_run
+from orthornn.training.config import TrainConfig
+from orthornn.training.trainer import train
+
+out = Path(sys.argv[1])
+rng = np.random.default_rng(0)
+np.savez(out / "data.npz", x=rng.normal(size=(64, 128, 9)).astype(np.float32),
+         y=rng.integers(0, 6, size=64))
+if not (out / "repo" / "bench").is_dir():
+    train(TrainConfig(arch="svdrnn", task="classify", data=str(out / "data.npz"),
+                      hidden_size=128, steps=1, batch_size=16, log_every=1,
+                      out=str(out / "run")), progress=False)
+    export_run(out / "run", out / "repo", "bench", progress=False)
+body = json.loads((out / "predict_body.json").read_text())
+(out / "orthornn_predict.json").write_text(json.dumps({"model": "bench", **body}))
+x = np.load(out / "input.npy")
+blob = x.astype("<f4").tobytes()
+head = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                               "parameters": {"binary_data_size": len(blob)}}],
+                   "outputs": [{"name": "logits"}]}).encode()
+(out / "oip_binary.bin").write_bytes(head + blob)
+(out / "oip_binary.header").write_text(str(len(head)))
+EOF
+
+bash "$PEERS/run_peers.sh" --peers naive,mlserver --duration "$DURATION" --out "$OUT/peers"
+
+PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+setsid taskset -c 1 "$ORTHORNN_PY" -m orthornn serve --repo "$OUT/repo" --port "$PORT" \
+  --inference-threads 1 --log-level warning > "$OUT/orthornn.log" 2>&1 &
+PID=$!
+trap 'kill -TERM -- -$PID 2>/dev/null || true; wait $PID 2>/dev/null || true' EXIT
+for _ in $(seq 300); do
+  curl -sf "http://127.0.0.1:$PORT/v2/health/ready" >/dev/null 2>&1 && break
+  sleep 0.2
+done
+URL="http://127.0.0.1:$PORT"
+load() {  # LABEL PATH BODY CONCURRENCY [extra load.py args]
+  local label=$1 path=$2 body=$3 levels=$4; shift 4
+  "$PY" "$PEERS/load.py" "$URL$path" --body "$body" --ceiling-url "$URL/v2/health/live" \
+    --label "$label" --concurrency "$levels" --duration "$DURATION" --warmup 3 \
+    --client-cpus 0 --json "$OUT/$label.json" "$@"
+}
+load orthornn /predict "$OUT/orthornn_predict.json" 1,8,32
+load orthornn-oip-json /v2/models/bench/infer "$OUT/oip_body.json" 1,8,32
+load orthornn-oip-binary /v2/models/bench/infer "$OUT/oip_binary.bin" 1,8,32 \
+  -H "Inference-Header-Content-Length: $(cat "$OUT/oip_binary.header")"
+load orthornn-overload /predict "$OUT/orthornn_predict.json" 256,1024 --ceiling-concurrency 256
+echo "rss_mib $(ps -o rss= -p "$PID" | awk '{printf "%.0f", $1/1024}')"
+"$PY" "$PEERS/load.py" --table "$OUT"/peers/*.json "$OUT"/orthornn*.json | tee "$OUT/table.md"
