@@ -72,4 +72,6 @@ load orthornn-oip-binary /v2/models/bench/infer "$OUT/oip_binary.bin" 1,8,32 \
   -H "Inference-Header-Content-Length: $(cat "$OUT/oip_binary.header")"
 load orthornn-overload /predict "$OUT/orthornn_predict.json" 256,1024 --ceiling-concurrency 256
 echo "rss_mib $(ps -o rss= -p "$PID" | awk '{printf "%.0f", $1/1024}')"
-"$PY" "$PEERS/load.py" --table "$OUT"/peers/*.json "$OUT"/orthornn*.json | tee "$OUT/table.md"
+"$PY" "$PEERS/load.py" --table "$OUT"/peers/naive.json "$OUT"/peers/mlserver.json \
+  "$OUT"/orthornn.json "$OUT"/orthornn-oip-json.json "$OUT"/orthornn-oip-binary.json \
+  "$OUT"/orthornn-overload.json | tee "$OUT/table.md"

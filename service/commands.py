@@ -23,7 +23,7 @@ SERVE_FLAGS = [
     ("--max-queue-size", int, "waiting sequences per model before 429 (default 512)"),
     ("--max-request-sequences", int, "sequences per request (default 256)"),
     ("--max-body-bytes", int, "request body limit (default 16 MiB)"),
-    ("--max-inflight-requests", int, "requests in flight before 503 (default 512)"),
+    ("--max-inflight-requests", int, "requests in flight before 503 (default 64)"),
     ("--max-sessions", int, "open server-side sessions before 429 (default 10000)"),
     ("--session-idle-timeout-s", float, "idle seconds before a session ends (default 300)"),
     ("--inference-threads", int, "onnxruntime intra-op threads per session (default 1)"),

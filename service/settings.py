@@ -58,7 +58,7 @@ class Settings(BaseSettings):
     max_new_tokens: int = Field(256, ge=1, le=100_000,
                                 description="upper bound of /generate's max_new_tokens")
     max_inflight_requests: int = Field(
-        512, ge=1, le=1_000_000,
+        64, ge=1, le=1_000_000,
         description="requests being answered at once; beyond it 503 with Retry-After at once "
                     "(health and metrics excepted), so answered requests keep a bounded "
                     "latency under overload")
