@@ -258,6 +258,9 @@ class DataPlane:
                 if len(seqs) != 1:
                     raise ClientError(f"a session takes one sequence per request; got "
                                       f"{len(seqs)}")
+                if isinstance(seqs[0], Chunk):
+                    raise ClientError("inputs[initial_state]: not with a sequence_id (the "
+                                      "session keeps its state)")
                 chunk = Chunk(seqs[0], session.state)
                 outputs, states = await (run or self._run)(mv, [chunk], req)
                 session.state = np.array(states[0], dtype=np.float32)

@@ -328,3 +328,16 @@ def test_every_architecture_and_mode_streams_through_http(every_arch):
                                 "start": k == 0, "end": k == 2})["outputs"][0]
             np.testing.assert_allclose(out["probabilities"], whole["probabilities"],
                                        atol=1e-5, err_msg=name)
+
+
+def test_oip_sequence_refuses_a_raw_initial_state(client):
+    x = {"name": "x", "shape": [1, 1, 2], "datatype": "FP32", "data": [0.1, 0.0]}
+    h = {"name": "initial_state", "shape": [1, 8], "datatype": "FP32", "data": [0.0] * 8}
+    r = client.post("/v2/models/adding/versions/4/infer", json={
+        "inputs": [x, h], "parameters": {"sequence_id": 5, "sequence_start": True}})
+    assert r.status_code == 400 and "not with a sequence_id" in r.json()["error"]
+    r = client.post("/v2/models/adding/versions/4/infer", json={
+        "inputs": [x], "parameters": {"sequence_id": 5}})
+    assert r.status_code == 404  # the failed start opened nothing
+    ok = client.post("/v2/models/adding/versions/4/infer", json={"inputs": [x, h]})
+    assert ok.status_code == 200  # a raw state without a sequence is fine
