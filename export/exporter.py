@@ -25,7 +25,8 @@ from orthornn.training.progress import progress_bar
 from orthornn import __version__
 
 from . import package, repository
-from .onnx_export import INITIAL_LOGITS, INITIAL_STATE, MODES, RNN_ACTIVATIONS, build_graph
+from .onnx_export import MODES, RNN_ACTIVATIONS, build_graph
+from .package import INITIAL_LOGITS, INITIAL_STATE
 
 MIN_OPSET, MAX_OPSET = 17, 21
 DTYPES = {np.float32: "FP32", np.int64: "INT64"}

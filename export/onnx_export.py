@@ -37,10 +37,9 @@ from orthornn.models.parametrizations import (
 
 from . import functions
 from .graph import DOMAIN, IR_VERSION, Graph, value
-from .package import output_name
+from .package import INITIAL_LOGITS, INITIAL_STATE, output_name
 
 MODES = ("dense", "factored")
-INITIAL_STATE, INITIAL_LOGITS = "initial_state", "initial_logits"
 RNN_ACTIVATIONS = {"tanh": "Tanh", "relu": "Relu", "leaky_relu": "LeakyRelu"}
 
 

@@ -34,6 +34,11 @@ class PackageError(ValueError):
     """A package that must not be served; the message says what is wrong."""
 
 
+# the optional state input of the full graphs and the prediction it gives (language
+# models): names the exporter writes and the service feeds and reads
+INITIAL_STATE, INITIAL_LOGITS = "initial_state", "initial_logits"
+
+
 def output_name(task: str) -> str:
     """The name of a graph's prediction output: "value" for regress, else "logits"."""
     return "value" if task == "regress" else "logits"

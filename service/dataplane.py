@@ -264,7 +264,6 @@ class DataPlane:
                 chunk = Chunk(seqs[0], session.state)
                 outputs, states = await (run or self._run)(mv, [chunk], req)
                 session.state = np.array(states[0], dtype=np.float32)
-                session.steps += len(chunk)
                 session.last_used = time.monotonic()
                 ok = True
         finally:

@@ -8,10 +8,11 @@ from typing import Any
 
 import numpy as np
 import simdjson
+from orthornn.export.package import INITIAL_LOGITS, INITIAL_STATE
 from pydantic import ValidationError
 
 from .protocol import InferenceRequest, PredictRequest, RequestInput
-from .runtime import INITIAL_STATE, NUMPY_TYPES, Chunk, ModelSpec
+from .runtime import NUMPY_TYPES, Chunk, ModelSpec
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -344,9 +345,9 @@ def shape_outputs(spec: ModelSpec, rows: list[dict], sequences: list,
             logp = _log_softmax(y)
             scored = len(tokens) - 1
             ll = float(logp[np.arange(scored), tokens[1:]].sum()) if scored else 0.0
-            if isinstance(seq, Chunk) and seq.state is not None and "initial_logits" in row:
+            if isinstance(seq, Chunk) and seq.state is not None and INITIAL_LOGITS in row:
                 # a continued chunk: its first token is predicted by the state it continues
-                ll += float(_log_softmax(row["initial_logits"].astype(np.float64))[tokens[0]])
+                ll += float(_log_softmax(row[INITIAL_LOGITS].astype(np.float64))[tokens[0]])
                 scored += 1
             p = np.exp(logp[-1])
             rank = -p

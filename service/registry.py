@@ -57,6 +57,10 @@ class ModelVersion:
     retired: bool = False
     released: bool = False
 
+    @property
+    def batchers(self) -> list[Batcher]:
+        return [b for b in (self.batcher, self.steps_batcher) if b is not None]
+
 
 def _signature(path: Path) -> tuple:
     """Changes when any file of a version directory changes (a half-written version that
@@ -198,9 +202,8 @@ class Registry:
         mv = ModelVersion(name, version, path, manifest, spec, runtime, batcher("model"))
         if "steps" in runtime.sessions:
             mv.steps_batcher = batcher("steps")
-        for b in (mv.batcher, mv.steps_batcher):
-            if b is not None:  # sessions wait between requests: they are not on their way
-                b.holders = lambda: mv.inflight - mv.generating - mv.sessions
+        for b in mv.batchers:  # sessions wait between requests: they are not on their way
+            b.holders = lambda: mv.inflight - mv.generating - mv.sessions
         return mv
 
     def sync_model(self, name: str) -> list[str]:
@@ -274,9 +277,7 @@ class Registry:
                 running = asyncio.get_running_loop()
             except RuntimeError:
                 running = None
-            for batcher in (mv.batcher, mv.steps_batcher):
-                if batcher is None:
-                    continue
+            for batcher in mv.batchers:
                 if running is loop:
                     loop.create_task(batcher.close())
                 else:
@@ -355,7 +356,6 @@ class Registry:
             everything = [mv for vs in self._serving.values() for mv in vs.values()]
             self._serving.clear()
         for mv in everything:
-            await mv.batcher.close()
-            if mv.steps_batcher is not None:
-                await mv.steps_batcher.close()
+            for batcher in mv.batchers:
+                await batcher.close()
             self.metrics.model_released(mv.manifest)

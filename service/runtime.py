@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from orthornn.export.package import Manifest, PackageError, session_from_bytes
+from orthornn.export.package import INITIAL_STATE, Manifest, PackageError, session_from_bytes
 from orthornn.export.vocabulary import UNK, words
 
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
@@ -47,9 +47,6 @@ class Chunk:
 
     def __len__(self) -> int:
         return len(self.data)
-
-
-INITIAL_STATE = "initial_state"  # the optional state input of the full graphs (export)
 
 
 # Training's word tokenizer (export.vocabulary). Unlike training, no "<eos>" is appended:

@@ -99,7 +99,6 @@ class Session:
     state: np.ndarray | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_used: float = field(default_factory=time.monotonic)
-    steps: int = 0
     closed: bool = False
 
 
