@@ -16,6 +16,7 @@ import numpy as np
 import onnxruntime as ort
 import uvicorn
 from orthornn.service.app import create_app
+from orthornn.service.server import DrainingServer, listen
 from orthornn.service.settings import Settings
 
 
@@ -69,11 +70,14 @@ class LiveServer:
         settings.setdefault("poll_interval_s", 0.1)
         self.settings = Settings(host="127.0.0.1", port=free_port(), **settings)
         self.app = create_app(self.settings)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1",
+        # the product's server and listener (service/server.py), without its signals
+        self.server = DrainingServer(uvicorn.Config(self.app, host="127.0.0.1",
                                                     port=self.settings.port,
-                                                    log_level="warning"))
+                                                    log_level="warning"), self.app, 0.0)
         self.url = f"http://127.0.0.1:{self.settings.port}"
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        sock = listen("127.0.0.1", self.settings.port)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       daemon=True)
 
     def __enter__(self):
         self.thread.start()

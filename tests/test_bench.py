@@ -60,3 +60,16 @@ def test_streaming_benchmark_runs(tmp_path):
     ways = json.loads(out.read_text())["ways"]
     assert set(ways) == {"session", "state", "resend"}
     assert all(w["chunks"] == 10 for w in ways.values())
+
+
+def test_sgornn_gates_benchmark_runs(tmp_path):
+    out = tmp_path / "gates.json"
+    assert _load("sgornn_gates").main(["--epochs", "1", "--jobs", "1", "--out", str(out)]) == 0
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 10 and all(0 <= r["accuracy"] <= 1 for r in rows.values())
+    for name, r in rows.items():
+        if name.startswith("sgornn"):  # eq. 3 holds through training
+            assert r["b2"] <= 1 - 2 * r["a"] + 1e-6 and r["survives_64"] < 1 - r["a"]
+    # the control really drops eq. 3 (FastRNN's map), and vprnn has no gates
+    assert rows["no eq. 3: a=0.9, b2=0.5"]["b2"] > 1 - 2 * rows["no eq. 3: a=0.9, b2=0.5"]["a"]
+    assert (rows["vprnn (a=1, b2=0)"]["a"], rows["vprnn (a=1, b2=0)"]["b2"]) == (1.0, 0.0)

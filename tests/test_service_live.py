@@ -428,3 +428,84 @@ def test_middleware_root_path_and_admission_apply_to_every_route(service_package
         app.state.registry.scanned.wait(60)
         r = c.post("/api/predict", content=body)
         assert r.status_code == 200 and r.json()["model"] == "digits"
+
+
+def test_listener_accepts_every_waiting_connection_at_once():
+    """libuv (uvloop) accepts one connection per loop iteration; the service's listener
+    takes every connection in the kernel's queue on one readiness event, so a busy loop
+    does not leave new clients waiting seconds for their first byte."""
+    import asyncio
+    import socket
+
+    import uvloop
+    from orthornn.service.server import EagerListener
+
+    async def main():
+        made, received = [], []
+
+        class Protocol(asyncio.Protocol):
+            def connection_made(self, transport):
+                made.append(transport)
+
+            def data_received(self, data):
+                received.append(data)
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        listener = EagerListener(sock, Protocol, backlog=256)
+        clients = [socket.create_connection(sock.getsockname()) for _ in range(100)]
+        listener._accept()  # one readiness event
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert len(made) == 100
+        for c in clients:  # each accepted connection reads its client's bytes
+            c.sendall(b"x")
+        for _ in range(100):
+            if len(received) == 100:
+                break
+            await asyncio.sleep(0.01)
+        assert received == [b"x"] * 100
+        listener.close()
+        with pytest.raises(OSError):
+            socket.create_connection(sock.getsockname(), timeout=1)
+        for transport in made:
+            transport.close()
+        for c in clients:
+            c.close()
+
+    uvloop.run(main())
+
+
+def test_listener_pauses_when_out_of_file_descriptors(monkeypatch):
+    import asyncio
+    import errno
+    import socket
+
+    import uvloop
+    from orthornn.service.server import EagerListener
+
+    async def main():
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setattr(EagerListener, "RETRY_S", 0.05)
+        listener = EagerListener(sock, asyncio.Protocol, backlog=16)
+        calls = []
+
+        class Full:  # accept() as it behaves at the process's descriptor limit
+            def __getattr__(self, name):
+                return getattr(sock, name)
+
+            def accept(self):
+                calls.append(time.monotonic())
+                raise OSError(errno.EMFILE, "Too many open files")
+
+        listener.sock = Full()
+        client = socket.create_connection(sock.getsockname())
+        await asyncio.sleep(0.02)
+        assert len(calls) == 1  # paused: no busy loop on a readable listener
+        await asyncio.sleep(0.1)
+        assert 2 <= len(calls) <= 4 and calls[1] - calls[0] >= 0.045  # resumed after RETRY_S
+        listener.close()
+        client.close()
+
+    uvloop.run(main())
