@@ -11,7 +11,7 @@ verdict:
 * not reproduced: short of it with the paper's budget.
 
 The default run (``--jobs 2``) shortens the generated tasks' budgets for 2 CPU cores
-(measured: 44 minutes on 2 cores shared with other jobs); each row says how many steps
+(measured: 18 minutes on 2 idle cores, 44 beside other jobs); each row says how many steps
 it ran against the preset's; ``--full`` runs the presets' (the papers') budgets
 and every architecture of every row (for a GPU).
 
