@@ -142,7 +142,10 @@ def serve(settings: Settings) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=False,
                             timeout_graceful_shutdown=settings.drain_timeout_s or None,
-                            limit_concurrency=None, timeout_keep_alive=30)
+                            limit_concurrency=None, timeout_keep_alive=30,
+                            # X-Forwarded-* would only feed the client address of access
+                            # logs (off); the wrapper costs every request a layer
+                            proxy_headers=False)
     server = DrainingServer(config, app, settings.shutdown_delay_s)
     server.run(sockets=[sock])
     return 0
