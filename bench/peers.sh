@@ -4,8 +4,9 @@
 #   1. the peers: a naive FastAPI + onnxruntime server and MLServer (run_peers.sh);
 #   2. orthornn serve (svdrnn classifier, n=128, 6 classes, dense export): POST /predict,
 #      the OIP infer route with JSON data and with a binary tensor, at concurrency 1, 8, 32;
-#   3. overload: /predict at concurrency 256 and 1024 (answered requests' latency, the rest
-#      refused at once with 503 + Retry-After).
+#   3. overload: /predict at concurrency 256 and 1024 (the excess refused at once with
+#      503 + Retry-After), and at 1024 once more with bench/answered.py beside wrk: the
+#      latency of answered and refused requests apart.
 # Prints the harness's tables; JSON and logs go to OUT (default bench/results/peers).
 #   bash bench/peers.sh [OUT] [--duration S]
 set -euo pipefail
@@ -71,6 +72,17 @@ load orthornn-oip-json /v2/models/bench/infer "$OUT/oip_body.json" 1,8,32
 load orthornn-oip-binary /v2/models/bench/infer "$OUT/oip_binary.bin" 1,8,32 \
   -H "Inference-Header-Content-Length: $(cat "$OUT/oip_binary.header")"
 load orthornn-overload /predict "$OUT/orthornn_predict.json" 256,1024 --ceiling-concurrency 256
+# wrk's histogram mixes answers and refusals: once more at c=1024, with a probe of 32
+# connections of its own that times the answered (200) and refused (503) apart
+"$PY" "$PEERS/load.py" "$URL/predict" --body "$OUT/orthornn_predict.json" --no-probe \
+  --label orthornn-overload-probed --concurrency 1024 --duration "$DURATION" --warmup 3 \
+  --client-cpus 0 --json "$OUT/orthornn-overload-probed.json" > "$OUT/probed-load.log" 2>&1 &
+LOAD=$!
+sleep 4
+taskset -c 0 "$ORTHORNN_PY" "$ROOT/bench/answered.py" "$URL/predict" \
+  --body "$OUT/orthornn_predict.json" --seconds "$((DURATION - 2))" --connections 32 \
+  --json "$OUT/answered.json"
+wait $LOAD
 echo "rss_mib $(ps -o rss= -p "$PID" | awk '{printf "%.0f", $1/1024}')"
 "$PY" "$PEERS/load.py" --table "$OUT"/peers/naive.json "$OUT"/peers/mlserver.json \
   "$OUT"/orthornn.json "$OUT"/orthornn-oip-json.json "$OUT"/orthornn-oip-binary.json \

@@ -73,3 +73,25 @@ def test_sgornn_gates_benchmark_runs(tmp_path):
     # the control really drops eq. 3 (FastRNN's map), and vprnn has no gates
     assert rows["no eq. 3: a=0.9, b2=0.5"]["b2"] > 1 - 2 * rows["no eq. 3: a=0.9, b2=0.5"]["a"]
     assert (rows["vprnn (a=1, b2=0)"]["a"], rows["vprnn (a=1, b2=0)"]["b2"]) == (1.0, 0.0)
+
+
+def test_answered_probe_splits_latency_by_status(service_packages, tmp_path):
+    from .service_helpers import LiveServer, make_repo
+
+    repo = make_repo(service_packages, tmp_path, {"digits": [1]})
+    body = tmp_path / "body.json"
+    body.write_text(json.dumps({"model": "digits", "inputs": [[0.1, 0.2, 0.3]]}))
+    missing = tmp_path / "missing.json"
+    missing.write_text(json.dumps({"model": "nope", "inputs": [[0.1]]}))
+    out = tmp_path / "answered.json"
+    with LiveServer(repo=repo) as srv:
+        assert _load("answered").main([srv.url + "/predict", "--body", str(body), "--seconds",
+                                       "0.3", "--connections", "2", "--json", str(out)]) == 0
+        by_status = json.loads(out.read_text())["by_status"]
+        assert set(by_status) == {"200"} and by_status["200"]["requests"] > 2
+        r = by_status["200"]
+        assert 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"] <= r["max_ms"]
+        # another status is counted apart (an unknown model: 404)
+        _load("answered").main([srv.url + "/predict", "--body", str(missing), "--seconds",
+                                "0.2", "--connections", "1", "--json", str(out)])
+        assert set(json.loads(out.read_text())["by_status"]) == {"404"}
