@@ -80,7 +80,10 @@ class DrainingServer(uvicorn.Server):
         self._draining = False
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        """uvicorn's startup (lifespan, state) with our listener in place of its server."""
+        """uvicorn's startup (lifespan, state) with our listener in place of its server on
+        the given sockets (without sockets: uvicorn's own, binding host and port)."""
+        if sockets is None:
+            return await super().startup(sockets)
         await super().startup(sockets=[])
         config = self.config
 
@@ -89,7 +92,7 @@ class DrainingServer(uvicorn.Server):
                                               app_state=self.lifespan.state, _loop=_loop)
 
         self.servers = [EagerListener(sock, create_protocol, config.backlog)
-                        for sock in sockets or []]
+                        for sock in sockets]
 
     def handle_exit(self, sig, frame) -> None:
         if self._draining or sig not in (signal.SIGTERM, signal.SIGINT):
