@@ -3,8 +3,10 @@
 wrk's histogram mixes every answer, so under overload it is mostly the fast 503s. This
 probe keeps ``--connections`` keep-alive connections of its own beside the load (each
 sends its next request when the previous answer arrived) and reports the latency of the
-answered (200) and the refused (503) requests separately. bench/peers.sh runs it beside
-wrk at concurrency 1,024. Prints a table and writes JSON.
+answered (200) and the refused (503) requests separately (failed exchanges as "error" or
+"timeout"). Its connections stay open, so it does not see the wait of new connections in
+the listen queue; with few answered samples its p99 is close to its maximum.
+bench/peers.sh runs it beside wrk at concurrency 1,024. Prints a table and writes JSON.
 
     python bench/answered.py URL --body FILE [--seconds 8] [--connections 32] [--json OUT]
 """
@@ -23,22 +25,40 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import write_result
 
+TIMEOUT_S = 10.0  # as the harness's wrk
+
+
+async def _exchange(reader, writer, request: bytes) -> int:
+    writer.write(request)
+    status = int((await reader.readline()).split()[1])
+    length = 0
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    await reader.readexactly(length)
+    return status
+
 
 async def _connection(host: str, port: int, request: bytes, until: float,
-                      latencies: dict[int, list[float]]) -> None:
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        while time.monotonic() < until:
-            start = time.perf_counter()
-            writer.write(request)
-            status = int((await reader.readline()).split()[1])
-            length = 0
-            while (line := await reader.readline()) not in (b"\r\n", b""):
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":")[1])
-            await reader.readexactly(length)
-            latencies.setdefault(status, []).append((time.perf_counter() - start) * 1e3)
-    finally:
+                      latencies: dict) -> None:
+    """One closed-loop connection; a failed exchange is counted as "error" (or
+    "timeout") and the connection opened again."""
+    writer = None
+    while time.monotonic() < until:
+        start = time.perf_counter()
+        try:
+            if writer is None:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(host, port), TIMEOUT_S)
+            status = await asyncio.wait_for(_exchange(reader, writer, request), TIMEOUT_S)
+        except (OSError, ValueError, IndexError, asyncio.IncompleteReadError) as error:
+            # wait_for's TimeoutError is an OSError
+            status = "timeout" if isinstance(error, TimeoutError) else "error"
+            if writer is not None:
+                writer.close()
+            writer = None
+        latencies.setdefault(status, []).append((time.perf_counter() - start) * 1e3)
+    if writer is not None:
         writer.close()
 
 
@@ -58,7 +78,7 @@ def probe(url: str, body: bytes, seconds: float, connections: int) -> dict:
     return {str(status): {"requests": len(v), "p50_ms": float(np.percentile(v, 50)),
                           "p90_ms": float(np.percentile(v, 90)),
                           "p99_ms": float(np.percentile(v, 99)), "max_ms": float(max(v))}
-            for status, v in sorted(latencies.items())}
+            for status, v in sorted(latencies.items(), key=lambda kv: str(kv[0]))}
 
 
 def main(argv=None) -> int:

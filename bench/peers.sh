@@ -78,10 +78,12 @@ load orthornn-overload /predict "$OUT/orthornn_predict.json" 256,1024 --ceiling-
   --label orthornn-overload-probed --concurrency 1024 --duration "$DURATION" --warmup 3 \
   --client-cpus 0 --json "$OUT/orthornn-overload-probed.json" > "$OUT/probed-load.log" 2>&1 &
 LOAD=$!
-sleep 4
+trap 'kill $LOAD 2>/dev/null || true; kill -TERM -- -$PID 2>/dev/null || true; wait $PID 2>/dev/null || true' EXIT
+sleep 4  # load.py's 3 s warm-up, then the probe inside the timed run
+# the probe shares CPU 0 with wrk (the client core), so client-side delays count in both
 taskset -c 0 "$ORTHORNN_PY" "$ROOT/bench/answered.py" "$URL/predict" \
-  --body "$OUT/orthornn_predict.json" --seconds "$((DURATION - 2))" --connections 32 \
-  --json "$OUT/answered.json"
+  --body "$OUT/orthornn_predict.json" --connections 64 --json "$OUT/answered.json" \
+  --seconds "$(python3 -c "print(max(1.0, float('$DURATION') - 2))")"
 wait $LOAD
 echo "rss_mib $(ps -o rss= -p "$PID" | awk '{printf "%.0f", $1/1024}')"
 "$PY" "$PEERS/load.py" --table "$OUT"/peers/naive.json "$OUT"/peers/mlserver.json \

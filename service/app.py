@@ -7,7 +7,7 @@ without FastAPI's routing, dependency and validation layers (the fast path), and
 rows are registered with FastAPI, which gives the OpenAPI document and /docs (and 404 /
 405 for what matches no row). Around both, written once and applied to every route:
 
-    Observe (outermost): admission (over ``max_inflight_requests`` requests in flight ->
+    Observe (outermost of ours): admission (over ``max_inflight_requests`` in flight ->
         503 with Retry-After at once, so answered requests keep a bounded latency), the
         body-size limit, the in-flight gauge, request counts and durations;
     any middleware added with ``app.add_middleware`` (it sees every route);
@@ -204,7 +204,8 @@ async def read_body(receive) -> bytes | None:
 
 
 class Observe:
-    """ASGI middleware (the outermost): admission, the body limit, the in-flight gauge and
+    """ASGI middleware (the outermost of ours; a user's, added after create_app, wraps it):
+    admission, the body limit, the in-flight gauge and
     the request metrics of every route (labels: the route template and the model/version
     the dataplane set). Label children are cached."""
 
@@ -217,23 +218,24 @@ class Observe:
         self.inflight = 0
         self._counters: dict[tuple, object] = {}
         self._durations: dict[str, object] = {}
-        body = orjson.dumps({"error": f"overloaded: {max_inflight} requests in flight; "
-                                      "retry later"})
-        self._overloaded_start = {"type": "http.response.start", "status": 503, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"retry-after", b"1")]}
-        self._overloaded_body = {"type": "http.response.body", "body": body}
+        self._overloaded = orjson.dumps({"error": f"overloaded: {max_inflight} requests in "
+                                                  "flight; retry later"})
+        self._overloaded_headers = ((b"content-type", b"application/json"),
+                                    (b"content-length", str(len(self._overloaded)).encode()),
+                                    (b"retry-after", b"1"))
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = time.perf_counter()
         if self.inflight >= self.max_inflight and not scope["path"].startswith(self.EXEMPT):
-            # Overloaded: the cheapest answer there is (prebuilt messages, no routing),
+            # Overloaded: the cheapest answer there is (prebuilt bytes, no routing),
             # because under overload the event loop spends most of its time here, and
             # every microsecond saved shortens the wait of the requests it does admit.
-            await send(self._overloaded_start)
-            await send(self._overloaded_body)
+            # Fresh messages: a middleware outside this one (CORS, GZip) may edit them.
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": list(self._overloaded_headers)})
+            await send({"type": "http.response.body", "body": self._overloaded})
             found = self.table.match(scope)
             return self.record(scope, found[0].path if found is not None else "other", 503,
                                start)

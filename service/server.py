@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import signal
 import socket
@@ -31,7 +32,8 @@ class EagerListener:
     asyncio loop accepts up to ``backlog`` per readiness, but serves 6x fewer requests).
     Quacks like asyncio.Server for uvicorn's shutdown (close, wait_closed)."""
 
-    RETRY_S = 1.0  # out of file descriptors: wait as asyncio does, rather than spin
+    RETRY_S = 1.0  # out of descriptors or memory: wait as asyncio does, rather than spin
+    OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
     def __init__(self, sock: socket.socket, protocol_factory, backlog: int):
         self.sock, self.protocol_factory, self.backlog = sock, protocol_factory, backlog
@@ -45,9 +47,12 @@ class EagerListener:
         for _ in range(self.backlog):
             try:
                 conn, _ = self.sock.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            except (BlockingIOError, InterruptedError):
                 return
-            except OSError as error:  # EMFILE, ENFILE, ENOBUFS, ENOMEM
+            except OSError as error:
+                if error.errno not in self.OUT_OF_RESOURCES:  # one connection's trouble
+                    log.debug("accept: %s", error)
+                    continue
                 log.error("accept failed (%s); pausing new connections for %.0f s",
                           error.strerror or error, self.RETRY_S)
                 self.loop.remove_reader(self.sock.fileno())
@@ -55,8 +60,18 @@ class EagerListener:
                 return
             task = self.loop.create_task(
                 self.loop.connect_accepted_socket(self.protocol_factory, conn))
-            task.add_done_callback(lambda t, c=conn: t.cancelled() or t.exception() is None
-                                   or c.close())
+            task.add_done_callback(functools.partial(self._connected, conn))
+
+    def _connected(self, conn: socket.socket, task: asyncio.Task) -> None:
+        if task.cancelled():
+            conn.close()
+        elif task.exception() is not None:
+            log.debug("connection setup failed: %s", task.exception())
+            conn.close()
+        elif self.closed:  # accepted just before shutdown, after uvicorn listed connections
+            shutdown = getattr(task.result()[1], "shutdown", None)
+            if shutdown is not None:
+                shutdown()
 
     def _resume(self) -> None:
         if not self.closed:
@@ -91,8 +106,14 @@ class DrainingServer(uvicorn.Server):
             return config.http_protocol_class(config=config, server_state=self.server_state,
                                               app_state=self.lifespan.state, _loop=_loop)
 
-        self.servers = [EagerListener(sock, create_protocol, config.backlog)
-                        for sock in sockets]
+        loop = asyncio.get_running_loop()
+        if sys.platform == "win32":  # the Proactor loop has no add_reader
+            self.servers = [await loop.create_server(create_protocol, sock=sock,
+                                                     backlog=config.backlog)
+                            for sock in sockets]
+        else:
+            self.servers = [EagerListener(sock, create_protocol, config.backlog)
+                            for sock in sockets]
 
     def handle_exit(self, sig, frame) -> None:
         if self._draining or sig not in (signal.SIGTERM, signal.SIGINT):
@@ -146,8 +167,9 @@ def serve(settings: Settings) -> int:
                             log_level=settings.log_level, access_log=False,
                             timeout_graceful_shutdown=settings.drain_timeout_s or None,
                             limit_concurrency=None, timeout_keep_alive=30,
-                            # X-Forwarded-* would only feed the client address of access
-                            # logs (off); the wrapper costs every request a layer
+                            # X-Forwarded-For/-Proto would set the client address (read
+                            # only by access logs, off) and the scheme (read by no route);
+                            # the wrapper costs every request a layer
                             proxy_headers=False)
     server = DrainingServer(config, app, settings.shutdown_delay_s)
     server.run(sockets=[sock])

@@ -70,8 +70,10 @@ def test_sgornn_gates_benchmark_runs(tmp_path):
     for name, r in rows.items():
         if name.startswith("sgornn"):  # eq. 3 holds through training
             assert r["b2"] <= 1 - 2 * r["a"] + 1e-6 and r["survives_64"] < 1 - r["a"]
-    # the control really drops eq. 3 (FastRNN's map), and vprnn has no gates
-    assert rows["no eq. 3: a=0.9, b2=0.5"]["b2"] > 1 - 2 * rows["no eq. 3: a=0.9, b2=0.5"]["a"]
+    # the control really drops eq. 3 (FastRNN's map: b2 = 0.953 > 1 - 2a = 0.906 at the
+    # start), and vprnn has no gates
+    free = rows["no eq. 3: a=0.047, b2=0.953 (FastRNN's)"]
+    assert free["b2"] > 1 - 2 * free["a"]
     assert (rows["vprnn (a=1, b2=0)"]["a"], rows["vprnn (a=1, b2=0)"]["b2"]) == (1.0, 0.0)
 
 

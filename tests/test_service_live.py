@@ -505,6 +505,31 @@ def test_listener_pauses_when_out_of_file_descriptors(monkeypatch):
         assert len(calls) == 1  # paused: no busy loop on a readable listener
         await asyncio.sleep(0.1)
         assert 2 <= len(calls) <= 4 and calls[1] - calls[0] >= 0.045  # resumed after RETRY_S
+        client.close()
+
+        made = []
+
+        class Flaky(Full):  # one connection's error (a firewall's EPERM): skip it, no pause
+            def accept(self):
+                if not calls or calls[-1] != "eperm":
+                    calls.append("eperm")
+                    raise OSError(errno.EPERM, "Operation not permitted")
+                return sock.accept()
+
+        calls.clear()
+        listener.sock = Flaky()
+        listener.protocol_factory = lambda: type("P", (asyncio.Protocol,), {
+            "connection_made": lambda self, t: made.append(t)})()
+        client2 = socket.create_connection(sock.getsockname())
+        for _ in range(50):
+            if len(made) == 2:
+                break
+            await asyncio.sleep(0.01)
+        # both queued connections (the one left waiting while paused, and the new one)
+        assert calls == ["eperm"] and len(made) == 2
+        for transport in made:
+            transport.close()
+        client2.close()
         listener.close()
         client.close()
 
