@@ -72,7 +72,7 @@ load orthornn-oip-json /v2/models/bench/infer "$OUT/oip_body.json" 1,8,32
 load orthornn-oip-binary /v2/models/bench/infer "$OUT/oip_binary.bin" 1,8,32 \
   -H "Inference-Header-Content-Length: $(cat "$OUT/oip_binary.header")"
 load orthornn-overload /predict "$OUT/orthornn_predict.json" 256,1024 --ceiling-concurrency 256
-# wrk's histogram mixes answers and refusals: once more at c=1024, with a probe of 32
+# wrk's histogram mixes answers and refusals: once more at c=1024, with a probe of 64
 # connections of its own that times the answered (200) and refused (503) apart
 "$PY" "$PEERS/load.py" "$URL/predict" --body "$OUT/orthornn_predict.json" --no-probe \
   --label orthornn-overload-probed --concurrency 1024 --duration "$DURATION" --warmup 3 \

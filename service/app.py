@@ -218,11 +218,9 @@ class Observe:
         self.inflight = 0
         self._counters: dict[tuple, object] = {}
         self._durations: dict[str, object] = {}
-        self._overloaded = orjson.dumps({"error": f"overloaded: {max_inflight} requests in "
-                                                  "flight; retry later"})
-        self._overloaded_headers = ((b"content-type", b"application/json"),
-                                    (b"content-length", str(len(self._overloaded)).encode()),
-                                    (b"retry-after", b"1"))
+        # rendered once: the same error() every other refusal uses
+        self._overloaded = error(503, f"overloaded: {max_inflight} requests in flight; "
+                                      "retry later", headers={"Retry-After": "1"})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -234,11 +232,9 @@ class Observe:
             # every microsecond saved shortens the wait of the requests it does admit.
             # Fresh messages: a middleware outside this one (CORS, GZip) may edit them.
             await send({"type": "http.response.start", "status": 503,
-                        "headers": list(self._overloaded_headers)})
-            await send({"type": "http.response.body", "body": self._overloaded})
-            found = self.table.match(scope)
-            return self.record(scope, found[0].path if found is not None else "other", 503,
-                               start)
+                        "headers": list(self._overloaded.raw_headers)})
+            await send({"type": "http.response.body", "body": self._overloaded.body})
+            return self.record(scope, self.table.match(scope), 503, start)
         status = 500
         found = scope["orthornn.route"] = self.table.match(scope)
 
@@ -270,9 +266,7 @@ class Observe:
         finally:
             self.inflight -= 1
             self.metrics.inflight.dec()
-            endpoint = found[0].path if found is not None else \
-                getattr(scope.get("route"), "path", None) or "other"
-            self.record(scope, endpoint, status, start)
+            self.record(scope, found, status, start)
 
     def refuse(self, scope) -> JSON | None:
         """413 at once when Content-Length says the body is too large."""
@@ -281,7 +275,11 @@ class Observe:
             return error(413, f"body: larger than the limit of {self.max_body} bytes")
         return None
 
-    def record(self, scope, endpoint: str, status: int, start: float) -> None:
+    def record(self, scope, found, status: int, start: float) -> None:
+        """Count the request under its route template (the table's match ``found``, else
+        FastAPI's route, else "other") and the model/version the dataplane set."""
+        endpoint = found[0].path if found is not None else \
+            getattr(scope.get("route"), "path", None) or "other"
         model, ver = (scope.get("state") or {}).get("labels", (UNKNOWN, ""))
         key = (model, ver, endpoint, status)
         counter = self._counters.get(key)
