@@ -13,9 +13,14 @@ This package itself holds only the command line that composes them
 stage at import time.
 """
 
+import os
 from importlib.metadata import PackageNotFoundError, version
 
 try:
     __version__ = version("orthornn")
 except PackageNotFoundError:  # run from a checkout without installing
     __version__ = "0+unknown"
+
+# MKL sums in an order fixed whatever the thread count (training/reproducibility.py says
+# why); it reads this once, at its first call, so it is set before any of ours.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")

@@ -32,7 +32,11 @@ def build_defaults(root: Path, progress: bool = True) -> tuple[Path, dict[str, s
     """Train and publish whichever default model the repository lacks; returns REPO and,
     per model, what was done ("trained and published VERSION_DIR" or "reused ...").
     progress: training and export report progress (a bar on a terminal, else a line
-    every few seconds)."""
+    every few seconds). Trains with the portable numerics (the same bytes on every
+    x86-64 CPU, so the docs' answers hold) when torch is not imported yet."""
+    from orthornn.training.reproducibility import pin_portable
+
+    pin_portable()
     from orthornn.export.exporter import export_run
     from orthornn.export.repository import versions
     from orthornn.training.checkpoint import read_run_config

@@ -97,3 +97,15 @@ def test_answered_probe_splits_latency_by_status(service_packages, tmp_path):
         _load("answered").main([srv.url + "/predict", "--body", str(missing), "--seconds",
                                 "0.2", "--connections", "1", "--json", str(out)])
         assert set(json.loads(out.read_text())["by_status"]) == {"404"}
+
+
+def test_threads_benchmark_runs(tmp_path):
+    """Every cell trains the same bytes (the benchmark's own check: exit 0)."""
+    out = tmp_path / "threads.json"
+    assert _load("threads").main(["--models", "digits", "--steps-digits", "2",
+                                  "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["load"], r["threads"]) for r in result["rows"]] == [
+        (load, t) for load in ("idle", "beside one busy process") for t in ("1", "2", "default")]
+    assert result["same_bytes"] == {"digits": True}
+    assert all(r["steps_per_s"] > 0 for r in result["rows"])

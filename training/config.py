@@ -48,6 +48,7 @@ class TrainConfig:
     clip: float = 1.0
     seed: int = 0
     device: str = "auto"
+    threads: int | None = None
     # bookkeeping
     log_every: int = 50
     eval_every: int | None = None
@@ -85,6 +86,9 @@ def read_config_file(path: str | Path) -> dict:
         raise ValueError(f"config file {str(path)!r} cannot be parsed: {error}") from None
     if not isinstance(values, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping of options")
+    if "format" in values and isinstance(values.get("train"), dict):
+        # a run's own config.json: its training options, for a new run (a new --out)
+        values = {k: v for k, v in values["train"].items() if k != "out"}
     values = {k.replace("-", "_"): v for k, v in values.items()}
     unknown = sorted(set(values) - set(field_names()))
     if unknown:
@@ -120,6 +124,8 @@ def validate(config: TrainConfig) -> TrainConfig:
     check_float("clip", config.clip, 0.0)
     check_int("seed", config.seed, 0)
     check_choice("device", config.device, DEVICES)
+    if config.threads is not None:
+        check_int("threads", config.threads, 1, 1024)
     check_int("log_every", config.log_every, 1)
     if config.eval_every is not None:
         check_int("eval_every", config.eval_every, 1)

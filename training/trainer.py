@@ -27,6 +27,7 @@ from .config import TrainConfig, validate
 from .data import EpochSampler, Split, TokenStream
 from .preprocessing import input_preprocessing
 from .progress import progress_bar
+from .reproducibility import numerics, pick_threads
 from .tasks import COPY_LENGTH, Task, make_task
 
 DEFAULT_STEPS = 1000
@@ -174,8 +175,22 @@ def run_config(config: TrainConfig, task: Task, model) -> dict:
 
 def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict:
     """Train and return the summary (also written to RUN_DIR/summary.json). progress: a
-    bar on a terminal, else a log line every few seconds (training.progress)."""
+    bar on a terminal, else a log line every few seconds (training.progress). On the CPU
+    the same config gives the same bytes at any thread count (training.reproducibility);
+    oneDNN is off meanwhile."""
     validate(config)
+    threads, before = pick_threads(config.threads), torch.get_num_threads()
+    onednn = torch.backends.mkldnn.enabled
+    torch.set_num_threads(threads)
+    torch.backends.mkldnn.enabled = False
+    try:
+        return _train(config, resume, progress, threads)
+    finally:
+        torch.set_num_threads(before)
+        torch.backends.mkldnn.enabled = onednn
+
+
+def _train(config: TrainConfig, resume: bool, progress: bool, threads: int) -> dict:
     run_dir = Path(config.out)
     state_path = run_dir / "trainer_state.pt"
     if resume:
@@ -228,6 +243,12 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -
         scheduler.load_state_dict(state["scheduler"])
         start, best, best_step = state["step"], tuple(state["best"]), state["best_step"]
         elapsed, carried = state["seconds"], state.get("carried")
+        if total <= start:
+            raise ValueError(f"{str(run_dir)!r} is at step {start} of {total}: give a larger "
+                             f"total budget (--steps or --epochs count the whole run, not "
+                             f"the steps to add)")
+        if main:  # the run's options now (the next --resume or --config reads them)
+            checkpoint.write_json(run_dir / "config.json", run_config(config, task, model))
     elif main:
         run_dir.mkdir(parents=True, exist_ok=True)
         checkpoint.write_json(run_dir / "config.json", run_config(config, task, model))
@@ -321,6 +342,8 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -
             "parameters": sum(p.numel() for p in model.parameters()),
             "spectral": spectral_summary(best_model), "seconds": round(seconds, 3),
             "device": str(device), "processes": world,
+            "numerics": numerics(torch, device, threads),
+            "resumed_at": start if resume else None,
         }
         checkpoint.write_json(run_dir / "summary.json", summary)
         if config.plot:

@@ -1,0 +1,88 @@
+"""Repeatable training on the CPU, at a thread count that fits the machine.
+
+Two things made the same command with the same seed train different weights:
+- MKL (torch's BLAS on x86) picks its gemm blocking from the thread count, so 1 and 2
+  threads summed dL/dW in different orders; its conditional numerical reproducibility
+  mode (``MKL_CBWR=AUTO,STRICT``) fixes the order whatever the thread count. MKL reads
+  the variable once, at its first call, so ``orthornn/__init__.py`` sets it (unless the
+  user chose a mode) before anything of ours can run a matrix product.
+- oneDNN's LSTM kernel splits its weight gradients by thread; training turns oneDNN off
+  (``deterministic_cpu``), which leaves the same ops on ATen's and MKL's paths.
+With both, measured on every architecture: identical bytes for 1 and 2 threads, and
+for the same command twice (tests/test_reproducibility.py).
+
+Across CPUs, MKL and ATen pick code paths by instruction set (AVX2, AVX-512), and
+training amplifies their last-bit differences. ``PORTABLE`` pins both to their AVX2
+paths, which every x86-64 CPU since 2013 runs, so a run is the same bytes on each of
+them; it costs up to 30% on gemm-heavy models (the word LM), so only the quickstart,
+whose answers the docs show, uses it. ATen reads its variable when torch is imported.
+
+Threads: with more threads than idle cores, every parallel region waits for a thread
+the scheduler parked: beside one busy process on 2 cores, 2 threads trained the digits
+model 3x slower than 1 (bench/threads.py). ``pick_threads`` uses the cores that are
+idle now, at least 1; since results do not depend on it, this costs no repeatability.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+#: the quickstart's numerics: the same bytes on every x86-64 CPU with AVX2
+PORTABLE = {"MKL_CBWR": "AVX2,STRICT", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def pin_portable() -> bool:
+    """The AVX2 paths of MKL and ATen for this process; False when torch is already
+    imported (ATen's choice is made then), in which case nothing changes."""
+    if "torch" in sys.modules:
+        return False
+    os.environ.update(PORTABLE)
+    return True
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def idle_cores(interval_s: float = 0.2) -> float | None:
+    """How many cores were idle over the next ``interval_s`` (Linux /proc/stat; None
+    elsewhere)."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+        return fields[3] + fields[4], sum(fields[:8])  # idle + iowait, total (no guest)
+
+    try:
+        idle0, total0 = sample()
+        time.sleep(interval_s)
+        idle1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 <= total0:
+        return None
+    return (os.cpu_count() or 1) * (idle1 - idle0) / (total1 - total0)
+
+
+def pick_threads(requested: int | None) -> int:
+    """``requested`` if given, else the idle cores now (rounded, at least 1, at most the
+    cores this process may use)."""
+    if requested is not None:
+        return requested
+    cores = usable_cores()
+    idle = idle_cores()
+    if idle is None:
+        return cores
+    return max(1, min(cores, round(idle)))
+
+
+def numerics(torch, device, threads: int) -> dict:
+    """What determines a run's bytes besides its config, for summary.json."""
+    return {"torch": torch.__version__, "threads": threads, "device": str(device),
+            "mkl_cbwr": os.environ.get("MKL_CBWR"),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "onednn": False, "deterministic": device.type == "cpu"}
