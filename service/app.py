@@ -361,6 +361,7 @@ def create_app(settings: Settings) -> FastAPI:
         return JSON(await dataplane.generate(body, labels(scope)))
 
     async def infer(body: bytes, scope: dict, name: str, version: str | None = None):
+        dataplane.label(labels(scope), name)  # counted under the model from the start
         length = header(scope, b"inference-header-content-length")
         tail = b""
         if length is not None:

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+DEFAULT_URL = "http://127.0.0.1:8000"  # where orthornn serve and the quickstart listen
+
 # flag -> settings field; a flag left out keeps the ORTHORNN_* variable or the default
 SERVE_FLAGS = [
     ("--repo", str, "model repository root (ORTHORNN_REPO)"),
@@ -56,21 +58,33 @@ def add_serve_parsers(sub) -> None:
     serve.set_defaults(run=run_serve)
 
     predict = sub.add_parser(
-        "predict", help="send a file to a running service's /predict and print the answer",
-        description="FILE: .json (a list of sequences, or a whole /predict body), .npy "
-                    "(the array x) or .npz (arrays x and optional lengths [N]), x [N, T, d] "
-                    "numbers ([N, T] for one feature, or token ids), or .txt (one text per "
-                    "line, for language models).")
-    predict.add_argument("file", metavar="FILE")
-    predict.add_argument("--url", required=True, help="service base URL, e.g. "
-                                                      "http://127.0.0.1:8000")
-    predict.add_argument("--model", required=True)
-    predict.add_argument("--version", type=int)
-    predict.add_argument("--top-k", type=int)
-    predict.add_argument("--timeout", type=float, default=60.0)
+        "predict", help="send a file to a running service's /predict and print the answers",
+        description="Send FILE to a running service's /predict and print one line per "
+                    "sequence: '0: 4 (p=0.98)' for a classifier (with --top-k, the k "
+                    "likeliest labels on the same line), the value of a regressor, the "
+                    "labels of a seq2seq model, the likeliest next tokens of a language "
+                    "model; --verbose prints the whole JSON answer. FILE: .json (a list of "
+                    "sequences, or a whole /predict body), .npy (the array x) or .npz "
+                    "(arrays x and optional lengths [N]), x [N, T, d] numbers ([N, T] for "
+                    "one feature, or token ids), or .txt (one text per line, for language "
+                    "models).")
+    predict.add_argument("file", metavar="FILE", help="the sequences to send (formats above)")
+    predict.add_argument("--url", default=DEFAULT_URL,
+                         help=f"service base URL (default {DEFAULT_URL}, where orthornn serve "
+                              f"and the quickstart listen)")
+    predict.add_argument("--model", required=True, help="the model's name in the repository")
+    predict.add_argument("--version", type=int, help="a loaded version (default: the newest)")
+    predict.add_argument("--top-k", type=int,
+                         help="classifiers: also the k likeliest labels; language models: "
+                              "next tokens listed (default 5)")
+    predict.add_argument("--timeout", type=float, default=60.0,
+                         help="seconds to wait for each answer (default 60)")
+    predict.add_argument("--verbose", "-v", action="store_true",
+                         help="print the whole JSON answer (with --stream: one JSON line per "
+                              "chunk) instead of a line per sequence")
     predict.add_argument("--stream", action="store_true",
                          help="send each sequence in chunks through a server-side session and "
-                              "print one JSON line per chunk (the answer after it)")
+                              "print a line per chunk (the answer after it)")
     predict.add_argument("--chunk-size", type=int, default=8,
                          help="with --stream: time steps (or words of a text) per chunk "
                               "(default 8)")
@@ -192,12 +206,43 @@ def _post_predict(url: str, body: dict, timeout: float) -> dict:
             message = ""
         raise _HTTPFailure(e.code, message or str(e.reason)) from None
     except (urllib.error.URLError, OSError) as e:
-        raise ValueError(f"cannot reach {url!r}: {getattr(e, 'reason', e)}") from None
+        raise ValueError(f"cannot reach {url!r}: {getattr(e, 'reason', e)} (is orthornn "
+                         f"serve running there? --url names another address)") from None
+
+
+def _p(probability: float) -> str:
+    return f"{probability:.3g}"
+
+
+def summary(output: dict) -> str:
+    """One sequence's /predict output on one line: the label and its probability (and
+    the top_k), the value, the seq2seq labels or the next tokens; else compact JSON."""
+    if "next_tokens" in output:  # lm
+        line = "next: " + ", ".join(f"{json.dumps(t['token'], ensure_ascii=False)} "
+                                    f"{_p(t['probability'])}" for t in output["next_tokens"])
+        if output.get("perplexity") is not None:
+            line += f"; perplexity {output['perplexity']:.4g}"
+        return line
+    if "labels" in output:  # seq2seq: a label per time step
+        return " ".join(map(str, output["labels"]))
+    if "value" in output:  # regress
+        value = output["value"]
+        return f"{value:.4g}" if not isinstance(value, list) else \
+            "[" + ", ".join(f"{v:.4g}" for v in value) + "]"
+    if "label" in output:  # classify
+        line, probabilities = str(output["label"]), output.get("probabilities")
+        if probabilities and output.get("index") is not None:
+            line += f" (p={_p(probabilities[output['index']])})"
+        if output.get("top_k"):
+            line += f"; top {len(output['top_k'])}: " + ", ".join(
+                f"{c['label']} {_p(c['probability'])}" for c in output["top_k"])
+        return line
+    return json.dumps(output)
 
 
 def _stream(args: argparse.Namespace, body: dict) -> None:
     """Each sequence of the body through its own session, --chunk-size steps (or words)
-    a request; one JSON line per chunk."""
+    a request; a line per chunk (--verbose: a JSON line)."""
     import uuid
 
     if args.chunk_size < 1:
@@ -216,9 +261,13 @@ def _stream(args: argparse.Namespace, body: dict) -> None:
             chunk = {**body, field: [" ".join(part) if texts is not None else part],
                      "session": session, "start": k == 0, "end": k == len(starts) - 1}
             answer = _post_predict(args.url, chunk, args.timeout)
-            print(json.dumps({"sequence": i, "chunk": k,
-                              "steps": [start, start + len(part)], "version": answer["version"],
-                              "output": answer["outputs"][0]}), flush=True)
+            steps, output = [start, start + len(part)], answer["outputs"][0]
+            if args.verbose:
+                print(json.dumps({"sequence": i, "chunk": k, "steps": steps,
+                                  "version": answer["version"], "output": output}), flush=True)
+            else:
+                unit = "words" if texts is not None else "steps"
+                print(f"{i} {unit} {steps[0]}-{steps[1]}: {summary(output)}", flush=True)
 
 
 def run_predict(args: argparse.Namespace) -> int:
@@ -231,5 +280,9 @@ def run_predict(args: argparse.Namespace) -> int:
     except _HTTPFailure as e:
         print(f"orthornn predict: HTTP {e.code}: {e}", file=sys.stderr)
         return 2 if 400 <= e.code < 500 else 1
-    print(json.dumps(answer, indent=2))
+    if args.verbose:
+        print(json.dumps(answer, indent=2))
+    else:
+        for i, output in enumerate(answer["outputs"]):
+            print(f"{i}: {summary(output)}")
     return 0

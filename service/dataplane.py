@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from . import generate, inputs
 from .inputs import ClientError
+from .metrics import UNKNOWN
 from .protocol import GenerateRequest, InferenceRequest, PredictRequest, RepositoryIndexRequest
 from .registry import NotFound, Registry
 from .runtime import Chunk
@@ -87,11 +88,34 @@ class DataPlane:
             hold=lambda name, version: registry.acquire(name, version, session=True),
             release=lambda mv: registry.release(mv, session=True), metrics=metrics)
 
+    def label(self, labels: dict, name: str, version: int | None = None) -> None:
+        """The metric labels of a request naming model NAME (and VERSION), before any
+        version is held: a loaded model's name, with the version only when it is loaded;
+        UNKNOWN for a model that is not loaded (clients cannot grow the label set)."""
+        if not self.registry.model_ready(name):
+            labels["labels"] = (UNKNOWN, "")
+        elif version is not None and self.registry.model_ready(name, version):
+            labels["labels"] = (name, str(version))
+        else:
+            labels["labels"] = (name, "")
+
     @contextmanager
-    def hold(self, labels: dict, name: str, version: int | None):
+    def hold(self, labels: dict, name: str, version: int | None, *,
+             from_states: bool = False):
         """Acquire a model version for one request; ``labels`` (the request's scope
-        state) gets the metric labels."""
-        mv = self.registry.acquire(name, version)
+        state) gets the metric labels. ``from_states``: the version is the one the
+        request's states name (a 404 says so)."""
+        try:
+            mv = self.registry.acquire(name, version)
+        except NotFound:
+            self.label(labels, name)
+            if from_states and self.registry.model_ready(name):
+                loaded = self.registry.serving().get(name, [])
+                raise NotFound(f"states: made by model {name!r} version {version}, which is "
+                               f"not loaded (loaded: {loaded}); a state only continues the "
+                               f"version that made it: start the sequence again without "
+                               f"states") from None
+            raise
         labels["labels"] = (name, str(mv.version))
         try:
             yield mv
@@ -109,6 +133,7 @@ class DataPlane:
         return self.registry.ready()
 
     def model_metadata(self, name: str, version: str | None, labels: dict) -> dict:
+        self.label(labels, name)
         mv = self.registry.get(name, version_param(version))
         labels["labels"] = (name, str(mv.version))
         io = mv.spec.io["model"]
@@ -123,8 +148,9 @@ class DataPlane:
 
     def model_ready(self, name: str, version: str | None, labels: dict) -> bool:
         """True when ready; False when in the repository but not ready; NotFound else."""
+        self.label(labels, name)  # before the version is read: "x" is a 404 too
         v = version_param(version)
-        labels["labels"] = (name, str(v or ""))
+        self.label(labels, name, v)
         if self.registry.model_ready(name, v):
             return True
         if name not in {r["name"] for r in self.registry.index()}:
@@ -134,6 +160,7 @@ class DataPlane:
     def model_config(self, name: str, labels: dict) -> dict:
         """Triton's model configuration, as tritonclient reads it."""
         s = self.settings
+        self.label(labels, name)
         mv = self.registry.get(name)
         labels["labels"] = (name, str(mv.version))
         io = mv.spec.io["model"]
@@ -157,6 +184,7 @@ class DataPlane:
 
     async def generate(self, body: bytes, labels: dict) -> dict:
         req = parse(GenerateRequest, body)
+        self.label(labels, req.model)
         with self.hold(labels, req.model, version_param(req.version)) as mv:
             prompt = generate.prompt_ids(mv.spec, req, self.settings.max_new_tokens)
             # a thread of its own (asyncio's default pool): a long generation must not hold
@@ -195,21 +223,24 @@ class DataPlane:
         # and every mistake, goes through pydantic and the checks that name the field
         fast = inputs.fast_predict_request(body)
         req = fast or parse(PredictRequest, body)
+        self.label(labels, req.model)
         if req.session is not None:
             return await self._predict_session(req, body, fast, labels)
         for flag in ("start", "end"):
             if getattr(req, flag):
                 raise ClientError(f"{flag}: only with 'session'")
         version = version_param(req.version)
+        from_states = False
         if req.states is not None:
-            made_by = state_version(req.states)
+            made_by = state_version(req.states, req.model)
             if version is None:
                 version = made_by  # a state continues the version that made it
+                from_states = made_by is not None
             elif made_by is not None and made_by != version:
                 raise StateConflict(f"states: made by version {made_by}, the request asks "
                                     f"for version {version}; a state only continues the "
                                     f"version that made it")
-        with self.hold(labels, req.model, version) as mv:
+        with self.hold(labels, req.model, version, from_states=from_states) as mv:
             seqs = self._sequences(mv, req, body, fast)
             self._check_range(mv, seqs, "inputs", labels)
             if req.states is not None:

@@ -133,10 +133,13 @@ class Registry:
         return mv
 
     def ready(self) -> bool:
-        if not self.scanned.is_set():
-            return False
+        return self.scanned.is_set() and not self.waiting_for()
+
+    def waiting_for(self) -> list[str]:
+        """The configured models that readiness waits for (none loaded yet)."""
         with self._lock:
-            return all(self._serving.get(n) for n in self._configured - self._unloaded)
+            return sorted(n for n in self._configured - self._unloaded
+                          if not self._serving.get(n))
 
     def model_ready(self, name: str, version: int | None = None) -> bool:
         with self._lock:

@@ -96,9 +96,40 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's startup (lifespan, state) with our listener in place of its server on
-        the given sockets (without sockets: uvicorn's own, binding host and port)."""
+        the given sockets (without sockets: uvicorn's own, binding host and port); then,
+        in the background, the one log line that says the service is ready and where."""
         if sockets is None:
-            return await super().startup(sockets)
+            await super().startup(sockets)
+            sockets = [s for server in getattr(self, "servers", ())
+                       for s in getattr(server, "sockets", None) or ()]
+        else:
+            await self._listen(sockets)
+        if not self.should_exit:
+            urls = ", ".join(address(sock) for sock in sockets)
+            self._announcer = asyncio.get_running_loop().create_task(self.announce(urls))
+
+    async def announce(self, urls: str) -> None:
+        """Log at INFO, once, when every configured model is loaded: the address and the
+        models served. A first repository scan that ends short of it logs a WARNING."""
+        registry = self.service_app.state.registry
+        warned = False
+        while not registry.ready():
+            if self.should_exit:
+                return
+            missing = registry.waiting_for() if registry.scanned.is_set() else []
+            if missing and not warned:
+                warned = True
+                log.warning("listening on %s but not ready: not loaded: %s (refused, see "
+                            "above, or not in the repository)", urls, ", ".join(missing))
+            await asyncio.sleep(0.05)
+        serving = registry.serving()
+        models = ", ".join(f"{name} v" + ",".join(map(str, versions))
+                           for name, versions in sorted(serving.items()))
+        count = f"{len(serving)} model{'' if len(serving) == 1 else 's'}: {models}" \
+            if serving else "no models yet"
+        log.info("ready on %s (%s)", urls, count)
+
+    async def _listen(self, sockets: list[socket.socket]) -> None:
         await super().startup(sockets=[])
         config = self.config
 
@@ -126,6 +157,12 @@ class DrainingServer(uvicorn.Server):
             threading.Timer(self.delay, lambda: setattr(self, "should_exit", True)).start()
         else:
             self.should_exit = True
+
+
+def address(sock: socket.socket) -> str:
+    """The URL of a listening socket (its bound port: --port 0 binds a free one)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -40,15 +40,47 @@ def encode_state(name: str, version: int, state: np.ndarray) -> dict:
     return {"model": name, "version": version, "data": base64.b64encode(data).decode()}
 
 
-def state_version(states: list, field_name: str = "states") -> int | None:
-    """The version every state of a request names (None for no states); ClientError when
-    they are malformed or disagree."""
+def json_type(value) -> str:
+    """The JSON type of a parsed value, as an error message names it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list) else "an object"
+
+
+def check_state(value, where: str) -> None:
+    """ClientError (400) naming the field when VALUE is not shaped like a state a response
+    returned: an object with exactly model, version (an integer) and data (a string)."""
+    if not isinstance(value, dict) or set(value) != {"model", "version", "data"}:
+        raise ClientError(f"{where}: must be a state exactly as a response returned it "
+                          f"(an object with model, version and data)")
+    version = value["version"]
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ClientError(f"{where}.version must be an integer (the version that made the "
+                          f"state); got {json_type(version)}")
+    if not isinstance(value["data"], str):
+        raise ClientError(f"{where}.data must be a string (the base64 state an earlier answer "
+                          f"returned); got {json_type(value['data'])}")
+
+
+def state_version(states: list, model: str, field_name: str = "states") -> int | None:
+    """The version every state of a request for MODEL names (None for no states), checked
+    before any version is looked up: ClientError (400) when a state is malformed,
+    StateConflict (409) when one belongs to another model (whatever versions are loaded
+    here) or the states disagree on the version."""
     versions = set()
     for i, s in enumerate(states):
-        if not isinstance(s, dict) or not isinstance(s.get("version"), int) \
-                or isinstance(s.get("version"), bool):
-            raise ClientError(f"{field_name}[{i}]: must be a state exactly as a response "
-                              f"returned it (an object with model, version and data)")
+        where = f"{field_name}[{i}]"
+        check_state(s, where)
+        if s["model"] != model:
+            raise StateConflict(f"{where}: a state of model {s['model']!r} (version "
+                                f"{s['version']}) cannot continue on model {model!r}: a "
+                                f"state only continues the model version that made it")
         versions.add(s["version"])
     if len(versions) > 1:
         raise StateConflict(f"{field_name}: the states come from different versions "
@@ -59,10 +91,7 @@ def state_version(states: list, field_name: str = "states") -> int | None:
 def decode_state(value, name: str, version: int, size: int, where: str) -> np.ndarray:
     """A state vector [size] from an opaque state value, checked against the model version
     about to continue from it."""
-    if not isinstance(value, dict) or set(value) != {"model", "version", "data"} \
-            or not isinstance(value["data"], str):
-        raise ClientError(f"{where}: must be a state exactly as a response returned it "
-                          f"(an object with model, version and data)")
+    check_state(value, where)
     if value["model"] != name or value["version"] != version:
         raise StateConflict(f"{where}: a state of model {value['model']!r} version "
                             f"{value['version']!r} cannot continue on model {name!r} version "

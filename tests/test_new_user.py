@@ -65,6 +65,51 @@ def test_predict_client_reads_npz_with_lengths(tmp_path):
                  str(tmp_path / "junk.npy")]) == 2
 
 
+def test_predict_client_defaults_to_the_local_service_and_one_line_per_sequence(
+        tmp_path, monkeypatch, capsys):
+    """Without --url the client asks the quickstart's address; it prints a line per
+    sequence (--verbose: the whole answer), whatever the model's task."""
+    from orthornn.service import commands
+
+    asked = []
+    answer = {"model": "m", "version": 3, "outputs": [
+        {"label": "4", "index": 1, "probabilities": [0.01, 0.98, 0.01]},
+        {"label": "cat", "index": 0, "probabilities": [0.5, 0.25, 0.25],
+         "top_k": [{"label": "cat", "index": 0, "probability": 0.5},
+                   {"label": "dog", "index": 1, "probability": 0.25}]},
+        {"value": 0.123456},
+        {"value": [1.5, -2.0]},
+        {"labels": ["B", "I", "O"], "indices": [0, 1, 2]},
+        {"next_tokens": [{"token": "the", "id": 2, "probability": 0.31},
+                         {"token": ",", "id": 7, "probability": 0.2}],
+         "log_likelihood": -1.0, "perplexity": 2.718281, "tokens": 1},
+        {"next_tokens": [{"token": "cat", "id": 5, "probability": 1.0}],
+         "log_likelihood": 0.0, "perplexity": None, "tokens": 0},
+    ]}
+
+    def post(url, body, timeout):
+        asked.append(url)
+        return answer
+    monkeypatch.setattr(commands, "_post_predict", post)
+    (tmp_path / "x.json").write_text("[[0.1]]")
+    assert main(["predict", "--model", "m", str(tmp_path / "x.json")]) == 0
+    assert asked == ["http://127.0.0.1:8000"]
+    assert capsys.readouterr().out.splitlines() == [
+        "0: 4 (p=0.98)",
+        "1: cat (p=0.5); top 2: cat 0.5, dog 0.25",
+        "2: 0.1235",
+        "3: [1.5, -2]",
+        "4: B I O",
+        '5: next: "the" 0.31, "," 0.2; perplexity 2.718',
+        '6: next: "cat" 1',
+    ]
+    assert main(["predict", "--model", "m", "--verbose", str(tmp_path / "x.json")]) == 0
+    assert json.loads(capsys.readouterr().out) == answer
+    help_text = " ".join(orthornn("predict", "--help", timeout=60).stdout.split())
+    assert "(default http://127.0.0.1:8000," in help_text
+    assert "--verbose, -v print the whole JSON answer" in help_text
+    assert "'0: 4 (p=0.98)'" in help_text
+
 # -- 2. progress lines when stderr is not a terminal -----------------------------------------
 
 PROGRESS = re.compile(r"^train svdrnn adding: step (\d+)/40 \(\d+%\), ([\d.]+|rate \?)")

@@ -384,6 +384,42 @@ def test_metrics_exposition(client):
             assert line.split("{")[0].split(" ")[0].startswith("orthornn_"), line
 
 
+def test_unknown_versions_of_a_loaded_model_are_counted_under_the_model(service_packages,
+                                                                       tmp_path):
+    """A request for a version that is not loaded (404) names a loaded model: it is counted
+    under that model, with no version label (clients choose the number); only a model that
+    is not loaded at all is "_unknown"."""
+    repo = make_repo(service_packages, tmp_path, {"digits": [1]})
+    app = create_app(Settings(repo=repo, poll_interval_s=0))
+    x = {"name": "x", "shape": [1, 2, 1], "datatype": "FP32", "data": [0.1, 0.2]}
+    with TestClient(app, raise_server_exceptions=False) as c:
+        app.state.registry.scanned.wait(60)
+        for path in ("/v2/models/digits/versions/99/infer", "/v2/models/digits/versions/x/infer",
+                     "/v2/models/nope/infer"):
+            assert c.post(path, json={"inputs": [x]}).status_code == 404, path
+        assert c.post("/predict", json={"model": "digits", "version": 99,
+                                        "inputs": [[0.1]]}).status_code == 404
+        assert c.get("/v2/models/digits/versions/99").status_code == 404
+        assert c.get("/v2/models/digits/versions/99/ready").status_code == 503
+        assert c.get("/v2/models/nope/versions/7/ready").status_code == 404
+        text = c.get("/metrics").text
+
+    def count(endpoint: str, model: str, status: int, version: str = "") -> float:
+        line = (f'orthornn_requests_total{{endpoint="{endpoint}",model="{model}",'
+                f'status="{status}",version="{version}"}} ')
+        found = [row for row in text.splitlines() if row.startswith(line)]
+        return float(found[0][len(line):]) if found else 0.0
+
+    assert count("/v2/models/{name}/versions/{version}/infer", "digits", 404) == 2
+    assert count("/v2/models/{name}/infer", "_unknown", 404) == 1
+    assert count("/predict", "digits", 404) == 1
+    assert count("/v2/models/{name}/versions/{version}", "digits", 404) == 1
+    assert count("/v2/models/{name}/versions/{version}/ready", "digits", 503) == 1
+    assert count("/v2/models/{name}/versions/{version}/ready", "_unknown", 404) == 1
+    # no label value a client chose: neither "nope" nor the versions 99, x and 7
+    assert not re.search(r'orthornn_requests_total\{[^}]*(model="nope"|version="(99|x|7)")',
+                         text), text
+
 def test_docs_and_openapi(client):
     assert client.get("/docs").status_code == 200
     schema = client.get("/openapi.json").json()

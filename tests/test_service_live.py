@@ -275,18 +275,35 @@ def test_predict_client_command(service_packages, tmp_path, capsys):
     (tmp_path / "x.json").write_text(json.dumps([[0.1, 0.2], [[0.3]]]))
     with LiveServer(repo=repo) as srv:
         for name, model in (("x.npz", "digits"), ("t.txt", "words"), ("x.json", "digits")):
+            # --verbose: the whole JSON answer
             assert cli(["predict", "--url", srv.url, "--model", model, "--top-k", "2",
-                        str(tmp_path / name)]) == 0
+                        "--verbose", str(tmp_path / name)]) == 0
             answer = json.loads(capsys.readouterr().out)
             assert answer["model"] == model and len(answer["outputs"]) == 2
+            # by default: one line per sequence, summing that answer up
+            assert cli(["predict", "--url", srv.url, "--model", model, "--top-k", "2",
+                        str(tmp_path / name)]) == 0
+            lines = capsys.readouterr().out.splitlines()
+            assert len(lines) == 2
+            for i, (line, out) in enumerate(zip(lines, answer["outputs"], strict=True)):
+                if model == "digits":
+                    best, second = out["top_k"]
+                    p = out["probabilities"][out["index"]]
+                    assert line == (f"{i}: {out['label']} (p={p:.3g}); "
+                                    f"top 2: {best['label']} {best['probability']:.3g}, "
+                                    f"{second['label']} {second['probability']:.3g}")
+                else:
+                    tokens = ", ".join(f'"{t["token"]}" {t["probability"]:.3g}'
+                                       for t in out["next_tokens"])
+                    assert line == f"{i}: next: {tokens}; perplexity {out['perplexity']:.4g}"
         assert cli(["predict", "--url", srv.url, "--model", "nope",
                     str(tmp_path / "x.json")]) == 2
         assert "HTTP 404: model 'nope' is not loaded" in capsys.readouterr().err
         # --stream: each sequence through a session, a line per chunk, ending where one
-        # request of the whole sequence ends
+        # request of the whole sequence ends (--verbose: a JSON line per chunk)
         x = np.random.default_rng(0).random((2, 7, 1)).astype(np.float32)
         np.savez(tmp_path / "s.npz", x=x)
-        assert cli(["predict", "--url", srv.url, "--model", "digits", "--stream",
+        assert cli(["predict", "--url", srv.url, "--model", "digits", "--stream", "--verbose",
                     "--chunk-size", "3", str(tmp_path / "s.npz")]) == 0
         lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert [(r["sequence"], r["steps"]) for r in lines] == [
@@ -295,10 +312,22 @@ def test_predict_client_command(service_packages, tmp_path, capsys):
         for i in (0, 1):
             np.testing.assert_allclose(lines[3 * i + 2]["output"]["probabilities"],
                                        softmax(ref[i]["logits"].astype(float)), atol=1e-5)
-        assert cli(["predict", "--url", srv.url, "--model", "words", "--stream",
+        assert cli(["predict", "--url", srv.url, "--model", "digits", "--stream",
+                    "--chunk-size", "3", str(tmp_path / "s.npz")]) == 0
+        compact = capsys.readouterr().out.splitlines()
+        assert [line.split(":")[0] for line in compact] == [
+            f"{i} steps {a}-{b}" for i in (0, 1) for a, b in ((0, 3), (3, 6), (6, 7))]
+        for line, r in zip(compact, lines, strict=True):
+            p = r["output"]["probabilities"][r["output"]["index"]]
+            assert line.endswith(f": {r['output']['label']} (p={p:.3g})"), line
+        assert cli(["predict", "--url", srv.url, "--model", "words", "--stream", "-v",
                     "--chunk-size", "2", str(tmp_path / "t.txt")]) == 0
         lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert [r["steps"] for r in lines] == [[0, 2], [2, 3], [0, 2]]
+        assert cli(["predict", "--url", srv.url, "--model", "words", "--stream",
+                    "--chunk-size", "2", str(tmp_path / "t.txt")]) == 0
+        assert [line.split(": next: ")[0] for line in capsys.readouterr().out.splitlines()
+                ] == ["0 words 0-2", "0 words 2-3", "1 words 0-2"]
         assert cli(["predict", "--url", srv.url, "--model", "digits", "--stream",
                     "--chunk-size", "0", str(tmp_path / "s.npz")]) == 2
         assert "--chunk-size must be an integer >= 1" in capsys.readouterr().err
@@ -373,6 +402,43 @@ def test_sigterm_drains_in_flight_requests(service_packages, tmp_path):
                                                / np.exp(r["logits"]).sum(), atol=1e-6)]
         assert len(match) == 1, probs
 
+
+def test_serve_logs_once_that_it_is_ready_and_where(service_packages, tmp_path):
+    """With the default log level, one INFO line on stderr says the service is ready, at
+    which address (--port 0: the port it bound) and with which models; the address in it
+    answers."""
+    repo = make_repo(service_packages, tmp_path / "repo", {"digits": [1], "words": [1]})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORTHORNN_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orthornn", "serve", "--repo", str(repo), "--port", "0"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines, ready = [], threading.Event()
+
+    def read():
+        for line in proc.stderr:
+            lines.append(line)
+            if " ready on " in line:
+                ready.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(60), "".join(lines)[-3000:]
+        line = next(line for line in lines if " ready on " in line)
+        found = re.fullmatch(r"\S+ \S+ INFO orthornn\.service: ready on "
+                             r"(http://127\.0\.0\.1:([0-9]+)) \(2 models: digits v1, words v1\)",
+                             line.strip())
+        assert found and int(found.group(2)) > 0, line
+        url = found.group(1)
+        assert httpx.get(url + "/v2/health/ready", timeout=5).status_code == 200
+        assert httpx.post(url + "/predict", json={"model": "digits", "inputs": [[0.1]]},
+                          timeout=30).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=10)
+    assert sum(" ready on " in line for line in lines) == 1, "".join(lines)
 
 def test_middleware_root_path_and_admission_apply_to_every_route(service_packages, tmp_path):
     """One route table behind one middleware stack: a middleware added with add_middleware

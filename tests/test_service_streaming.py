@@ -170,6 +170,51 @@ def test_state_routes_to_its_version_and_refuses_another(client):
     assert r.status_code == 400 and "one per sequence" in r.json()["error"]
 
 
+def test_a_state_of_another_model_is_409_whatever_versions_are_loaded(client):
+    """adding runs versions 4 and 5, digits only version 1: a state of adding is refused
+    by digits with 409 naming both models, before any version is looked up (not 404 for
+    digits' missing version 4 or 5)."""
+    seq = [[0.1], [0.2]]
+    for state in (_state(client, version=4), _state(client, version=5)):
+        for extra in ({}, {"version": 1}):
+            r = client.post("/predict", json={"model": "digits", "inputs": [seq],
+                                              "states": [state], **extra})
+            error = r.json()["error"]
+            assert r.status_code == 409, r.text
+            assert error.startswith("states[0]: a state of model 'adding'") and \
+                "cannot continue on model 'digits'" in error, error
+    # the second of two states belongs to another model: named by its index
+    words = _state(client, name="words", version=1, seq=[1, 2])
+    r = client.post("/predict", json={"model": "adding", "inputs": [[[0.1, 0]], [[0.2, 0]]],
+                                      "states": [_state(client), words]})
+    assert r.status_code == 409 and r.json()["error"].startswith(
+        "states[1]: a state of model 'words'"), r.text
+    # a state of this model whose version is not loaded: 404 (the documented answer after
+    # a hot swap), saying the version is the state's
+    r = client.post("/predict", json={"model": "adding", "inputs": [[[0.1, 0]]],
+                                      "states": [{**_state(client), "version": 9}]})
+    assert r.status_code == 404, r.text
+    assert "states: made by model 'adding' version 9, which is not loaded (loaded: [4, 5])" \
+        in r.json()["error"]
+
+
+@pytest.mark.parametrize("data,kind", [(0.75, "a number"), (3, "a number"),
+                                       ([0.0] * 8, "a list"), ({"a": 1}, "an object"),
+                                       (None, "null"), (True, "a boolean")])
+def test_a_state_whose_data_is_not_a_string_is_named(client, data, kind):
+    state = {**_state(client), "data": data}
+    for version in ({}, {"version": 4}, {"version": 5}):  # the same answer on every path
+        r = client.post("/predict", json={"model": "adding", "inputs": [[[0.1, 0]]],
+                                          "states": [state], **version})
+        assert r.status_code == 400 and r.json()["error"] == (
+            f"states[0].data must be a string (the base64 state an earlier answer "
+            f"returned); got {kind}"), r.text
+    r = client.post("/predict", json={"model": "adding", "inputs": [[[0.1, 0]]],
+                                      "states": [{**_state(client), "version": "4"}]})
+    assert r.status_code == 400 and r.json()["error"] == (
+        "states[0].version must be an integer (the version that made the state); got a "
+        "string"), r.text
+
 def test_session_errors(client):
     def post(**body):
         return client.post("/predict", json={"model": "adding", "inputs": [[[0.1, 0.0]]],
