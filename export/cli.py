@@ -4,6 +4,7 @@ Torch-free at import; the exporter is imported when the command runs."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_export_parser(sub) -> None:
@@ -37,8 +38,12 @@ def run_export(args: argparse.Namespace) -> int:
                                     ("--name", args.name)) if not v]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or give --verify-only PACKAGE)")
-    from .exporter import export_run
+    from .exporter import AlreadyPublished, export_run
 
-    print(export_run(args.run_dir, args.repo, args.name, args.mode, args.opset,
-                     progress=not args.no_progress))
+    try:
+        print(export_run(args.run_dir, args.repo, args.name, args.mode, args.opset,
+                         progress=not args.no_progress))
+    except AlreadyPublished as same:  # not an error: the model asked for is published
+        print(f"orthornn export: {same}", file=sys.stderr)
+        print(same.path)
     return 0

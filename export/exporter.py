@@ -117,10 +117,36 @@ def _io_spec(proto: onnx.ModelProto) -> tuple[list, list]:
     return inputs, [spec(v) for v in proto.graph.output]
 
 
+class AlreadyPublished(Exception):
+    """The run's kept checkpoint is already published with the same mode and opset:
+    nothing new is published (``path`` is that version)."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"{path} already holds this checkpoint (same weights, mode and "
+                         f"opset): nothing published")
+        self.path = path
+
+
+def published_version(model_dir: Path, checkpoint_sha256: str, mode: str,
+                      opset: int) -> Path | None:
+    """The version of model_dir exported from these exact weights with this mode and
+    opset, if any (a retrain that kept the old checkpoint, or an export run twice)."""
+    for version in reversed(repository.versions(model_dir)):
+        try:
+            manifest = package.read_manifest(model_dir / str(version))
+        except package.PackageError:
+            continue
+        if ((manifest.source or {}).get("checkpoint_sha256") == checkpoint_sha256
+                and manifest.mode == mode and manifest.opset == opset):
+            return model_dir / str(version)
+    return None
+
+
 def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "dense",
                opset: int = 18, progress: bool = False) -> Path:
     """Publish RUN_DIR's best model as REPO/NAME/<next version>/ and return its path.
-    progress: report the stages (a bar on a terminal, else a line every few seconds)."""
+    progress: report the stages (a bar on a terminal, else a line every few seconds).
+    Raises AlreadyPublished when a version holds the same checkpoint already."""
     repository.check_name(name)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -131,6 +157,10 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
     if not run_dir.is_dir():
         raise ValueError(f"run directory {str(run_dir)!r} does not exist")
     model, config = load_model(run_dir)
+    existing = published_version(Path(repo) / name, package.sha256(run_dir / "model.safetensors"),
+                                 mode, opset)
+    if existing is not None:
+        raise AlreadyPublished(existing)
     if not hasattr(model, "layer"):
         raise ValueError(f"{model.arch} is not recurrent: export takes recurrent models only")
 

@@ -43,7 +43,7 @@ def _architectures(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("models", "ops", "export", "reproduce", "service", "streaming")
+BENCHMARKS = ("models", "ops", "export", "reproduce", "service", "streaming", "threads")
 SOURCE_TREE = Path(__file__).resolve().parents[1]
 
 
@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         if extra is None:
             raise
         print(f"orthornn {args.command} needs the {extra} extra: "
-              f"pip install 'orthornn[{extra}]' (missing module {error.name!r})", file=sys.stderr)
+              f"pip install '.[{extra}]' in a checkout of orthornn (missing module "
+              f"{error.name!r})", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"orthornn {args.command}: interrupted", file=sys.stderr)

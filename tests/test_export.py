@@ -233,7 +233,29 @@ def test_export_publishes_verified_versions(runs, tmp_path):
     import shutil
 
     shutil.rmtree(second)
-    assert export_run(runs / "adding", repo, "adder").name == "3"
+    assert export_run(runs / "adding", repo, "adder", mode="factored").name == "3"
+
+
+def test_the_same_checkpoint_is_not_published_twice(runs, tmp_path, capsys):
+    """An export run twice, or a retrain that kept the exported checkpoint, names the
+    version that holds it and publishes nothing (exit 0: what was asked for is there)."""
+    from orthornn.export.exporter import AlreadyPublished
+
+    from orthornn.cli import main
+
+    repo = tmp_path / "repo"
+    first = export_run(runs / "adding", repo, "adder")
+    with pytest.raises(AlreadyPublished) as same:
+        export_run(runs / "adding", repo, "adder")
+    assert same.value.path == first
+    capsys.readouterr()
+    assert main(["export", str(runs / "adding"), "--repo", str(repo), "--name", "adder",
+                 "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == str(first)
+    assert f"{first} already holds this checkpoint" in err and "nothing published" in err
+    assert sorted(p.name for p in (repo / "adder").iterdir() if not p.name.startswith(".")) \
+        == ["1"]
 
 
 def test_lm_package_has_step_graph_and_vocabulary(runs, tmp_path):

@@ -121,7 +121,7 @@ def test_missing_extra_is_one_line_and_exit_2(tmp_path, argv, extra):
     result = _run(code, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith(f"orthornn {argv[0]} needs the {extra} extra: "
-                                    f"pip install 'orthornn[{extra}]'"), result.stderr
+                                    f"pip install '.[{extra}]' in a checkout"), result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "RUN").exists()
 

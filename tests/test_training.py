@@ -237,3 +237,47 @@ def test_sgornn_gates_are_logged(tmp_path):
     assert rows[-1]["gate_a"] == pytest.approx(a.item())
     assert rows[-1]["gate_b2"] == pytest.approx(b2.item())
     assert all(r["gate_b2"] <= 1 - 2 * r["gate_a"] for r in rows)
+
+
+def test_a_runs_config_json_is_a_config_file(tmp_path, capsys):
+    """--config RUN/config.json trains a new run with the old run's options (flags over
+    them, a new --out)."""
+    first = tmp_path / "first"
+    assert cli(["train", "--arch", "svdrnn", "--task", "adding", "--seq-len", "6", "--hidden",
+                "8", "--steps", "4", "--batch-size", "8", "--log-every", "2", "--lr", "0.02",
+                "--no-progress", "--out", str(first)]) == 0
+    second = tmp_path / "second"
+    assert cli(["train", "--config", str(first / "config.json"), "--seed", "1",
+                "--out", str(second), "--no-progress"]) == 0
+    old = json.loads((first / "config.json").read_text())["train"]
+    new = json.loads((second / "config.json").read_text())["train"]
+    assert {k: v for k, v in new.items() if k not in ("out", "seed")} == \
+        {k: v for k, v in old.items() if k not in ("out", "seed")}
+    assert (new["seed"], new["out"], new["lr"]) == (1, str(second), 0.02)
+    # without a new --out the old run is not written over
+    capsys.readouterr()
+    assert cli(["train", "--config", str(first / "config.json"), "--no-progress"]) == 2
+    assert "--out RUN_DIR is required" in capsys.readouterr().err
+
+
+def test_resume_budget_is_the_runs_total_in_either_unit(tmp_path, capsys):
+    run = tmp_path / "run"
+    # permuted digits: 1257 training sequences, batch 64 -> 20 steps an epoch; 0.2 -> 4 steps
+    common = ["--arch", "rnn", "--task", "permuted-digits", "--hidden", "8", "--log-every",
+              "2", "--no-progress", "--out", str(run)]
+    assert cli(["train", *common, "--epochs", "0.2"]) == 0
+    capsys.readouterr()
+    assert cli(["train", *common, "--resume", "--steps", "6", "--show-config"]) == 0
+    shown = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "flag (the run's total: --resume trains up to it)" in shown["steps"]
+    assert "None" in shown["epochs"] and "flag --steps replaces it" in shown["epochs"]
+    assert cli(["train", *common, "--resume", "--steps", "6"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["steps"], summary["resumed_at"]) == (6, 4)
+    train_config = json.loads((run / "config.json").read_text())["train"]
+    assert (train_config["steps"], train_config["epochs"]) == (6, None)  # the run's options now
+    capsys.readouterr()
+    assert cli(["train", *common, "--resume", "--steps", "5"]) == 2
+    assert "is at step 6 of 5: give a larger total budget" in capsys.readouterr().err
+    assert cli(["train", *common, "--resume", "--epochs", "0.4"]) == 0  # 8 steps in all
+    assert json.loads((run / "summary.json").read_text())["steps"] == 8

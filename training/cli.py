@@ -39,6 +39,7 @@ HELP = {
     "clip": "gradient-norm clipping threshold (0 disables)",
     "seed": "random seed (initialisation and batches)",
     "device": f"device: {', '.join(DEVICES)}",
+    "threads": "CPU threads (results do not depend on it)",
     "log_every": "steps between validation, logging and checkpoints",
     "eval_every": "steps between validations",
     "eval_batch_size": "sequences per evaluation batch",
@@ -64,6 +65,7 @@ UNSET = {
     "epochs": "none: --steps",
     "orthogonal_lr": "--lr",
     "eval_every": "--log-every",
+    "threads": "the cores idle at the start, at least 1",
 }
 
 
@@ -168,6 +170,16 @@ def resolve_args(args: argparse.Namespace) -> tuple[TrainConfig, dict]:
                 value = {**values.get("arch_options", {}), **dict(value)}
             values[f.name] = value
             origin[f.name] = "flag"
+    # one budget: a flag's --steps replaces the file's or the resumed run's epochs (and
+    # the other way round); either is the run's total, which --resume continues up to
+    for unit, other in (("steps", "epochs"), ("epochs", "steps")):
+        if given.get(unit) is not None and values.get(other) is not None:
+            values[other] = None
+            origin[other] = f"flag --{unit} replaces it"
+    if given.get("resume"):
+        for unit in ("steps", "epochs"):
+            if values.get(unit) is not None:
+                origin[unit] += " (the run's total: --resume trains up to it)"
     return resolve(values, origin)
 
 
@@ -187,6 +199,10 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"{config.out}: test {metric} = {summary['test'][metric]:.4f} (model of step "
               f"{summary['kept_step']}, --select {summary['select']}; best validation "
               f"{summary['best_val']:.4f} at step {summary['best_step']})")
+        if summary["resumed_at"] is not None and summary["kept_step"] <= summary["resumed_at"]:
+            print(f"{config.out}: the kept model is still step {summary['kept_step']}'s, from "
+                  f"before this --resume (validation did not improve since); exporting it "
+                  f"publishes nothing new (--select last keeps the latest weights)")
     return 0
 
 

@@ -32,7 +32,8 @@ def _gensim_test_data() -> Path:
     try:
         import gensim
     except ImportError:  # pragma: no cover - gensim is a training dependency
-        raise ValueError("the bundled corpus needs gensim: pip install 'orthornn[train]'") \
+        raise ValueError("the bundled corpus needs gensim: pip install '.[train]' in a "
+                         "checkout of orthornn") \
             from None
     return Path(gensim.__file__).parent / "test" / "test_data"
 

@@ -56,7 +56,7 @@ def use_triton(op: str, tensors, unsupported: str | None = None) -> bool:
         return on_cuda and unsupported is None and triton_available()
     if not triton_available():
         raise RuntimeError(f"{ENV}=triton but triton is not installed "
-                           "(pip install 'orthornn[gpu]', or the dev extra)")
+                           "(pip install '.[gpu]' in a checkout of orthornn, or the dev extra)")
     if not on_cuda and not interpreter_requested():
         raise RuntimeError(f"{ENV}=triton with CPU tensors needs TRITON_INTERPRET=1, set "
                            "before the first kernel runs (the interpreter runs them on the CPU)")
