@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 
-.PHONY: test tools serve lint bench bench-ops clean
+.PHONY: test tools serve lint docs bench bench-ops clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,11 +23,16 @@ tools: $(VENV)/.installed
 	bash scripts/ci-tools.sh $(VENV)
 	bash scripts/ci-browser.sh
 
-test: $(VENV)/.installed tools lint
+test: $(VENV)/.installed tools lint docs
 	$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
+
+# The documentation site (mkdocs.yml, docs/) into site/; --strict fails on a broken link,
+# a missing anchor or a page left out of the nav.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/models.py
@@ -40,4 +45,4 @@ serve: $(VENV)/.installed
 	$(BIN)/orthornn quickstart --dir .quickstart
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info site

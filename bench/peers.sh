@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# orthornn beside its peers (the harness in ../shared/peers: wrk, server pinned to CPU 1,
-# client to CPU 0), in one run on one machine with the peers' input (B=1, T=128, d=9):
+# orthornn beside its peers (the load harness in the checkout PEERS_DIR names: wrk, server
+# pinned to CPU 1, client to CPU 0), in one run on one machine with the peers' input
+# (B=1, T=128, d=9):
 #   1. the peers: a naive FastAPI + onnxruntime server and MLServer (run_peers.sh);
 #   2. orthornn serve (svdrnn classifier, n=128, 6 classes, dense export): POST /predict,
 #      the OIP infer route with JSON data and with a binary tensor, at concurrency 1, 8, 32;
@@ -8,10 +9,16 @@
 #      503 + Retry-After), and at 1024 once more with bench/answered.py beside wrk: the
 #      latency of answered and refused requests apart.
 # Prints the harness's tables; JSON and logs go to OUT (default bench/results/peers).
-#   bash bench/peers.sh [OUT] [--duration S]
+#   PEERS_DIR=DIR bash bench/peers.sh [OUT] [--duration S]
+# DIR is a checkout of the load harness (setup.sh, run_peers.sh, load.py, make_model.py).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PEERS="${PEERS:-$ROOT/../shared/peers}"
+PEERS="${PEERS_DIR:-}"
+if [ -z "$PEERS" ] || [ ! -f "$PEERS/load.py" ]; then
+  echo "bench/peers.sh: set PEERS_DIR to a checkout of the load harness (the folder with setup.sh, run_peers.sh and load.py)${PEERS:+; $PEERS has no load.py}" >&2
+  exit 2
+fi
+PEERS="$(cd "$PEERS" && pwd)"
 OUT="$(realpath -m "${1:-$ROOT/bench/results/peers}")"
 DURATION="${DURATION:-10}"
 PY="${XDG_CACHE_HOME:-$HOME/.cache}/orthornn-peers/base/bin/python"

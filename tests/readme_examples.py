@@ -1,8 +1,9 @@
-"""The README's example commands with the answers it shows: a `curl` command (lines
-joined at a trailing backslash) directly followed by `# ...` comment lines is an example;
-the comment is its answer. A JSON answer must match the real one as a subset (every key
-shown is there with an equal value; lists have the shown length; numbers agree within
-0.02 + 3%); a text answer must appear in the output (case-insensitive)."""
+"""The user-facing pages (README.md and docs/*.md, listed in `DOCS`) and the example
+commands they show with their answers: a `curl` command (lines joined at a trailing
+backslash) directly followed by `# ...` comment lines is an example; the comment is its
+answer. A JSON answer must match the real one as a subset (every key shown is there with
+an equal value; lists have the shown length; numbers agree within 0.02 + 3%); a text
+answer must appear in the output (case-insensitive)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,21 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SECTIONS = (("## Two commands", "## The architectures"), ("## Serving", "### Service speed"))
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+# every user-facing page: the README and the documentation site's pages (mkdocs.yml)
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def pages() -> list[tuple[Path, str]]:
+    """(path, text) of every user-facing page, README first."""
+    return [(path, path.read_text()) for path in DOCS]
+
+
+def code_blocks(language: str) -> list[tuple[Path, str]]:
+    """(path, body) of every ```language block of every user-facing page."""
+    return [(path, block) for path, text in pages()
+            for block in re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)]
 
 
 @dataclass
@@ -25,29 +39,33 @@ class Example:
 
 
 def examples(text: str | None = None) -> list[Example]:
-    text = README.read_text() if text is None else text
+    """The examples of ``text``, or of every user-facing page (an example shown on two
+    pages, as the quickstart's on the README and docs/index.md, counts once)."""
+    if text is None:
+        blocks = [block for _, block in code_blocks("sh")]
+    else:
+        blocks = re.findall(r"```sh\n(.*?)```", text, flags=re.S)
     found = []
-    for start, end in SECTIONS:
-        section = text[text.index(start):text.index(end)]
-        for block in re.findall(r"```sh\n(.*?)```", section, flags=re.S):
-            lines = block.splitlines()
-            i = 0
-            while i < len(lines):
-                if not lines[i].startswith("curl "):
-                    i += 1
-                    continue
-                command = [lines[i]]
-                while (command[-1].endswith("\\") or "".join(command).count("'") % 2) \
-                        and i + 1 < len(lines):  # a continued line or an open quote
-                    i += 1
-                    command.append(lines[i])
+    for block in blocks:
+        lines = block.splitlines()
+        i = 0
+        while i < len(lines):
+            if not lines[i].startswith("curl "):
                 i += 1
-                answer = []
-                while i < len(lines) and lines[i].startswith("#"):
-                    answer.append(lines[i][1:].strip())
-                    i += 1
-                if answer:
-                    found.append(Example("\n".join(command), " ".join(answer)))
+                continue
+            command = [lines[i]]
+            while (command[-1].endswith("\\") or "".join(command).count("'") % 2) \
+                    and i + 1 < len(lines):  # a continued line or an open quote
+                i += 1
+                command.append(lines[i])
+            i += 1
+            answer = []
+            while i < len(lines) and lines[i].startswith("#"):
+                answer.append(lines[i][1:].strip())
+                i += 1
+            example = Example("\n".join(command), " ".join(answer))
+            if answer and example not in found:
+                found.append(example)
     return found
 
 

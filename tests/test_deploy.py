@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.readme_examples import code_blocks
+
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "orthornn"
 DOCKERFILE = ROOT / "Dockerfile"
@@ -443,10 +445,9 @@ def test_wrong_type_fails_the_schema():
 
 
 def test_readme_helm_examples_render():
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```sh\n(.*?)```", text, flags=re.S)
+    """Every `helm install` example of the README and the docs (docs/deployment.md)."""
     commands = []
-    for block in blocks:
+    for _, block in code_blocks("sh"):
         for command in re.sub(r"\\\n\s*", " ", block).splitlines():
             if not command.lstrip().startswith("helm install"):
                 continue  # other examples (curl with multi-line JSON) are not shell-split

@@ -87,8 +87,39 @@ def test_quickstart_serves_every_readme_example(tmp_path):
         digits = httpx.post(url + "/predict", json={"model": "digits",
                                                     "inputs": [[0.0] * 20 + [0.5] * 44]})
         assert digits.status_code == 200 and digits.json()["outputs"][0]["label"] in "0123456789"
+        retrain_as_the_docs_show(root, url)
     finally:
         stop(proc)
+
+
+def retrain_as_the_docs_show(root: Path, url: str) -> None:
+    """docs/retraining.md's recipe, its commands as written (in ROOT's .quickstart ->
+    root): continue the digits run, export it, and the running service swaps it in."""
+    text = (ROOT / "docs" / "retraining.md").read_text()
+    recipe = re.search(r"```sh\n(.*?)```", text, flags=re.S).group(1)
+    commands = [line for line in recipe.splitlines() if line.startswith("orthornn ")]
+    assert [c.split()[1] for c in commands] == ["train", "export"]
+    for command in commands:
+        args = command.replace(".quickstart", str(root)).split()[1:]
+        result = orthornn(*args)
+        if args[0] == "export":
+            assert result.stdout.strip() == str(root / "models" / "digits" / "2")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the service scans the repository every 2 s
+        answer = httpx.post(url + "/predict", json={"model": "digits",
+                                                    "inputs": [[0.0] * 20 + [0.5] * 44]})
+        assert answer.status_code == 200, answer.text
+        if answer.json()["version"] == 2:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the retrained version 2 was never served")
+    assert httpx.get(url + "/v2/models/digits").json()["versions"][-1] == "2"
+    # exporting the same run again publishes nothing, and says which version holds it
+    again = orthornn("export", root / "runs" / "digits", "--repo", root / "models",
+                     "--name", "digits")
+    assert again.stdout.strip() == str(root / "models" / "digits" / "2")
+    assert "already holds this checkpoint" in again.stderr
 
 
 def test_retrained_versions_swap_in_without_a_failed_request(tmp_path):

@@ -1,20 +1,21 @@
-"""The README's Python example runs as written."""
+"""The user-facing pages (README.md and docs/*.md): their Python examples run as written,
+their curl answers parse, and they stand alone in a clone."""
 
 import re
-from pathlib import Path
+
+from .readme_examples import DOCS, README, ROOT, code_blocks, pages
 
 
 def test_readme_python_example_runs():
-    text = (Path(__file__).parents[1] / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    blocks = code_blocks("python")
     assert blocks
-    for block in blocks:
-        exec(compile(block, "README.md", "exec"), {})
+    for path, block in blocks:
+        exec(compile(block, str(path.relative_to(ROOT)), "exec"), {})
 
 
 def test_readme_examples_show_parseable_answers():
-    """Every answer the README shows after a curl parses (the end-to-end test runs them
-    against the quickstart's models)."""
+    """Every answer the README and the docs show after a curl parses (the end-to-end test
+    runs them against the quickstart's models)."""
     from .readme_examples import examples, mismatch
 
     found = examples()
@@ -30,3 +31,21 @@ def test_readme_examples_show_parseable_answers():
     assert mismatch({"a": [1, 0.5]}, {"a": [1, 0.51], "b": 2}) is None
     assert mismatch({"a": [1, 0.5]}, {"a": [1, 0.6]}) is not None
     assert mismatch({"a": "x"}, {"b": "x"}) is not None
+
+
+def test_user_facing_pages_stand_alone():
+    """Nothing outside a clone is named (../shared/, beside the checkout, is not in one:
+    no shared/ path at all), and the README stays a short quickstart; the rest is in docs/."""
+    assert README in DOCS and len(DOCS) > 1
+    named = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+             for path, text in pages()
+             for number, line in enumerate(text.splitlines(), 1) if "shared/" in line]
+    assert not named, "a user-facing page names shared/:\n" + "\n".join(named)
+    assert len(README.read_text().splitlines()) <= 220
+
+
+def test_every_docs_page_is_in_the_site_nav():
+    """mkdocs.yml lists every docs/*.md page (mkdocs build --strict checks the links)."""
+    nav = (ROOT / "mkdocs.yml").read_text()
+    listed = set(re.findall(r":\s*([\w-]+\.md)\s*$", nav, flags=re.M))
+    assert listed == {path.name for path in DOCS if path != README}
