@@ -23,7 +23,36 @@ def add_export_parser(sub) -> None:
                              "seconds in a log)")
     parser.add_argument("--verify-only", metavar="PACKAGE",
                         help="verify a package (hashes and golden outputs) and exit")
+    parser.add_argument("--gate", action="store_true",
+                        help="publish and promote only if the candidate meets --min-metric (or "
+                             "beats the task's baseline) and is no worse than the promoted "
+                             "version on the same test split; a refusal exits 3")
+    parser.add_argument("--min-metric", metavar="VALUE",
+                        help="with --gate: the worst acceptable test metric, in its direction "
+                             "(accuracy at least VALUE; MSE, perplexity at most VALUE)")
+    parser.add_argument("--tolerance", default="0",
+                        help="with --gate: how much worse than the promoted version the "
+                             "candidate may be, in the metric's units (default 0)")
     parser.set_defaults(run=run_export)
+
+    versions = sub.add_parser(
+        "versions", help="list a model's versions: metric, lineage, status",
+        description="Every version of REPO/NAME with its test metric, lineage and status "
+                    "(promoted, published, rejected by the gate), then the promotion history.")
+    versions.add_argument("--repo", help="model repository root (required)")
+    versions.add_argument("--name", help="model name in the repository (required)")
+    versions.set_defaults(run=run_versions)
+
+    rollback = sub.add_parser(
+        "rollback", help="move a model's promotion back (the running service swaps)",
+        description="Promote the version that was live before the current one, or --to V. "
+                    "The version must be in the repository and verify (sha256, golden "
+                    "outputs); nothing is deleted.")
+    rollback.add_argument("--repo", help="model repository root (required)")
+    rollback.add_argument("--name", help="model name in the repository (required)")
+    rollback.add_argument("--to", metavar="V", help="the version to promote (default: the one "
+                          "live before the current one)")
+    rollback.set_defaults(run=run_rollback)
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -39,11 +68,86 @@ def run_export(args: argparse.Namespace) -> int:
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or give --verify-only PACKAGE)")
     from .exporter import AlreadyPublished, export_run
+    from .gate import REFUSED_EXIT, GateRefused
 
+    min_metric = None if args.min_metric is None else _float("--min-metric", args.min_metric)
+    tolerance = _float("--tolerance", args.tolerance)
     try:
         print(export_run(args.run_dir, args.repo, args.name, args.mode, args.opset,
-                         progress=not args.no_progress))
+                         progress=not args.no_progress, gated=args.gate,
+                         min_metric=min_metric, tolerance=tolerance))
     except AlreadyPublished as same:  # not an error: the model asked for is published
         print(f"orthornn export: {same}", file=sys.stderr)
         print(same.path)
+    except GateRefused as refused:
+        print(f"orthornn export: refused by the gate: {refused} (kept in {refused.kept})",
+              file=sys.stderr)
+        return REFUSED_EXIT
+    return 0
+
+
+def _float(flag: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{flag} must be a number; got {text!r}") from None
+
+
+def _model_dir(args: argparse.Namespace):
+    """REPO/NAME of --repo and --name, which must name an existing model."""
+    from pathlib import Path
+
+    from .repository import check_name
+
+    missing = [flag for flag, v in (("--repo", args.repo), ("--name", args.name)) if not v]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)}")
+    model_dir = Path(args.repo) / check_name(args.name)
+    if not model_dir.is_dir():
+        raise ValueError(f"no model {args.name!r} in {args.repo!r} (--repo, --name)")
+    return model_dir
+
+
+def _short(value, width: int = 12) -> str:
+    return "-" if value is None else str(value)[:width]
+
+
+def run_versions(args: argparse.Namespace) -> int:
+    from .repository import describe, read_promotion
+
+    model_dir = _model_dir(args)
+    print(f"{'version':<24} {'status':<9} {'metric':<22} {'created':<25} {'parent':<6} "
+          f"{'config':<12} {'source':<12}")
+    for row in describe(model_dir):
+        evaluation, lineage = row["evaluation"] or {}, row["lineage"] or {}
+        metric = (f"{evaluation['metric']}={evaluation['value']:.4g}"
+                  if isinstance(evaluation.get("value"), int | float)
+                  else "absent" if "absent" in evaluation else "-")
+        print(f"{row['id']:<24} {row['status']:<9} {metric:<22} {_short(row['created'], 25):<25} "
+              f"{_short(lineage.get('parent')):<6} {_short(lineage.get('config_sha256')):<12} "
+              f"{_short(lineage.get('source_revision')):<12}")
+        if row.get("reason"):
+            print(f"{'':<24} refused: {row['reason']}")
+    history = read_promotion(model_dir)["history"]
+    if history:
+        print("\npromotion history:")
+        for entry in history:
+            print(f"  {entry['time']}  {entry['action']:<8} -> {entry['version']} "
+                  f"(was {_short(entry.get('previous'))}): {entry.get('reason', '')}")
+    return 0
+
+
+def run_rollback(args: argparse.Namespace) -> int:
+    from .repository import rollback
+
+    model_dir = _model_dir(args)
+    to = None
+    if args.to is not None:
+        if not args.to.isdigit() or int(args.to) < 1:
+            raise ValueError(f"--to must be a version number (a positive integer); got "
+                             f"{args.to!r}")
+        to = int(args.to)
+    done = rollback(model_dir, to)
+    print(f"{args.name}: version {done['promoted']} is promoted (was {done['previous']}); "
+          f"a running service swaps to it at its next repository scan")
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from orthornn.training.progress import progress_bar
 
 from orthornn import __version__
 
-from . import package, repository
+from . import evaluation, gate, package, repository
 from .onnx_export import MODES, RNN_ACTIVATIONS, build_graph
 from .package import INITIAL_LOGITS, INITIAL_STATE
 
@@ -142,12 +143,41 @@ def published_version(model_dir: Path, checkpoint_sha256: str, mode: str,
     return None
 
 
+def _number(name: str, value, low: float | None = None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or (low is not None and value < low):
+        where = f" >= {low:g}" if low is not None else ""
+        raise ValueError(f"{name} must be a finite number{where}; got {value!r}")
+
+
+def _threshold(min_metric: float | None, config: dict) -> gate.Threshold | None:
+    """--min-metric, else the run's task baseline (a model must beat the trivial one)."""
+    if min_metric is not None:
+        return gate.Threshold(float(min_metric), "--min-metric", strict=False)
+    if config.get("baseline") is not None:
+        return gate.Threshold(float(config["baseline"]), "the task's baseline", strict=True)
+    return None
+
+
 def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "dense",
-               opset: int = 18, progress: bool = False) -> Path:
+               opset: int = 18, progress: bool = False, *, gated: bool = False,
+               min_metric: float | None = None, tolerance: float = 0.0) -> Path:
     """Publish RUN_DIR's best model as REPO/NAME/<next version>/ and return its path.
     progress: report the stages (a bar on a terminal, else a line every few seconds).
-    Raises AlreadyPublished when a version holds the same checkpoint already."""
+    Raises AlreadyPublished when a version holds the same checkpoint already.
+
+    The package records its evaluation on the task's test split (through the exported
+    graph) and its lineage. gated: publish only if the candidate passes the gate (export
+    .gate: --min-metric or the task's baseline, and no worse than the promoted version by
+    more than ``tolerance``), else keep it under REPO/NAME/rejected/ and raise
+    GateRefused. Either way a published version becomes the promoted one."""
     repository.check_name(name)
+    _number("min_metric", min_metric)
+    _number("tolerance", tolerance, 0.0)
+    if not gated and (min_metric is not None or tolerance):
+        raise ValueError("--min-metric and --tolerance apply only with --gate")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     if isinstance(opset, bool) or not isinstance(opset, int) or not \
@@ -157,7 +187,8 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
     if not run_dir.is_dir():
         raise ValueError(f"run directory {str(run_dir)!r} does not exist")
     model, config = load_model(run_dir)
-    existing = published_version(Path(repo) / name, package.sha256(run_dir / "model.safetensors"),
+    model_dir = Path(repo) / name
+    existing = published_version(model_dir, package.sha256(run_dir / "model.safetensors"),
                                  mode, opset)
     if existing is not None:
         raise AlreadyPublished(existing)
@@ -196,12 +227,32 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
         golden.update({f"step/{k}": v for k, v in
                        _torch_outputs(model, step_feeds, "step").items()})
         bar.update(1)
-    bar.set_postfix_str("write, verify, publish")
+    bar.set_postfix_str("evaluate, write, verify, publish")
+    try:
+        task, absent = evaluation.rebuild_task(config), None
+    except ValueError as error:
+        task, absent = None, str(error)
+    if task is not None:
+        record = evaluation.evaluate(package.session_from_bytes(graph.SerializeToString()), task)
+    else:
+        record = {"absent": absent}
+    on_disk = repository.versions(model_dir)
+    parent = repository.promoted(model_dir) or (max(on_disk) if on_disk else None)
+    lineage = {"config_sha256": evaluation.config_sha256(config),
+               "train_data_fingerprint": None if task is None
+               else evaluation.train_fingerprint(task),
+               "orthornn_version": __version__,
+               "source_revision": evaluation.source_revision(),
+               "parent": parent,
+               "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+    refusal = ""
+    if gated:
+        refusal = _gate(record, task, absent, config, model_dir, parent, min_metric, tolerance)
 
     summary_path = run_dir / "summary.json"
     vocabulary = read_vocabulary(run_dir, config)
 
-    def build(tmp: Path, version_number: int) -> None:
+    def build(tmp: Path, version_number: int, verify: bool = True) -> None:
         files = {}
         for key, proto in graphs.items():
             filename = f"{key}.onnx"
@@ -224,16 +275,44 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
             labels=config.get("labels"),
             vocabulary_file="vocab.txt" if vocabulary is not None else None,
             hidden_size=model.hidden_size, files=files, spectral=spectral_summary(model),
-            preprocessing=config.get("preprocessing"),
+            preprocessing=config.get("preprocessing"), evaluation=record, lineage=lineage,
             training=json.loads(summary_path.read_text()) if summary_path.is_file() else None,
             source={"run_dir": str(run_dir.resolve()),
                     "checkpoint_sha256": package.sha256(run_dir / "model.safetensors")},
-            created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            created=lineage["created"],
             orthornn_version=__version__)
         (tmp / "manifest.json").write_text(manifest.to_json())
-        package.verify_package(tmp)  # never publish what onnxruntime cannot reproduce
+        if verify:  # never publish what onnxruntime cannot reproduce
+            package.verify_package(tmp)
 
+    if refusal:
+        # kept for a person to look at, as it is: a NaN model cannot pass the golden check
+        kept = repository.keep_rejected(repo, name, lambda tmp, v: build(tmp, v, verify=False),
+                                        {"refused": refusal, **lineage})
+        bar.close()
+        raise gate.GateRefused(refusal, kept)
     path = repository.publish(repo, name, build)
+    value = record.get("value")
+    reason = (f"{record['metric']} {value:.6g} on the test split" if value is not None
+              else f"evaluation absent: {absent}")
+    repository.promote(model_dir, int(path.name), "promote" if gated else "publish",
+                       ("passed the gate: " if gated else "published: ") + reason)
     bar.update(1)
     bar.close()
     return path
+
+
+def _gate(record: dict, task, absent: str | None, config: dict, model_dir: Path,
+          parent: int | None, min_metric: float | None, tolerance: float) -> str:
+    """Why the candidate is refused ('' if it passes): the gate's rules on its evaluation
+    and on the promoted version's, scored on the same test split."""
+    if task is None:
+        return f"no evaluation to gate on: {absent}"
+    incumbent = None
+    if parent is not None:
+        try:
+            incumbent = (parent, evaluation.score(model_dir / str(parent), task))
+        except (ValueError, package.PackageError) as error:
+            raise ValueError(f"cannot compare with promoted version {parent}: {error}") from None
+    return gate.check(record["metric"], record["higher_is_better"], record["value"],
+                      _threshold(min_metric, config), incumbent, tolerance)

@@ -118,6 +118,14 @@ class Manifest:
     #: on (``check_preprocessing``); None for token inputs and packages before this field
     preprocessing: dict | None = None
     training: dict | None = None
+    #: the exported graph's score on the task's test split (``evaluation.evaluate``):
+    #: metric, value, higher_is_better, split, examples, data_fingerprint; or, when the
+    #: data cannot be rebuilt, {"absent": REASON}. None for packages before this field.
+    evaluation: dict | None = None
+    #: where the version comes from: config_sha256, train_data_fingerprint,
+    #: orthornn_version, source_revision, parent (the promoted version when it was
+    #: published), created
+    lineage: dict | None = None
     source: dict = field(default_factory=dict)
     created: str = ""
     orthornn_version: str = ""

@@ -1,0 +1,164 @@
+"""A model package's score on its task's test split, through the exported graph.
+
+What the service will run (onnxruntime on ``model.onnx``), not torch, is what is scored,
+and the gate compares two packages on the same data this way. The metric is the one the
+trainer reports in summary.json (``training.trainer.evaluate``), computed in numpy:
+accuracy (classify), MSE (regress), cross-entropy over every step (seq2seq, the copy
+task), perplexity with the state carried across windows (lm).
+
+Also the lineage's fingerprints: a hash of the run's resolved config and of its data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import subprocess
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+
+from . import package
+
+HIGHER_IS_BETTER = {"accuracy": True, "mse": False, "cross_entropy": False,
+                    "perplexity": False}
+BATCH = 256
+
+
+def rebuild_task(config: dict):
+    """The run's task with its data, from config.json; ValueError (with the reason) when
+    the data cannot be rebuilt (e.g. a user's .npz that is gone)."""
+    from orthornn.training.config import TrainConfig
+    from orthornn.training.tasks import make_task
+
+    known = {f.name for f in fields(TrainConfig)}
+    train = TrainConfig(**{k: v for k, v in config["train"].items() if k in known})
+    try:
+        return make_task(train.task, **train.task_options())
+    except (ValueError, OSError) as error:
+        raise ValueError(f"the run's data cannot be rebuilt: {error}") from None
+
+
+def fingerprint(*arrays) -> str:
+    """sha256 of arrays (their dtype, shape and bytes), or of a JSON-able value."""
+    digest = hashlib.sha256()
+    for a in arrays:
+        if a is None:
+            digest.update(b"none")
+            continue
+        if not hasattr(a, "shape"):
+            digest.update(json.dumps(a, sort_keys=True).encode())
+            continue
+        a = np.ascontiguousarray(a.numpy() if hasattr(a, "numpy") else a)
+        digest.update(f"{a.dtype}{a.shape}".encode())
+        digest.update(a.tobytes())
+    return digest.hexdigest()
+
+
+def split_fingerprint(split) -> str:
+    from orthornn.training.data import TokenStream
+
+    if isinstance(split, TokenStream):
+        return fingerprint(split.data)
+    return fingerprint(split.x, split.y, split.lengths)
+
+
+def train_fingerprint(task) -> str:
+    """The training data: a fixed split's arrays, lm's token ids, or for a generated task
+    (a fresh seeded batch per step) the generator's options."""
+    if task.train is None:
+        return fingerprint({"generated": task.name, **task.options})
+    if isinstance(task.train, list):
+        return fingerprint(np.asarray(task.train, dtype=np.int64))
+    return fingerprint(task.train.x, task.train.y, task.train.lengths)
+
+
+def config_sha256(config: dict) -> str:
+    """The run's resolved training options, minus where it was written and how many
+    threads ran it (neither changes the result)."""
+    train = {k: v for k, v in config["train"].items() if k not in ("out", "threads")}
+    return fingerprint({**{k: v for k, v in config.items() if k != "train"}, "train": train})
+
+
+def source_revision() -> str | None:
+    """The git commit of the orthornn source that runs (``-dirty`` with uncommitted
+    changes), when it runs from a checkout; None from an installed wheel."""
+    try:
+        result = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]),
+                                 "describe", "--always", "--dirty", "--abbrev=40"],
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (result.stdout.strip() or None) if result.returncode == 0 else None
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def score(package_dir: str | Path, task) -> float:
+    """The task's metric of a published package's full graph on the task's test split."""
+    package_dir = Path(package_dir)
+    manifest = package.read_manifest(package_dir)
+    if manifest.task != task.kind:
+        raise ValueError(f"{package_dir} is a {manifest.task} model; the run's task is "
+                         f"{task.kind}")
+    if manifest.input_spec.feature_size != task.input_size:
+        raise ValueError(f"{package_dir} takes inputs of size {manifest.input_spec.feature_size}; "
+                         f"the test split's are {task.input_size}")
+    return score_session(package.session(package_dir / manifest.graphs["model"]), task)
+
+
+def score_session(sess, task) -> float:
+    """The task's metric of a full graph's onnxruntime session on the task's test split;
+    NaN when the graph gives a non-finite output."""
+    from orthornn.training.data import TokenStream
+
+    out = package.output_name(task.kind)
+    data = task.test
+    if isinstance(data, TokenStream):
+        total, count, state = 0.0, 0, None
+        for x, y in data.windows():
+            x = x.numpy().astype(np.int64)
+            feeds = {"tokens": x, "lengths": np.full(len(x), x.shape[1], dtype=np.int64)}
+            if state is not None:
+                feeds[package.INITIAL_STATE] = state
+            logits, state = sess.run([out, "state"], feeds)
+            if not np.isfinite(logits).all():
+                return math.nan
+            nll = -np.take_along_axis(_log_softmax(logits), y.numpy()[..., None], -1)
+            total, count = total + float(nll.sum()), count + y.numel()
+        return math.exp(min(total / count, 50.0))
+    total, count = 0.0, 0
+    for batch in data.batches(BATCH):
+        x = batch.x.numpy().astype(np.float32)
+        lengths = (np.full(len(x), x.shape[1], dtype=np.int64) if batch.lengths is None
+                   else batch.lengths.numpy().astype(np.int64))
+        (pred,) = sess.run([out], {"x": x, "lengths": lengths})
+        if not np.isfinite(pred).all():
+            return math.nan
+        y = batch.y.numpy()
+        if task.metric == "accuracy":
+            total += float((pred.argmax(-1) == y).sum())
+        elif task.metric == "mse":
+            total += float(((pred.astype(np.float64) - y) ** 2).mean()) * len(y)
+        else:  # cross_entropy over every step (the copy task)
+            nll = -np.take_along_axis(_log_softmax(pred), y[..., None], -1)
+            total += float(nll.mean()) * len(y)
+        count += len(y)
+    return total / count
+
+
+def evaluate(sess, task) -> dict:
+    """The manifest's ``evaluation`` record of a full graph's session on ``task``'s test
+    split."""
+    value = score_session(sess, task)
+    return {"metric": task.metric, "value": value,
+            "higher_is_better": HIGHER_IS_BETTER[task.metric], "split": "test",
+            "examples": len(task.test) if hasattr(task.test, "__len__")
+            else int(task.test.data.numel()),
+            "data_fingerprint": split_fingerprint(task.test)}
