@@ -52,6 +52,8 @@ from .protocol import (
     PredictResponse,
     RepositoryIndexRequest,
     RepositoryModel,
+    RollbackRequest,
+    RollbackResponse,
     ServerMetadata,
 )
 from .registry import NotFound, Registry
@@ -128,6 +130,12 @@ INFER_ERRORS = {**ERRORS,
                                                             "sessions (Retry-After)"}}
 ADMIN_ERRORS = {**ERRORS, 401: {"model": ErrorResponse, "description": "missing or wrong "
                                                                       "bearer token"}}
+ROLLBACK_ERRORS = {**ADMIN_ERRORS,
+                   409: {"model": ErrorResponse, "description": "no such version, it does "
+                                                               "not verify, it is already "
+                                                               "promoted (the message names "
+                                                               "the usable versions), or the "
+                                                               "repository is read-only here"}}
 
 
 @dataclass(frozen=True)
@@ -421,6 +429,10 @@ def create_app(settings: Settings) -> FastAPI:
         admin_body(body)
         return JSON(await dataplane.load(name))
 
+    async def rollback_model(body: bytes, scope: dict, name: str) -> Response:
+        admin(scope)
+        return JSON(await dataplane.rollback(name, body))
+
     async def unload_model(body: bytes, scope: dict, name: str) -> Response:
         admin(scope)
         admin_body(body)
@@ -440,8 +452,9 @@ def create_app(settings: Settings) -> FastAPI:
         Route("GET", "/v2/health/live", live, "liveness"),
         Route("GET", "/v2/health/ready", ready, "readiness: every configured model loaded "
               "and warm, not shutting down", errors=ready_errors),
-        Route("GET", "/v2/models/{name}", model_metadata, "model metadata (newest loaded "
-              "version)", ModelMetadata),
+        Route("GET", "/v2/models/{name}", model_metadata, "model metadata (the version a "
+              "request without one gets: the promoted one, else the newest loaded)",
+              ModelMetadata),
         Route("GET", "/v2/models/{name}/versions/{version}", model_metadata,
               "model version metadata", ModelMetadata),
         Route("GET", "/v2/models/{name}/ready", model_ready, "model readiness",
@@ -450,7 +463,8 @@ def create_app(settings: Settings) -> FastAPI:
               "version readiness", errors=ready_errors),
         Route("GET", "/v2/models/{name}/config", model_config, "Triton-style model "
               "configuration (for tritonclient)"),
-        Route("POST", "/v2/models/{name}/infer", infer, "inference (newest loaded version; "
+        Route("POST", "/v2/models/{name}/infer", infer, "inference (the promoted version, "
+              "else the newest loaded; "
               "sequence_id / sequence_start / sequence_end parameters for sequences)",
               InferenceResponse, InferenceRequest, errors=INFER_ERRORS),
         Route("POST", "/v2/models/{name}/versions/{version}/infer", infer,
@@ -463,6 +477,11 @@ def create_app(settings: Settings) -> FastAPI:
               "model now, verifying it", errors=ADMIN_ERRORS, admin=True),
         Route("POST", "/v2/repository/models/{name}/unload", unload_model, "stop serving a "
               "model (in-flight requests finish)", errors=ADMIN_ERRORS, admin=True),
+        Route("POST", "/v2/repository/models/{name}/rollback", rollback_model, "promote the "
+              "version promoted before the current one (or the body's version) once it "
+              "verifies, and serve it now (in-flight requests and sessions finish on theirs)",
+              RollbackResponse, RollbackRequest, body_required=False, errors=ROLLBACK_ERRORS,
+              admin=True),
         Route("GET", "/metrics", prometheus, "Prometheus metrics", response_class=Response),
     ]
     table = app.state.routes = RouteTable(routes)
@@ -488,7 +507,7 @@ def create_app(settings: Settings) -> FastAPI:
                              description=app.description, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for model in (PredictRequest, GenerateRequest, InferenceRequest,
-                      RepositoryIndexRequest):
+                      RepositoryIndexRequest, RollbackRequest):
             s = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(s.pop("$defs", {}))
             components[model.__name__] = s

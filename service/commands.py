@@ -73,7 +73,8 @@ def add_serve_parsers(sub) -> None:
                          help=f"service base URL (default {DEFAULT_URL}, where orthornn serve "
                               f"and the quickstart listen)")
     predict.add_argument("--model", required=True, help="the model's name in the repository")
-    predict.add_argument("--version", type=int, help="a loaded version (default: the newest)")
+    predict.add_argument("--version", type=int, help="a loaded version (default: the promoted "
+                                                      "one, else the newest)")
     predict.add_argument("--top-k", type=int,
                          help="classifiers: also the k likeliest labels; language models: "
                               "next tokens listed (default 5)")

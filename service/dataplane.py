@@ -19,8 +19,14 @@ from pydantic import BaseModel, ValidationError
 from . import generate, inputs
 from .inputs import ClientError
 from .metrics import UNKNOWN
-from .protocol import GenerateRequest, InferenceRequest, PredictRequest, RepositoryIndexRequest
-from .registry import NotFound, Registry
+from .protocol import (
+    GenerateRequest,
+    InferenceRequest,
+    PredictRequest,
+    RepositoryIndexRequest,
+    RollbackRequest,
+)
+from .registry import NotFound, Registry, RollbackRefused
 from .runtime import Chunk
 from .settings import Settings
 from .streaming import (
@@ -137,6 +143,7 @@ class DataPlane:
         mv = self.registry.get(name, version_param(version))
         labels["labels"] = (name, str(mv.version))
         io = mv.spec.io["model"]
+        promoted = self.registry.promoted(name)
         return {"name": name, "versions": [str(v) for v in self.registry.serving().get(name, [])],
                 "platform": "onnxruntime_onnx",
                 "inputs": io["inputs"], "outputs": io["outputs"],
@@ -144,7 +151,10 @@ class DataPlane:
                                "arch": mv.spec.arch, "max_length": mv.spec.max_length,
                                "labels": mv.spec.labels, "streaming": mv.spec.streaming,
                                "preprocessing": mv.manifest.preprocessing,
-                               "spectral": mv.manifest.spectral or {}}}
+                               "spectral": mv.manifest.spectral or {},
+                               "promoted": None if promoted is None else str(promoted),
+                               "evaluation": mv.manifest.evaluation,
+                               "lineage": mv.manifest.lineage}}
 
     def model_ready(self, name: str, version: str | None, labels: dict) -> bool:
         """True when ready; False when in the repository but not ready; NotFound else."""
@@ -211,6 +221,16 @@ class DataPlane:
         if not self.registry.model_ready(name):
             raise ClientError(f"model {name!r} failed to load: " + "; ".join(errors))
         return {"name": name, "versions": self.registry.serving()[name], "refused": errors}
+
+    async def rollback(self, name: str, body: bytes) -> dict:
+        """Promote an earlier version (the body's, or the one promoted before the current
+        one) and swap to it now; 409 naming the usable versions when it cannot."""
+        req = parse(RollbackRequest, body, allow_empty=True)
+        try:
+            return await asyncio.to_thread(self.registry.rollback, name,
+                                           version_param(req.version))
+        except RollbackRefused as error:
+            raise ClientError(f"rollback of model {name!r}: {error}", status=409) from None
 
     async def unload(self, name: str) -> dict:
         await asyncio.to_thread(self.registry.unload, name)

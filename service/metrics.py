@@ -4,6 +4,7 @@ instance (so several apps in one process, as in the tests, do not collide)."""
 from __future__ import annotations
 
 import contextlib
+import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -55,8 +56,19 @@ class Metrics:
         self.loaded = Gauge(
             "orthornn_model_loaded", "1 for every loaded (served) model version",
             ["model", "version", "arch", "mode"], registry=r)
-        self.swaps = Counter("orthornn_model_swaps", "times a newer version took over",
-                             ["model"], registry=r)
+        self.swaps = Counter(
+            "orthornn_model_swaps", "times another version took over the requests that name "
+            "no version (a newer one, a promotion or a rollback)", ["model"], registry=r)
+        self.promotions = Counter(
+            "orthornn_model_promotions",
+            "changes of the promoted version (promotion.json) seen while serving, by the "
+            "action of their history entry: publish, promote, rollback", ["model", "action"],
+            registry=r)
+        self.evaluation = Gauge(
+            "orthornn_model_evaluation",
+            "the version's score on its task's test split (the manifest's evaluation: "
+            "accuracy, mse, cross_entropy or perplexity)", ["model", "version", "metric"],
+            registry=r)
         self.load_failures = Counter(
             "orthornn_model_load_failures", "versions refused (verification or load failed)",
             ["model"], registry=r)
@@ -73,6 +85,18 @@ class Metrics:
             "||W^T W - I||_2 of the transition matrix (from the manifest)",
             ["model", "version"], registry=r)
 
+    @staticmethod
+    def _evaluation(manifest) -> tuple[str, float] | None:
+        """(metric, value) of a manifest's evaluation with a finite numeric value."""
+        evaluation = getattr(manifest, "evaluation", None)
+        if not isinstance(evaluation, dict):
+            return None
+        metric, value = evaluation.get("metric"), evaluation.get("value")
+        if not isinstance(metric, str) or not metric or isinstance(value, bool) or \
+                not isinstance(value, int | float) or not math.isfinite(value):
+            return None
+        return metric, float(value)
+
     def model_loaded(self, manifest) -> None:
         name, version = manifest.name, str(manifest.version)
         self.loaded.labels(name, version, manifest.arch, manifest.mode).set(1)
@@ -81,6 +105,9 @@ class Metrics:
                            (self.orthogonality_error, "orthogonality_error")):
             if isinstance(spectral.get(key), int | float):
                 gauge.labels(name, version).set(float(spectral[key]))
+        evaluation = self._evaluation(manifest)
+        if evaluation is not None:
+            self.evaluation.labels(name, version, evaluation[0]).set(evaluation[1])
 
     def model_released(self, manifest) -> None:
         name, version = manifest.name, str(manifest.version)
@@ -89,6 +116,10 @@ class Metrics:
                               (self.orthogonality_error, (name, version))):
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)
+        evaluation = self._evaluation(manifest)
+        if evaluation is not None:
+            with contextlib.suppress(KeyError):
+                self.evaluation.remove(name, version, evaluation[0])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -21,7 +21,8 @@ class _Model(BaseModel):
 
 class PredictRequest(_Model):
     model: str = Field(min_length=1, max_length=128, description="model name")
-    version: Version | None = Field(None, description="a loaded version (default: newest)")
+    version: Version | None = Field(None, description="a loaded version (default: the "
+                                                      "promoted one, else the newest)")
     inputs: list[list[Step]] | None = Field(
         None, description="sequences: each a list of time steps, each a list of feature_size "
                           "numbers (or one number when feature_size is 1); language models: "
@@ -42,8 +43,8 @@ class PredictRequest(_Model):
                                   pattern=r"^[A-Za-z0-9._:-]+$")] | None = Field(
         None, description="streaming: a server-side session id; the service keeps its state "
                           "(one sequence per request)")
-    start: bool = Field(False, description="with session: open it (on the requested or newest "
-                                           "version, which it keeps until it ends)")
+    start: bool = Field(False, description="with session: open it (on the requested or the "
+                                           "default version, which it keeps until it ends)")
     end: bool = Field(False, description="with session: close it after this chunk")
     per_step: bool = Field(False, description="classify / regress: an output after every "
                                               "time step, in 'steps'")
@@ -182,3 +183,16 @@ class RepositoryModel(BaseModel):
     version: str
     state: str
     reason: str
+
+
+class RollbackRequest(_Model):
+    version: Version | None = Field(
+        None, description="the version to promote (default: the version promoted before "
+                          "the current one, else the newest below it); it must be in the "
+                          "repository and verify")
+
+
+class RollbackResponse(BaseModel):
+    model: str
+    promoted: int = Field(description="the version now promoted (and serving)")
+    previous: int = Field(description="the version promoted before")

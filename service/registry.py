@@ -2,6 +2,12 @@
 ``export.package`` (sha256 of every file, then the golden outputs on the very sessions
 that will serve), warms them up and swaps them in atomically.
 
+A request without a version gets the model's default version: the promoted one
+(REPO/<name>/promotion.json, ``export.repository``) when it is loaded, else the newest
+loaded one. A promoted version that does not verify is never served: what was served
+keeps serving. A change of promotion.json (a promotion, a rollback) is found by the same
+scan as a new version, and swaps the same way.
+
 A request holds its version (``acquire``/``release``): a version swapped out keeps
 running what it holds and is released (sessions dropped, batcher stopped) when the last
 of those requests finishes. A version that fails verification is never served, the
@@ -25,7 +31,14 @@ from orthornn.export.package import (
     golden_check,
     read_manifest,
 )
-from orthornn.export.repository import NAME, versions
+from orthornn.export.repository import (
+    ACTIONS,
+    NAME,
+    check_name,
+    read_promotion,
+    versions,
+)
+from orthornn.export.repository import rollback as rollback_promotion
 
 from .batcher import Batcher
 from .inputs import prepare_rows
@@ -38,6 +51,27 @@ log = logging.getLogger("orthornn.service")
 
 class NotFound(LookupError):
     """Unknown model or version (404)."""
+
+
+class RollbackRefused(ValueError):
+    """A rollback that cannot be done (409); the message names the usable versions."""
+
+
+def promotion_changes(before: dict, after: dict) -> list[str]:
+    """The actions (publish, promote, rollback; "unknown" for an entry without one) of the
+    changes of the promoted version between two readings of promotion.json: the history
+    entries added since the earlier reading (less any that re-promotes the version already
+    promoted), or, when the history was rewritten, one change if the version differs."""
+    old, new = before["history"], after["history"]
+    if len(new) > len(old) and new[:len(old)] == old:
+        added = [e for e in new[len(old):]
+                 if not (isinstance(e, dict) and e.get("previous") == e.get("version"))]
+    elif after["version"] != before["version"]:
+        added = new[-1:] or [None]
+    else:
+        return []
+    return [e["action"] if isinstance(e, dict) and e.get("action") in ACTIONS else "unknown"
+            for e in added]
 
 
 @dataclass(eq=False)
@@ -83,6 +117,12 @@ class Registry:
         self._lock = threading.RLock()
         self._load_lock = threading.Lock()  # one loader at a time (poller or API)
         self._serving: dict[str, dict[int, ModelVersion]] = {}
+        self._default: dict[str, int] = {}  # the version a request without one gets
+        self._promoted: dict[str, int | None] = {}  # promotion.json's version (last scan)
+        self._promotion: dict[str, dict] = {}  # the last readable promotion.json
+        self._promotion_error: dict[str, str] = {}  # unreadable promotion.json (logged once)
+        self._not_served: dict[str, int] = {}  # a promoted version not served (logged once)
+        self._rollback_lock = threading.Lock()
         self._failed: dict[tuple[str, int], tuple[tuple, str]] = {}
         self._unloaded: set[str] = set()
         self._configured: set[str] = set(settings.models)
@@ -95,14 +135,17 @@ class Registry:
 
     def acquire(self, name: str, version: int | None = None, *,
                 session: bool = False) -> ModelVersion:
-        """The requested (default: newest) serving version, held until release(); a
-        session's hold keeps a retired version loaded until the session ends."""
+        """The requested (default: the promoted, else the newest) serving version, held
+        until release(); a session's hold keeps a retired version loaded until the session
+        ends."""
         with self._lock:
             loaded = self._serving.get(name)
             if not loaded:
                 raise NotFound(f"model {name!r} is not loaded")
             if version is None:
-                version = max(loaded)
+                version = self._default.get(name)
+                if version not in loaded:
+                    version = max(loaded)
             mv = loaded.get(version)
             if mv is None:
                 raise NotFound(f"model {name!r} has no loaded version {version} "
@@ -132,6 +175,12 @@ class Registry:
             mv.inflight -= 1
         return mv
 
+    def promoted(self, name: str) -> int | None:
+        """The version promotion.json promotes (as the last scan read it), or None (no
+        file, or an unreadable one); it serves unless it failed verification."""
+        with self._lock:
+            return self._promoted.get(name)
+
     def ready(self) -> bool:
         return self.scanned.is_set() and not self.waiting_for()
 
@@ -154,6 +203,7 @@ class Registry:
             for name in sorted(names):
                 loaded = self._serving.get(name, {})
                 on_disk = versions(self.repo / name)
+                promoted = self._promoted.get(name)
                 for v in sorted(set(on_disk) | set(loaded)):
                     if v in loaded:
                         state, reason = "READY", ""
@@ -161,6 +211,9 @@ class Registry:
                         state, reason = "UNAVAILABLE", self._failed[(name, v)][1]
                     elif name in self._unloaded:
                         state, reason = "UNAVAILABLE", "unloaded"
+                    elif promoted is not None and v != promoted:
+                        state, reason = "UNAVAILABLE", (f"not loaded (version policy; version "
+                                                        f"{promoted} is promoted)")
                     else:
                         state, reason = "UNAVAILABLE", "not loaded (version policy)"
                     rows.append({"name": name, "version": str(v), "state": state,
@@ -209,26 +262,65 @@ class Registry:
             b.holders = lambda: mv.inflight - mv.generating - mv.sessions
         return mv
 
+    def _read_promotion(self, name: str) -> int | None:
+        """The promoted version of NAME from promotion.json (None: no file); counts the
+        promotions since the last reading. An unreadable file (logged once) keeps the last
+        good reading: a passing read error on a shared volume must not swap to the newest
+        version, which may be one that was rolled back (None when there never was one)."""
+        try:
+            record = read_promotion(self.repo / name)
+        except ValueError as error:
+            last = self._promotion.get(name, {}).get("version")
+            if self._promotion_error.get(name) != str(error):
+                log.error("%s: %s; %s", name, error,
+                          f"keeping version {last}, the last promoted one read" if last
+                          else "serving as if no version were promoted (the newest verified)")
+                self._promotion_error[name] = str(error)
+            with self._lock:
+                self._promoted[name] = last
+            return last
+        if self._promotion_error.pop(name, None) is not None:
+            log.info("%s: promotion.json is readable again", name)
+        before = self._promotion.get(name)
+        if before is not None:  # the history found at the first reading is not counted
+            for action in promotion_changes(before, record):
+                self.metrics.promotions.labels(name, action).inc()
+        if record["version"] is not None and (before is None
+                                              or before["version"] != record["version"]):
+            log.info("%s: version %d is promoted", name, record["version"])
+        self._promotion[name] = record
+        with self._lock:
+            self._promoted[name] = record["version"]
+        return record["version"]
+
     def sync_model(self, name: str) -> list[str]:
-        """Apply the version policy to one model; returns the errors of refused versions."""
+        """Apply the version policy to one model; returns the errors of refused versions.
+
+        Under "latest" the promoted version is loaded first, then the newest others up to
+        keep_versions; when the promoted version is refused (or missing), what served
+        requests without a version keeps serving (at start-up: the newest version below
+        the promoted one, else the newest)."""
         errors: list[str] = []
         with self._load_lock:
             on_disk = sorted(versions(self.repo / name), reverse=True)
+            promoted = self._read_promotion(name)
             with self._lock:
                 current = dict(self._serving.get(name, {}))
+                served = self._default.get(name)
             keep: dict[int, ModelVersion] = {}
-            for v in on_disk:
-                if self.settings.version_policy == "latest" and \
-                        len(keep) >= self.settings.keep_versions:
-                    break
+            s = self.settings
+
+            def take(v: int) -> None:
+                if v in keep or (s.version_policy == "latest" and len(keep) >= s.keep_versions):
+                    return
                 if v in current:
                     keep[v] = current[v]
-                    continue
+                    return
                 sig = _signature(self.repo / name / str(v))
                 failed = self._failed.get((name, v))
                 if failed is not None and failed[0] == sig:
                     errors.append(f"version {v}: {failed[1]}")
-                    continue
+                    return
                 start = time.perf_counter()
                 try:
                     mv = self.load_version(name, v)
@@ -237,25 +329,63 @@ class Registry:
                     self.metrics.load_failures.labels(name).inc()
                     log.error("refused %s version %d: %s", name, v, error)
                     errors.append(f"version {v}: {error}")
-                    continue
+                    return
                 self._failed.pop((name, v), None)
                 log.info("loaded %s version %d (%s, %s) in %.2f s", name, v,
                          mv.manifest.arch, mv.manifest.mode,
                          time.perf_counter() - start)
                 keep[v] = mv
-            self._swap(name, current, keep)
+
+            rest = on_disk  # newest first
+            if promoted in on_disk:
+                take(promoted)
+            if promoted is not None and promoted not in keep:  # refused or missing
+                if served in on_disk:
+                    take(served)
+                rest = [v for v in on_disk if v < promoted] + \
+                    [v for v in on_disk if v > promoted]
+            for v in rest:
+                take(v)
+            default = self._default_version(name, promoted, served, keep)
+            self._swap(name, current, keep, default)
         return errors
 
+    def _default_version(self, name: str, promoted: int | None, served: int | None,
+                         keep: dict[int, ModelVersion]) -> int | None:
+        """The version requests without one get: the promoted one when it is loaded, else
+        (it was refused or is missing) the one that served them, else the newest loaded
+        below it, else the newest loaded (no promotion: the newest loaded)."""
+        if not keep:
+            return None
+        if promoted is None or promoted in keep:
+            self._not_served.pop(name, None)
+            return promoted if promoted in keep else max(keep)
+        if served in keep:
+            default = served
+        else:
+            default = max((v for v in keep if v < promoted), default=max(keep))
+        if self._not_served.get(name) != promoted:
+            self._not_served[name] = promoted
+            reason = self._failed.get((name, promoted), ((), "not in the repository"))[1]
+            log.error("%s: the promoted version %d is not served (%s); version %d serves "
+                      "requests without a version", name, promoted, reason, default)
+        return default
+
     def _swap(self, name: str, current: dict[int, ModelVersion],
-              keep: dict[int, ModelVersion]) -> None:
+              keep: dict[int, ModelVersion], default: int | None = None) -> None:
         retired = [mv for v, mv in current.items() if v not in keep]
         added = [mv for v, mv in keep.items() if v not in current]
-        if not retired and not added:
-            return
         with self._lock:
-            self._serving[name] = dict(keep)
-            if not keep:
-                del self._serving[name]
+            before = self._default.get(name)
+            if not retired and not added and default == before:
+                return
+            if keep:
+                self._serving[name] = dict(keep)
+                self._default[name] = default if default in keep else max(keep)
+            else:
+                self._serving.pop(name, None)
+                self._default.pop(name, None)
+            after = self._default.get(name)
             free = []
             for mv in retired:
                 mv.retired = True
@@ -264,9 +394,9 @@ class Registry:
                     free.append(mv)
         for mv in added:
             self.metrics.model_loaded(mv.manifest)
-        if current and keep and max(keep) != max(current):
+        if before is not None and after is not None and after != before:
             self.metrics.swaps.labels(name).inc()
-            log.info("%s: version %d now serves (was %d)", name, max(keep), max(current))
+            log.info("%s: version %d now serves (was %d)", name, after, before)
         for mv in free:
             self._free(mv)
 
@@ -298,15 +428,47 @@ class Registry:
         for name in gone:
             self.sync_model(name)
 
+    def _model_dir(self, name: str) -> Path:
+        """REPO/NAME of a model with versions in the repository; NotFound otherwise."""
+        try:
+            model_dir = self.repo / check_name(name)
+        except ValueError:
+            raise NotFound(f"model {name!r} is not in the repository") from None
+        if not model_dir.is_dir() or not versions(model_dir):
+            raise NotFound(f"model {name!r} is not in the repository")
+        return model_dir
+
     def load(self, name: str) -> list[str]:
         """The repository API's load: (re)load NAME now, retrying refused versions."""
-        if not (self.repo / name).is_dir() or not versions(self.repo / name):
-            raise NotFound(f"model {name!r} is not in the repository")
+        self._model_dir(name)
         with self._load_lock:
             self._unloaded.discard(name)
             for key in [k for k in self._failed if k[0] == name]:
                 del self._failed[key]
         return self.sync_model(name)
+
+    def rollback(self, name: str, version: int | None = None) -> dict:
+        """The repository API's rollback: promote VERSION (default: the version promoted
+        before the current one) once it verifies, by ``export.repository.rollback`` (the
+        rule ``orthornn rollback`` follows too), then sync NAME at once so the swap does not
+        wait for the next scan. {"model", "promoted", "previous"}; RollbackRefused names
+        the usable versions. An unloaded model stays unloaded (only its promotion moves)."""
+        model_dir = self._model_dir(name)
+        with self._rollback_lock:  # one promotion change at a time from this service
+            try:
+                done = rollback_promotion(model_dir, version)
+            except ValueError as error:
+                raise RollbackRefused(str(error)) from None
+            except OSError as error:  # e.g. the repository is mounted read-only here
+                raise RollbackRefused(
+                    f"the model repository cannot be written here ({error}); mount it "
+                    f"writable for the service (Helm: persistence.readOnlyInServer=false) or "
+                    f"run `orthornn rollback --repo REPO --name {name}` where it is") from None
+        log.info("%s: rolled back to version %d (was %d) through the repository API", name,
+                 done["promoted"], done["previous"])
+        if name not in self._unloaded:
+            self.sync_model(name)
+        return done
 
     def unload(self, name: str) -> None:
         with self._load_lock:

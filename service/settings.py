@@ -33,8 +33,9 @@ class Settings(BaseSettings):
         description="models that must be loaded for readiness (empty: every model found in "
                     "the repository at start-up)")
     version_policy: Literal["latest", "all"] = Field(
-        "latest", description="latest: serve the newest keep_versions verified versions; "
-                              "all: every verified version")
+        "latest", description="latest: serve keep_versions verified versions, the promoted "
+                              "one (REPO/<name>/promotion.json) and the newest others; all: "
+                              "every verified version")
     keep_versions: int = Field(1, ge=1, le=64,
                                description="versions kept loaded under the 'latest' policy")
     poll_interval_s: float = Field(

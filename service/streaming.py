@@ -148,7 +148,7 @@ class Sessions:
         return len(self._open)
 
     def start(self, session_id: str, model: str, version: int | None) -> Session:
-        """Open a session on a model's version (default: newest)."""
+        """Open a session on a model's version (default: the promoted, else the newest)."""
         if session_id in self._open:
             raise ClientError(f"session {session_id!r} is already open; end it first or "
                               f"use another id", status=409)

@@ -397,6 +397,9 @@ def test_retraining_job_runs_train_then_export_with_the_chart_config(tmp_path):
     export = parser.parse_args(commands[1][1:])
     assert train.config == "/config/train.yaml" and train.out == "/runs/x"
     assert (export.run_dir, export.repo, export.name) == ("/runs/x", "/models", "digits")
+    # the gate by default, with the run's own threshold and no tolerance flag
+    assert export.gate is True
+    assert "--min-metric" not in commands[1] and "--tolerance" not in commands[1]
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     assert mounts["/config"] == "train-config"
 
@@ -408,6 +411,81 @@ def test_retraining_job_runs_train_then_export_with_the_chart_config(tmp_path):
     path.write_text(train_cm["data"]["train.yaml"])
     values = read_config_file(path)
     validate(TrainConfig(**{**values, "out": str(tmp_path / "run")}))
+
+
+def _retraining_scripts(docs) -> dict[str, tuple[str, dict]]:
+    """The shell script and the environment of the CronJob's and the Job's container."""
+    out = {}
+    for kind, pod in _pods(docs).items():
+        if kind != "Deployment":
+            (c,) = pod["containers"]
+            assert c["command"] == ["/bin/sh", "-ec"], kind
+            out[kind] = (c["args"][0], {e["name"]: e["value"] for e in c["env"]})
+    return out
+
+
+def _export_command(script: str, env: dict) -> list[str]:
+    for name, value in {**env, "run": "/runs/x"}.items():
+        script = script.replace(f'"${name}"', value)
+    (line,) = [x for x in script.splitlines() if x.startswith("orthornn export ")]
+    return shlex.split(line)
+
+
+@pytest.mark.parametrize(("sets", "flags"), [
+    ((), ["--gate"]),
+    (("retraining.gate.minMetric=0.9",), ["--gate", "--min-metric", "0.9"]),
+    (("retraining.gate.minMetric=0",), ["--gate", "--min-metric", "0"]),
+    (("retraining.gate.tolerance=0.01",), ["--gate", "--tolerance", "0.01"]),
+    (("retraining.gate.minMetric=12", "retraining.gate.tolerance=2"),
+     ["--gate", "--min-metric", "12", "--tolerance", "2"]),
+    (("retraining.gate.enabled=false", "retraining.gate.minMetric=0.9"), []),
+], ids=["default", "min-metric", "min-metric-0", "tolerance", "both", "disabled"])
+def test_retraining_export_gate_flags(sets, flags):
+    docs = render("retraining.enabled=true", *sets)
+    parser, _ = _subcommands()
+    for kind, (script, env) in _retraining_scripts(docs).items():
+        command = _export_command(script, env)
+        base = ["orthornn", "export", "/runs/x", "--repo", "/models", "--name", "digits",
+                "--mode", "dense"]
+        assert command == base + flags, kind
+        args = parser.parse_args(command[1:])  # the export command takes these flags
+        assert args.gate is bool(flags), kind
+
+
+@pytest.mark.parametrize(("export_status", "job_status"), [(0, 0), (3, 0), (1, 1), (2, 2)])
+def test_retraining_job_completes_when_the_gate_refuses(tmp_path, export_status, job_status):
+    """The container's script, run by /bin/sh with a stand-in `orthornn` on PATH: export's
+    exit 3 (the gate refused the candidate) ends the job successfully after saying so,
+    so neither the Job's backoffLimit nor the CronJob retries a refused model; any other
+    failure still fails the job, and a failed train never reaches export."""
+    sh = shutil.which("sh")
+    if sh is None:
+        pytest.skip("no POSIX sh")
+    fake = tmp_path / "bin" / "orthornn"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "$*" >> "$CALLS"\n'
+                    'if [ "$1" = export ]; then exit "$EXPORT_STATUS"; fi\n'
+                    'exit "$TRAIN_STATUS"\n')
+    fake.chmod(0o755)
+    scripts = _retraining_scripts(render("retraining.enabled=true"))
+    assert scripts["CronJob"] == scripts["Job"]
+    script, env = scripts["CronJob"]
+    for train_status in (0, 1):
+        calls = tmp_path / f"calls-{train_status}"
+        result = subprocess.run(
+            [sh, "-ec", script], capture_output=True, text=True, timeout=60,
+            env={**env, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}",
+                 "CALLS": str(calls), "EXPORT_STATUS": str(export_status),
+                 "TRAIN_STATUS": str(train_status)})
+        commands = calls.read_text().splitlines()
+        if train_status:
+            assert result.returncode == 1 and len(commands) == 1
+            continue
+        assert result.returncode == job_status, result.stderr
+        assert [c.split()[0] for c in commands] == ["train", "export"]
+        assert commands[1].endswith(" --gate")
+        refused = "the gate refused the candidate of digits" in result.stderr
+        assert refused == (export_status == 3), result.stderr
 
 
 def test_existing_secret_replaces_the_chart_secret():
@@ -428,6 +506,9 @@ def test_existing_secret_replaces_the_chart_secret():
     (["autoscaling.targetCPUUtilizationPercentage=150"], "targetCPUUtilizationPercentage"),
     (["terminationGracePeriodSeconds=30"], "terminationGracePeriodSeconds"),
     (["retraining.enabled=true", "persistence.enabled=false"], "persistence.enabled"),
+    (["retraining.gate.tolerance=-1"], "tolerance"),
+    (["retraining.gate.minMetric=high"], "minMetric"),
+    (["retraining.gate.enable=false"], "enable"),       # misspelt switch
 ])
 def test_bad_values_fail_at_render_time(sets, message):
     args = [tool("helm"), "template", RELEASE, str(CHART)]

@@ -195,6 +195,10 @@ def test_retrained_versions_swap_in_without_a_failed_request(tmp_path):
         data[-3] ^= 0xFF
         (tmp / "model.onnx").write_bytes(bytes(data))
         os.rename(tmp, repo / "adder" / "3")
+        # ... and promoted, as an export would (an unpromoted version 3 is not tried at all)
+        from orthornn.export.repository import promote
+
+        promote(repo / "adder", 3, "publish", "a damaged package")
         deadline = time.time() + 60
         failed = 0.0
         while time.time() < deadline:

@@ -124,7 +124,7 @@ def test_gate_promotes_a_better_candidate_and_refuses_a_worse_one(runs, tmp_path
     assert strong < weak  # MSE: the independent scores agree with the gate's choice
 
     # the weak run again, gated: worse than the task's baseline ...
-    with pytest.raises(GateRefused, match="must beat the task's baseline 0.166667"):
+    with pytest.raises(GateRefused, match=r"must beat the task's baseline 0\.166667"):
         export_run(runs / "weak", repo, "adder", gated=True, mode="factored")
     # ... and with a looser absolute threshold, worse than version 2 on the same data
     with pytest.raises(GateRefused) as refused:

@@ -293,6 +293,8 @@ ERROR_CASES = [
         {"name": "tokens", "shape": [1, 2], "datatype": "INT64", "data": [1, 400]}]},
      400, "token ids must be in"),
     ("post", "/v2/repository/models/nope/load", None, 404, "not in the repository"),
+    ("post", "/v2/repository/models/nope/rollback", None, 404, "not in the repository"),
+    ("post", "/v2/repository/models/adding/rollback", {"version": 0}, 400, "version"),
     ("get", "/no/such/path", None, 404, "Not Found"),
     ("delete", "/predict", None, 405, "Method Not Allowed"),
 ]
@@ -428,7 +430,7 @@ def test_docs_and_openapi(client):
                  "/v2/models/{name}/ready", "/v2/models/{name}/infer",
                  "/v2/models/{name}/versions/{version}/infer", "/v2/repository/index",
                  "/v2/repository/models/{name}/load", "/v2/repository/models/{name}/unload",
-                 "/metrics"):
+                 "/v2/repository/models/{name}/rollback", "/metrics"):
         assert path in schema["paths"], path
     body = schema["paths"]["/predict"]["post"]["requestBody"]["content"]["application/json"]
     assert body["schema"]["$ref"] == "#/components/schemas/PredictRequest"

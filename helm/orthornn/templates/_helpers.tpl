@@ -122,6 +122,7 @@ random one (so upgrades keep it). */}}
 {{/* Pod template of the retraining CronJob and Job. */}}
 {{- define "orthornn.retrainingPod" -}}
 {{- $r := .Values.retraining -}}
+{{- $gate := $r.gate -}}
 metadata:
   labels:
     {{- include "orthornn.selectorLabels" . | nindent 4 }}
@@ -169,7 +170,21 @@ spec:
         - |
           run="/runs/${ORTHORNN_MODEL_NAME}-$(date -u +%Y%m%dT%H%M%SZ)"
           orthornn train --config /config/train.yaml --out "$run" --no-progress
+          set +e
           orthornn export "$run" --repo "$ORTHORNN_REPO" --name "$ORTHORNN_MODEL_NAME" --mode "$ORTHORNN_EXPORT_MODE"
+          {{- if $gate.enabled }} --gate
+          {{- if not (kindIs "invalid" $gate.minMetric) }} --min-metric {{ $gate.minMetric | toString | quote }}{{ end }}
+          {{- if $gate.tolerance }} --tolerance {{ $gate.tolerance | toString | quote }}{{ end }}
+          {{- end }}
+          status=$?
+          set -e
+          if [ "$status" -eq 3 ]; then
+            # exit 3: the gate refused the candidate. A completed run that published
+            # nothing, not a failure: no retry, and the promoted version keeps serving.
+            echo "retraining: the gate refused the candidate of ${ORTHORNN_MODEL_NAME} (export exit 3); nothing published, the promoted version keeps serving" >&2
+            exit 0
+          fi
+          exit "$status"
       env:
         - name: ORTHORNN_REPO
           value: {{ .Values.persistence.mountPath | quote }}
