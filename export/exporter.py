@@ -1,10 +1,10 @@
 """``export_run``: a training run directory -> a verified model package in a repository.
 
-Steps: rebuild the model from RUN_DIR, build its ONNX graph(s) (dense or factored;
-for cells ONNX's RNN operator can express, both the RNN-operator and the Scan graph
-are timed with onnxruntime and the faster one is kept), compute golden outputs with
-torch on inputs that include padded variable-length sequences, write the manifest,
-verify the package with onnxruntime, and publish it by one atomic rename.
+Steps: rebuild the model from RUN_DIR, build its ONNX graph(s) (dense or factored; a
+Scan over one step, or ONNX's LSTM operator: a fixed rule, so an export is
+reproducible), compute golden outputs with torch on inputs that include padded
+variable-length sequences, evaluate the graph on the task's test split, write the
+manifest, verify the package with onnxruntime, and publish it by one atomic rename.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,7 @@ from orthornn.training.progress import progress_bar
 from orthornn import __version__
 
 from . import evaluation, gate, package, repository
-from .onnx_export import MODES, RNN_ACTIVATIONS, build_graph
+from .onnx_export import MODES, build_graph
 from .package import INITIAL_LOGITS, INITIAL_STATE
 
 MIN_OPSET, MAX_OPSET = 17, 21
@@ -77,33 +76,15 @@ def _torch_outputs(model, feeds: dict, graph: str) -> dict[str, np.ndarray]:
     return outputs
 
 
-def _seconds_per_run(model_proto: onnx.ModelProto, feeds: dict, reps: int = 5) -> float:
-    sess = package.session_from_bytes(model_proto.SerializeToString())
-    sess.run(None, feeds)
-    start = time.perf_counter()
-    for _ in range(reps):
-        sess.run(None, feeds)
-    return (time.perf_counter() - start) / reps
-
-
 def choose_recurrence(model, mode: str, opset: int) -> tuple[str, onnx.ModelProto]:
-    """("rnn" | "scan" | "lstm", graph): ONNX's RNN operator where the cell allows, if it
-    is faster than the Scan graph on a batch of 16 sequences of 128 steps."""
-    layer = model.layer
-    if isinstance(layer, LSTMLayer):
+    """("lstm" | "scan", graph): ONNX's LSTM operator for the LSTM, else a Scan over one
+    step. A fixed rule, so the same run always exports the same graph: ONNX's RNN
+    operator was faster only at batch 1 (by at most 1.5x, 0.02 ms), and 2-7x slower at
+    the batches the service's dynamic batching forms (bench/recurrence.py, in
+    docs/benchmarks.md)."""
+    if isinstance(model.layer, LSTMLayer):
         return "lstm", build_graph(model, mode, opset=opset)
-    scan = build_graph(model, mode, recurrence="scan", opset=opset)
-    if layer.gates is not None or layer.activation.kind not in RNN_ACTIVATIONS:
-        return "scan", scan
-    rnn = build_graph(model, mode, recurrence="rnn", opset=opset)
-    gen = torch.Generator().manual_seed(1)
-    if model.task == "lm":
-        x = {"tokens": torch.randint(0, model.input_size, (16, 128), generator=gen).numpy()}
-    else:
-        x = {"x": torch.randn(16, 128, model.input_size, generator=gen).numpy()}
-    feeds = {**x, "lengths": np.full(16, 128, dtype=np.int64)}
-    faster = _seconds_per_run(rnn, feeds) <= _seconds_per_run(scan, feeds)
-    return ("rnn", rnn) if faster else ("scan", scan)
+    return "scan", build_graph(model, mode, recurrence="scan", opset=opset)
 
 
 def _io_spec(proto: onnx.ModelProto) -> tuple[list, list]:
@@ -205,7 +186,7 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
     graphs = {"model": graph}
     if model.task in ("classify", "regress"):  # streaming labelling: an output per step
         graphs["steps"] = build_graph(model, mode, per_step=True, opset=opset,
-                                      recurrence="rnn" if recurrence == "rnn" else "scan")
+                                      recurrence="scan")
         onnx.checker.check_model(graphs["steps"], full_check=True)
     feeds = _golden_inputs(model, config)
     golden = {}

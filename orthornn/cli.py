@@ -43,7 +43,8 @@ def _architectures(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("models", "ops", "export", "reproduce", "service", "streaming", "threads")
+BENCHMARKS = ("models", "ops", "export", "recurrence", "reproduce", "service", "streaming",
+              "threads")
 SOURCE_TREE = Path(__file__).resolve().parents[1]
 
 

@@ -3,6 +3,7 @@ tests assert behaviour, not timings)."""
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,27 @@ def test_reproduce_benchmark_runs(tmp_path):
         assert r["steps"] == 3 and r["paper_budget"] == "2000 steps"
         assert r["verdict"] in ("reproduced", "close", "budget-limited", "not reproduced")
     assert "| UCR GunPoint | svdrnn |" in (tmp_path / "reproduce-quick.md").read_text()
+    # DizzyRNN's copy rows: the paper's variant (copied portion, 10 symbols, lag 90) and
+    # Arjovsky's (every step, 8 symbols), each with its own baseline, at the paper's budget
+    module = _load("reproduce")
+    assert module.main(["--quick", "--only", "copy", "--arch", "dizzyrnn", "--seeds", "1",
+                        "--out", str(tmp_path / "copy")]) == 0
+    rows = json.loads((tmp_path / "copy" / "reproduce-quick.json").read_text())["rows"]
+    by_name = {r["experiment"]: r for r in rows}
+    paper = by_name["copy T=90, copied portion, 10 symbols (DizzyRNN sec. 6)"]
+    assert paper["baseline"] == pytest.approx(math.log(10))
+    assert "copy_accuracy" in paper["extra"] and paper["paper_budget"] == "1000 steps"
+    arjovsky = by_name["copy T=100"]
+    assert arjovsky["baseline"] == pytest.approx(10 * math.log(8) / 120)
+    row = next(e for e in module.experiments()
+               if e["experiment"].startswith("copy T=90") and e["arch"] == "dizzyrnn")
+    assert module.verdict(row, 0.05, 1000, 1000, math.log(10), 0.97) == "reproduced"
+    assert module.verdict(row, 1.0, 1000, 1000, math.log(10), 0.6) == "close"
+    assert module.verdict(row, 2.31, 1000, 1000, math.log(10), 0.1) == "not reproduced"
+    # SGORNN's long adding rows are --full rows (a GPU), with VPRNN beside
+    long = {(e["experiment"], e["arch"]) for e in module.experiments() if e["full_only"]}
+    for t in (1000, 5000):
+        assert {(f"adding T={t}", "sgornn"), (f"adding T={t}", "vprnn")} <= long
 
 
 def test_service_benchmark_runs(tmp_path):
@@ -109,3 +131,13 @@ def test_threads_benchmark_runs(tmp_path):
         (load, t) for load in ("idle", "beside one busy process") for t in ("1", "2", "default")]
     assert result["same_bytes"] == {"digits": True}
     assert all(r["steps_per_s"] > 0 for r in result["rows"])
+
+
+def test_recurrence_benchmark_runs(tmp_path):
+    out = tmp_path / "recurrence.json"
+    assert _load("recurrence").main(["--hidden", "8", "--batches", "1", "--lengths", "4",
+                                     "--reps", "3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["arch"] for r in rows} >= {"rnn", "svdrnn", "vprnn"}  # the RNN-expressible cells
+    assert "sgornn" not in {r["arch"] for r in rows}  # gated: Scan only
+    assert all(r["rnn_ms"] > 0 and r["scan_ms"] > 0 for r in rows)

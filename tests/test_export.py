@@ -323,3 +323,15 @@ def test_export_cli_prints_the_published_path(runs, tmp_path, capsys):
     assert cli(["export", str(runs / "adding"), "--repo", str(tmp_path), "--name", "m"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "m" / "1")
     assert cli(["export", "--verify-only", str(tmp_path / "m" / "1")]) == 0
+
+
+@pytest.mark.parametrize("arch", ["svdrnn", "vprnn"])  # vprnn: the RNN operator won races
+def test_the_same_run_exported_twice_gives_identical_graphs(tmp_path, arch):
+    """No timing race decides the graph: two exports of one run are the same bytes."""
+    train(TrainConfig(arch=arch, task="adding", seq_len=6, hidden_size=8, steps=2,
+                      batch_size=8, log_every=1, out=str(tmp_path / "run")), progress=False)
+    first = export_run(tmp_path / "run", tmp_path / "a", "m")
+    second = export_run(tmp_path / "run", tmp_path / "b", "m")
+    for name in ("model.onnx", "steps.onnx", "golden.npz"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    assert json.loads((first / "manifest.json").read_text())["recurrence"] == "scan"
