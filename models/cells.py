@@ -87,7 +87,7 @@ class Recurrence(nn.Module):
         u = self.input(x)
         gates = self.gates() if self.gates is not None else None
         if factored:  # the papers' per-step application of the transition, the reference
-            return rnn_scan_steps(u, self.transition.apply, self.activation, h0, lengths, gates)
+            return rnn_scan_steps(u, self.transition.multiply, self.activation, h0, lengths, gates)
         # Dense path: build W once per call (level-3 BLAS), then one addmm per step.
         act = self.activation
         return rnn_scan(u, self.transition.matrix(), h0, lengths, activation=act.kind,

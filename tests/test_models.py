@@ -333,3 +333,22 @@ def test_bad_inputs_raise_value_error():
         lm(torch.tensor([[1, 11]]))
     with pytest.raises(ValueError, match="x must be token ids"):
         lm(torch.randn(1, 3))
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_module_apply_reaches_every_submodule(arch):
+    """model.apply(fn), how PyTorch users initialise weights, works on every architecture
+    (a parametrization's own product is multiply(), not nn.Module.apply's name)."""
+    model = build_model(arch, "classify", input_size=3, hidden_size=8, num_outputs=4)
+    seen = []
+
+    def init(module):
+        seen.append(module)
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.zeros_(module.bias)
+
+    assert model.apply(init) is model
+    assert seen[-1] is model and len(seen) == len(list(model.modules()))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears or arch == "svdmlp"  # svdmlp: U diag(s) V^T layers only
+    assert all(torch.count_nonzero(m.bias) == 0 for m in linears)

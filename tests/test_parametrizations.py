@@ -88,8 +88,8 @@ def test_factored_apply_equals_dense_matrix(name, dtype):
     x = torch.randn(5, w.shape[1], dtype=dtype)
     xt = torch.randn(4, 3, w.shape[0], dtype=dtype)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
-    torch.testing.assert_close(p.apply(x), x @ w.T, atol=tol, rtol=tol)
-    torch.testing.assert_close(p.apply(xt, transpose=True), xt @ w, atol=tol, rtol=tol)
+    torch.testing.assert_close(p.multiply(x), x @ w.T, atol=tol, rtol=tol)
+    torch.testing.assert_close(p.multiply(xt, transpose=True), xt @ w, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -99,7 +99,7 @@ def test_factored_and_dense_gradients_match(name):
     g = torch.randn(5, p.matrix().shape[0], dtype=torch.float64)
     params = list(p.parameters())
     dense = torch.autograd.grad((x @ p.matrix().T * g).sum(), params)
-    factored = torch.autograd.grad((p.apply(x) * g).sum(), params)
+    factored = torch.autograd.grad((p.multiply(x) * g).sum(), params)
     for a, b in zip(dense, factored, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
 
@@ -160,7 +160,7 @@ def test_zero_reflector_is_identity():
     h0 = torch.eye(4, dtype=torch.float64) - 2 * torch.outer(y[:, 0], y[:, 0]) / (y[:, 0] @ y[:, 0])
     torch.testing.assert_close(p.matrix(), h0)
     x = torch.randn(3, 4, dtype=torch.float64)
-    torch.testing.assert_close(p.apply(x), x @ h0.T)
+    torch.testing.assert_close(p.multiply(x), x @ h0.T)
 
 
 # -- SVD (Spectral-RNN) -----------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Parametrizations: small modules that turn parameters into a (transition) matrix.
 
 Every stage reuses these: the cells build their transition from them, export folds
-``matrix()`` into dense weights or keeps the factored ``apply`` form.
+``matrix()`` into dense weights or keeps the factored ``multiply`` form.
 """
 
 from .base import Parametrization

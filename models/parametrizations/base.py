@@ -5,7 +5,7 @@ a matrix. It offers two equivalent views:
 
 * ``matrix()``: the dense matrix, built with level-3 BLAS. The forward pass of a
   network materialises it once per call and uses plain matrix products.
-* ``apply(x)``: the factored, per-vector application of the papers (one reflector
+* ``multiply(x)``: the factored, per-vector application of the papers (one reflector
   or one packed rotation at a time). It is the reference for the dense path, the
   graph that the factored ONNX export reproduces, and the cheap path when only a
   few vectors are multiplied.
@@ -15,8 +15,8 @@ ONNX functions take them; a composite form lists its parts as parametrizations),
 ``set_factors(name=tensor)`` loads the trainable ones: the one way to set a
 parametrization's value.
 
-``apply`` acts on row vectors: ``apply(x) == x @ matrix().T`` for x of shape
-[..., cols]; ``apply(x, transpose=True) == x @ matrix()``.
+``multiply`` acts on row vectors: ``multiply(x) == x @ matrix().T`` for x of shape
+[..., cols]; ``multiply(x, transpose=True) == x @ matrix()``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ class Parametrization(nn.Module):
     def matrix(self) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def apply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:  # pragma: no cover
-        raise NotImplementedError
+    def multiply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+        raise NotImplementedError  # pragma: no cover - interface
 
     #: the names in factors() that set_factors accepts
     trainable: tuple[str, ...] = ()

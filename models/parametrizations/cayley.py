@@ -74,7 +74,7 @@ class ScaledCayley(Parametrization):
         w = torch.linalg.solve(eye + a64, eye - a64) * self.diagonal.double()
         return w.to(a.dtype)
 
-    def apply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    def multiply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
         # Factored view (scoRNN section 4, "layers"): x -> D x -> (I - A) x -> (I + A)^{-1} x.
         a = self.skew_matrix()
         eye = torch.eye(self.size, dtype=a.dtype, device=a.device)

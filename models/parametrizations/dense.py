@@ -36,5 +36,5 @@ class DenseTransition(Parametrization):
     def matrix(self) -> torch.Tensor:
         return self.weight
 
-    def apply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    def multiply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
         return x @ self.weight if transpose else x @ self.weight.T

@@ -7,7 +7,7 @@ pairs (a, b), applied together in O(n):
 ``rotate_pairs`` is that one formula; both classes below call it. Their dense matrix
 is the same chain applied to the identity (``models.ops.rotation_chain``, the op
 ``torch.ops.orthornn.givens_apply``: O(k n^2) elementwise work with an explicit
-backward, a Triton kernel on the GPU). ``apply`` runs the same op on the batch of row
+backward, a Triton kernel on the GPU). ``multiply`` runs the same op on the batch of row
 vectors (the per-vector factored path); the transposed application is the
 ``rotate_pairs`` loop.
 """
@@ -123,7 +123,7 @@ class PackedGivens(_PackedRotations):
         self.angles = nn.Parameter(
             (torch.rand(self.rotations, n // 2, generator=generator) * 2 - 1) * math.pi)
 
-    def apply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    def multiply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
         # W x = P_1 (... (P_k x)); W^T x = P_k^T (... (P_1^T x)), P^T rotating by -angle.
         cos, sin, partner = self.coefficients(transpose)
         if not transpose:
@@ -155,7 +155,7 @@ class RotationPermutation(_PackedRotations):
         self.angles = nn.Parameter(
             (torch.rand(k, n // 2, generator=generator) * 2 - 1) * math.pi)
 
-    def apply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    def multiply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
         cos, sin, partner = self.coefficients(transpose)
         if transpose:  # W^T = Q_k^T R_k^T ... Q_1^T R_1^T
             inverse = torch.argsort(self.permutations, dim=1)

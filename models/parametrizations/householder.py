@@ -52,6 +52,6 @@ class HouseholderChain(Parametrization):
     def matrix(self) -> torch.Tensor:
         return householder_matrix(self.reflector_matrix())  # compact WY, level-3 BLAS
 
-    def apply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    def multiply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
         # One reflector at a time (eq. 8), the op torch.ops.orthornn.householder_apply.
         return householder_apply(x, self.reflector_matrix(), transpose)

@@ -94,14 +94,14 @@ class SVDForm(Parametrization):
         v = self.right.matrix()[:, :k]
         return (u * self.singular_values()) @ v.T
 
-    def apply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    def multiply(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
         # W x = U (s * (V^T x)); W^T x = V (s * (U^T x)). Row-vector convention.
         first, last, out = (self.left, self.right, self.cols) if transpose else \
             (self.right, self.left, self.rows)
-        y = first.apply(x, transpose=True)[..., : self.rank] * self.singular_values()
+        y = first.multiply(x, transpose=True)[..., : self.rank] * self.singular_values()
         if out > self.rank:
             y = torch.cat([y, y.new_zeros(*y.shape[:-1], out - self.rank)], dim=-1)
-        return last.apply(y)
+        return last.multiply(y)
 
     def regularization(self) -> torch.Tensor:
         return self.singular.regularization()
