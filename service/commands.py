@@ -10,32 +10,52 @@ from pathlib import Path
 
 DEFAULT_URL = "http://127.0.0.1:8000"  # where orthornn serve and the quickstart listen
 
-# flag -> settings field; a flag left out keeps the ORTHORNN_* variable or the default
-SERVE_FLAGS = [
-    ("--repo", str, "model repository root (ORTHORNN_REPO)"),
-    ("--host", str, "address to listen on (default 127.0.0.1; beyond loopback the "
-                    "repository API needs ORTHORNN_ADMIN_TOKEN)"),
-    ("--port", int, "port (default 8000)"),
-    ("--models", str, "comma-separated models required for readiness (default: all found)"),
-    ("--version-policy", str, "latest (default) or all"),
-    ("--keep-versions", int, "versions kept loaded under 'latest' (default 1)"),
-    ("--poll-interval-s", float, "repository scan period, 0 = never (default 2)"),
-    ("--max-batch-size", int, "sequences per batch (default 32)"),
-    ("--max-queue-delay-ms", float, "batching window (default 2)"),
-    ("--max-queue-size", int, "waiting sequences per model before 429 (default 512)"),
-    ("--max-request-sequences", int, "sequences per request (default 256)"),
-    ("--max-body-bytes", int, "request body limit (default 16 MiB)"),
-    ("--max-inflight-requests", int, "requests in flight before 503 (default 64)"),
-    ("--max-sessions", int, "open server-side sessions before 429 (default 10000)"),
-    ("--session-idle-timeout-s", float, "idle seconds before a session ends (default 300)"),
-    ("--inference-threads", int, "onnxruntime intra-op threads per session (default 1)"),
-    ("--inference-workers", int, "inference threads, batches run at once (default 1)"),
-    ("--providers", str, "comma-separated onnxruntime providers (default: CUDA if present, "
-                         "then CPU)"),
-    ("--shutdown-delay-s", float, "seconds of 503 readiness after SIGTERM before draining"),
-    ("--drain-timeout-s", float, "longest wait for in-flight requests on exit (default 30)"),
-    ("--log-level", str, "debug, info (default), warning or error"),
-]
+#: settings with no flag: a secret must not appear in a process list or shell history
+ENV_ONLY = {"admin_token": "ORTHORNN_ADMIN_TOKEN"}
+
+
+def _flag_type(annotation):
+    """argparse's type (or "bool") for a Settings field's annotation."""
+    import typing
+
+    if annotation is bool:
+        return "bool"
+    if typing.get_origin(annotation) is typing.Literal:
+        return str
+    if annotation in (int, float):
+        return annotation
+    return str  # str, Path, comma-separated lists (the field's validator splits them)
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, settings_class) -> None:
+    """One flag per Settings field, generated from the field (name, type, choices,
+    description, default): the settings are the one list. A flag left out keeps the
+    ORTHORNN_* variable or the field's default."""
+    import typing
+
+    from pydantic_core import PydanticUndefined
+
+    for name, field in settings_class.model_fields.items():
+        if name in ENV_ONLY:
+            continue
+        flag = "--" + name.replace("_", "-")
+        env = f"ORTHORNN_{name.upper()}"
+        if field.default is PydanticUndefined and field.default_factory is None:
+            default = "required"
+        else:
+            value = field.get_default(call_default_factory=True)
+            default = ("none" if value in ([], None) else
+                       str(value).lower() if isinstance(value, bool) else str(value))
+        text = f"{field.description or name} (default: {default}; {env})"
+        kind = _flag_type(field.annotation)
+        if kind == "bool":
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                default=None, help=text)
+            continue
+        choices = typing.get_args(field.annotation) \
+            if typing.get_origin(field.annotation) is typing.Literal else None
+        parser.add_argument(flag, dest=name, type=kind, choices=choices, default=None,
+                            help=text)
 
 
 def add_serve_parsers(sub) -> None:
@@ -43,19 +63,20 @@ def add_serve_parsers(sub) -> None:
         "serve", help="serve a model repository over HTTP (/predict, Open Inference Protocol)",
         description="orthornn serve --repo REPO [--host H --port P ...]. Every flag can also "
                     "be set as an ORTHORNN_* environment variable (ORTHORNN_MAX_BATCH_SIZE=16); "
-                    "the repository API token only as ORTHORNN_ADMIN_TOKEN.")
-    for flag, kind, text in SERVE_FLAGS:
-        serve.add_argument(flag, type=kind, help=text)
-    serve.add_argument("--allow-open-repository-api", action="store_true", default=None,
-                       help="start without ORTHORNN_ADMIN_TOKEN also when --host is not a "
-                            "loopback address (default: refuse; "
-                            "ORTHORNN_ALLOW_OPEN_REPOSITORY_API)")
-    batching = serve.add_mutually_exclusive_group()
-    batching.add_argument("--batching", dest="batching", action="store_true", default=None,
-                          help="dynamic batching on (default)")
-    batching.add_argument("--no-batching", dest="batching", action="store_false",
-                          help="run every request alone")
-    serve.set_defaults(run=run_serve)
+                    "a flag beats the variable. The repository API token is only an "
+                    "environment variable (ORTHORNN_ADMIN_TOKEN), so it never shows in a "
+                    "process list.")
+    try:
+        from .settings import Settings
+    except ModuleNotFoundError as missing:  # no serve extra: `orthornn serve` says which
+        serve.add_argument("ignored", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+        def needs_extra(args, missing=missing):
+            raise missing
+        serve.set_defaults(run=needs_extra)
+    else:
+        add_settings_flags(serve, Settings)
+        serve.set_defaults(run=run_serve)
 
     predict = sub.add_parser(
         "predict", help="send a file to a running service's /predict and print the answers",
@@ -97,10 +118,8 @@ def settings_from_args(args: argparse.Namespace):
 
     from .settings import Settings
 
-    values = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
-              for flag, _, _ in SERVE_FLAGS}
-    values["batching"] = args.batching
-    values["allow_open_repository_api"] = args.allow_open_repository_api
+    values = {name: getattr(args, name) for name in Settings.model_fields
+              if name not in ENV_ONLY}
     try:
         return Settings(**{k: v for k, v in values.items() if v is not None})
     except ValidationError as e:

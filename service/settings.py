@@ -94,7 +94,8 @@ class Settings(BaseSettings):
                     "accepted (lets load balancers notice), before the listener closes")
     drain_timeout_s: float = Field(30.0, ge=0, le=3600,
                                    description="longest wait for in-flight requests on exit")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="the service's log level")
 
     @field_validator("models", "providers", mode="before")
     @classmethod

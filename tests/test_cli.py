@@ -63,3 +63,34 @@ def test_bench_rejects_unknown_names(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "nope"])
     assert exit_info.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_serve_flags_are_generated_from_every_setting():
+    """One list: every Settings field is a flag whose help shows the field's own default,
+    except the admin token (environment only), and a flag's value reaches Settings."""
+    from orthornn.service.commands import ENV_ONLY, settings_from_args
+    from orthornn.service.settings import Settings
+
+    from orthornn.cli import build_parser
+
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    flags = {a.dest: a for a in serve._actions if a.dest != "help"}
+    assert set(flags) | set(ENV_ONLY) == set(Settings.model_fields)
+    assert "admin_token" not in flags
+    for name, action in flags.items():
+        field = Settings.model_fields[name]
+        assert f"ORTHORNN_{name.upper()}" in action.help, name
+        default = field.get_default(call_default_factory=True)
+        if name != "repo" and default not in (None, []) and not isinstance(default, bool):
+            assert f"default: {default}" in action.help, (name, action.help)
+    args = parser.parse_args(["serve", "--repo", "r", "--max-token-length", "77",
+                              "--max-new-tokens", "9", "--no-batching", "--models", "a,b",
+                              "--log-level", "warning"])
+    settings = settings_from_args(args)
+    assert (settings.max_token_length, settings.max_new_tokens, settings.batching) == \
+        (77, 9, False)
+    assert settings.models == ["a", "b"] and settings.log_level == "warning"
+    defaults = settings_from_args(parser.parse_args(["serve", "--repo", "r"]))
+    assert defaults.batching is True and defaults.max_new_tokens == \
+        Settings.model_fields["max_new_tokens"].default
