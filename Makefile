@@ -28,6 +28,7 @@ test: $(VENV)/.installed tools lint docs
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict fails on a broken link,
 # a missing anchor or a page left out of the nav.

@@ -219,13 +219,14 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
         record = {"absent": absent}
     on_disk = repository.versions(model_dir)
     parent = repository.promoted(model_dir) or (max(on_disk) if on_disk else None)
+    created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     lineage = {"config_sha256": evaluation.config_sha256(config),
                "train_data_fingerprint": None if task is None
                else evaluation.train_fingerprint(task),
                "orthornn_version": __version__,
                "source_revision": evaluation.source_revision(),
                "parent": parent,
-               "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+               "created": created}
     refusal = ""
     if gated:
         refusal = _gate(record, task, absent, config, model_dir, parent, min_metric, tolerance)
@@ -239,7 +240,7 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
             filename = f"{key}.onnx"
             onnx.save(proto, tmp / filename)
             files[filename] = package.sha256(tmp / filename)
-        np.savez(tmp / "golden.npz", **golden)
+        np.savez(tmp / "golden.npz", **golden)  # type: ignore[arg-type]  # stub: allow_pickle
         files["golden.npz"] = package.sha256(tmp / "golden.npz")
         if vocabulary is not None:
             (tmp / "vocab.txt").write_text("\n".join(vocabulary) + "\n")
@@ -260,7 +261,7 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
             training=json.loads(summary_path.read_text()) if summary_path.is_file() else None,
             source={"run_dir": str(run_dir.resolve()),
                     "checkpoint_sha256": package.sha256(run_dir / "model.safetensors")},
-            created=lineage["created"],
+            created=created,
             orthornn_version=__version__)
         (tmp / "manifest.json").write_text(manifest.to_json())
         if verify:  # never publish what onnxruntime cannot reproduce

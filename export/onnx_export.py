@@ -152,7 +152,7 @@ def _zero_padded_steps(g: Graph, ys: str, lengths: str) -> str:
 def _rnn_op(g: Graph, layer, w: str, x: str, lengths32: str, h0: str) -> tuple[str, str]:
     """ONNX's RNN operator (ungated tanh / relu / leaky relu)."""
     act = layer.activation
-    attrs = {"activations": [RNN_ACTIVATIONS[act.kind]]}
+    attrs: dict[str, list] = {"activations": [RNN_ACTIVATIONS[act.kind]]}
     if act.kind == "leaky_relu":
         attrs["activation_alpha"] = [act.negative_slope]
     n = layer.hidden_size
@@ -160,7 +160,8 @@ def _rnn_op(g: Graph, layer, w: str, x: str, lengths32: str, h0: str) -> tuple[s
     w_in = g.const(_np(layer.input.weight)[None], "W_in")
     bias = g.const(np.concatenate([_np(layer.input.bias), np.zeros(n, np.float32)])[None], "B")
     y, y_h = g.op("RNN", g.op("Transpose", x, perm=[1, 0, 2]), w_in, g.op("Unsqueeze", w, zero),
-                  bias, lengths32, g.op("Unsqueeze", h0, zero), outputs=2, hidden_size=n, **attrs)
+                  bias, lengths32, g.op("Unsqueeze", h0, zero), outputs=2, hidden_size=n,
+                  **attrs)  # type: ignore[arg-type]  # ONNX attributes, not domain or hint
     states = g.op("Transpose", g.op("Squeeze", y, g.const([1], "ax", "int64")), perm=[1, 0, 2])
     return states, g.op("Squeeze", y_h, zero)
 
@@ -203,7 +204,7 @@ def build_graph(model, mode: str = "dense", *, step: bool = False, per_step: boo
     if not hasattr(model, "layer"):
         raise ValueError(f"{model.arch} is not recurrent: export takes recurrent models only")
     layer, task = model.layer, model.task
-    g, used = Graph(), set()
+    g, used = Graph(), set[str]()
     lm = task == "lm"
     x_in = value("tokens", TensorProto.INT64, ["batch", 1 if step else "time"]) if lm else \
         value("x", TensorProto.FLOAT, ["batch", "time", model.input_size])

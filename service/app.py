@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
+from prometheus_client import Counter, Histogram
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -184,9 +185,11 @@ class Routes:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
-            found = scope.get("orthornn.route") or self.table.match(scope)
+            found: tuple[Route, dict] | None = \
+                scope.get("orthornn.route") or self.table.match(scope)
             if found is not None:
-                return await self.answer(*found, scope, receive, send)
+                route, params = found
+                return await self.answer(route, params, scope, receive, send)
         await self.app(scope, receive, send)
 
     async def answer(self, route: Route, params: dict, scope, receive, send) -> None:
@@ -224,8 +227,8 @@ class Observe:
         self.app, self.table, self.metrics = app, table, metrics
         self.max_body, self.max_inflight = max_body, max_inflight
         self.inflight = 0
-        self._counters: dict[tuple, object] = {}
-        self._durations: dict[str, object] = {}
+        self._counters: dict[tuple, Counter] = {}
+        self._durations: dict[str, Histogram] = {}
         # rendered once: the same error() every other refusal uses
         self._overloaded = error(503, f"overloaded: {max_inflight} requests in flight; "
                                       "retry later", headers={"Retry-After": "1"})
@@ -521,5 +524,5 @@ def create_app(settings: Settings) -> FastAPI:
         app.openapi_schema = schema
         return schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented override
     return app

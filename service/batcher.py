@@ -191,7 +191,8 @@ class Batcher:
         """(Under the lock.) The next batch: queued requests, at most max_batch_size
         sequences (the first request whatever its size)."""
         queue = self._queue
-        items, count = [], 0
+        items: list[_Item] = []
+        count = 0
         while queue and (not items or (self.enabled and count + len(queue[0].sequences)
                                        <= self.max_batch_size)):
             item = queue.popleft()
@@ -237,7 +238,9 @@ class Batcher:
                 outcomes.append((False, failed[k]))
             else:
                 try:
-                    outcomes.append((True, item.post(rows[offset:offset + n])))
+                    # a request that did not fail has every row filled
+                    outcomes.append((True, item.post(
+                        [r for r in rows[offset:offset + n] if r is not None])))
                 except Exception as error:
                     outcomes.append((False, error))
             offset += n

@@ -268,10 +268,13 @@ class DataPlane:
                     raise ClientError(f"states: one per sequence ({len(seqs)}); got "
                                       f"{len(req.states)}")
                 self._check_streaming(mv)
-                seqs = [Chunk(s, decode_state(st, mv.name, mv.version, mv.spec.state_size,
-                                              f"states[{i}]"))
-                        for i, (s, st) in enumerate(zip(seqs, req.states, strict=True))]
-            outputs, _ = await self._run(mv, seqs, req)
+                batch: list[np.ndarray | Chunk] = [
+                    Chunk(s, decode_state(st, mv.name, mv.version, mv.spec.state_size,
+                                          f"states[{i}]"))
+                    for i, (s, st) in enumerate(zip(seqs, req.states, strict=True))]
+            else:
+                batch = list(seqs)
+            outputs, _ = await self._run(mv, batch, req)
         return {"model": mv.name, "version": mv.version, "outputs": outputs}
 
     async def _predict_session(self, req, body: bytes, fast, labels: dict) -> dict:

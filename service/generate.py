@@ -50,7 +50,9 @@ def _pick(logits: np.ndarray, req: GenerateRequest, rng: np.random.Generator,
 
 def generate(runtime: Runtime, spec: ModelSpec, prompt: list[int], req: GenerateRequest
              ) -> dict:
-    """Runs in an inference thread."""
+    """Runs in an inference thread; ``prompt_ids`` has checked the model is a language
+    model with a vocabulary."""
+    assert spec.vocabulary is not None
     eos = spec.token_ids.get(EOS, 1)
     context = prompt or [eos]  # an empty prompt starts a new paragraph
     out = runtime.run("model", {"tokens": np.array([context], dtype=np.int64),

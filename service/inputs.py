@@ -4,7 +4,7 @@ the Open Inference Protocol. Every violation raises ClientError naming the field
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import simdjson
@@ -84,7 +84,7 @@ def predict_sequences(spec: ModelSpec, req: PredictRequest, max_sequences: int
     if req.text is not None and spec.kind != "tokens":
         raise ClientError(f"text: only language models take text; model {spec.name!r} "
                           f"takes 'inputs' (sequences of {spec.feature_size} features)")
-    items = req.inputs if req.inputs is not None else req.text
+    items: list[Any] = req.inputs if req.inputs is not None else req.text or []
     field = "inputs" if req.inputs is not None else "text"
     if not 1 <= len(items) <= max_sequences:
         raise ClientError(f"{field}: between 1 and {max_sequences} sequences per request; "
@@ -116,7 +116,8 @@ def range_warning(spec: ModelSpec, sequences: list[np.ndarray], field: str) -> s
     answered, but the answer means little: usually the client skipped the model's
     preprocessing (GET /v2/models/NAME shows it)."""
     low, high = spec.input_low, spec.input_high
-    if low is None or spec.kind != "float":
+    tmin, tmax = spec.training_min, spec.training_max
+    if low is None or tmin is None or tmax is None or spec.kind != "float":
         return None
     # the hot path: two contiguous reductions per sequence rule out most requests (no value
     # below the highest lower bound nor above the lowest upper bound)
@@ -130,7 +131,7 @@ def range_warning(spec: ModelSpec, sequences: list[np.ndarray], field: str) -> s
             f = int(np.argmax(bad))
             value = float(lo[f] if lo[f] < low[f] else hi[f])
             return (f"{field}[{i}] feature {f}: {value:.4g} is far outside the training range "
-                    f"[{spec.training_min[f]:.4g}, {spec.training_max[f]:.4g}]; inputs must "
+                    f"[{tmin[f]:.4g}, {tmax[f]:.4g}]; inputs must "
                     f"be preprocessed as the model's manifest says (GET /v2/models/{spec.name})")
     return None
 
@@ -155,8 +156,8 @@ def fast_predict_request(body: bytes) -> PredictRequest | None:
     """
     if body.startswith(b"\xef\xbb\xbf"):  # simdjson skips a UTF-8 BOM, pydantic refuses it
         return None
-    try:
-        data = simdjson.Parser().parse(body)  # a parser per call: thread-safe, cheap
+    try:  # Any: the checks below are type(...) tests mypy does not narrow on
+        data: Any = simdjson.Parser().parse(body)  # a parser per call: thread-safe, cheap
     except _NUMBER_ERRORS:
         return None
     if type(data) is not simdjson.Object:
@@ -174,6 +175,7 @@ def fast_predict_request(body: bytes) -> PredictRequest | None:
     if top_k is not None and not (type(top_k) is int and 1 <= top_k <= 1_000_000):
         return None
     arrays, brackets = [], 1 + len(seqs)  # '[' of inputs and of each sequence
+    seq: Any
     for seq in seqs:
         if type(seq) is not simdjson.Array:
             return None
@@ -181,7 +183,7 @@ def fast_predict_request(body: bytes) -> PredictRequest | None:
         if shape[0] and type(seq[0]) is simdjson.Array:  # [T, d]: every step a list of d
             width = len(seq[0])
             try:
-                widths = [len(step) for step in seq]
+                widths = [len(step) for step in seq]  # type: ignore[arg-type]  # TypeError
             except TypeError:  # a number among the steps
                 return None
             if widths.count(width) != shape[0]:
@@ -205,7 +207,8 @@ def fast_predict_request(body: bytes) -> PredictRequest | None:
 
 _INFER_KEYS = frozenset(InferenceRequest.model_fields)
 _INPUT_KEYS = frozenset(RequestInput.model_fields)
-_BUFFER_TYPES = {"FP32": ("d", np.float64), "INT64": ("i", np.int64)}
+_BUFFER_TYPES: dict[str, tuple[Literal["d", "i"], type]] = {
+    "FP32": ("d", np.float64), "INT64": ("i", np.int64)}
 
 
 def _python(value):
@@ -226,8 +229,8 @@ def fast_infer_request(body: bytes) -> InferenceRequest | None:
     decode_tensor checks the element count against the shape on either path."""
     if body.startswith(b"\xef\xbb\xbf"):
         return None
-    try:
-        doc = simdjson.Parser().parse(body)
+    try:  # Any: as in fast_predict_request
+        doc: Any = simdjson.Parser().parse(body)
     except _NUMBER_ERRORS:
         return None
     if type(doc) is not simdjson.Object:
@@ -236,7 +239,8 @@ def fast_infer_request(body: bytes) -> InferenceRequest | None:
     inputs = doc.get("inputs")
     if len(keys) != len(doc) or not keys <= _INFER_KEYS or type(inputs) is not simdjson.Array:
         return None
-    metas, arrays = [], []
+    metas: list[dict] = []
+    arrays: list[np.ndarray | None] = []
     for inp in inputs:
         if type(inp) is not simdjson.Object:
             return None
@@ -248,7 +252,7 @@ def fast_infer_request(body: bytes) -> InferenceRequest | None:
         if data is None:
             arrays.append(None)
         else:
-            kind = _BUFFER_TYPES.get(meta.get("datatype"))
+            kind = _BUFFER_TYPES.get(meta.get("datatype") or "")
             if type(data) is not simdjson.Array or kind is None:
                 return None
             try:
@@ -262,9 +266,10 @@ def fast_infer_request(body: bytes) -> InferenceRequest | None:
             {**{k: _python(doc[k]) for k in keys if k != "inputs"}, "inputs": metas})
     except ValidationError:
         return None
-    for inp, arr in zip(req.inputs, arrays, strict=True):
+    for request_input, arr in zip(req.inputs, arrays, strict=True):
         if arr is not None:
-            inp.data = arr
+            # the array stands in for the list (decode_tensor takes either)
+            request_input.data = arr  # type: ignore[assignment]
     return req
 
 
@@ -427,7 +432,7 @@ def _flatten(data: list, datatype: str, field: str) -> np.ndarray:
 
 
 def infer_sequences(spec: ModelSpec, req: InferenceRequest, binaries: dict[str, bytes],
-                    io: dict, max_sequences: int) -> tuple[list[np.ndarray], int]:
+                    io: dict, max_sequences: int) -> tuple[list[np.ndarray | Chunk], int]:
     """The sequences of an OIP request (x or tokens [B, T, ...] with optional lengths [B])
     and T."""
     declared = {i["name"]: i for i in io["inputs"]}
@@ -471,14 +476,15 @@ def infer_sequences(spec: ModelSpec, req: InferenceRequest, binaries: dict[str, 
             raise ClientError(f"inputs[lengths].data: lengths must be in [1, {steps}]")
     else:
         lengths = np.full(batch, steps, dtype=np.int64)
-    seqs = [x[i, :int(n)] for i, n in enumerate(lengths)]
+    arrays = [x[i, :int(n)] for i, n in enumerate(lengths)]
+    seqs: list[np.ndarray | Chunk] = list(arrays)
     if INITIAL_STATE in seen:  # raw state tensors: the URL names the version they continue
         st = seen[INITIAL_STATE]
         if list(st.shape) != [batch, spec.state_size]:
             raise ClientError(f"inputs[{INITIAL_STATE}].shape: must be [{batch}, "
                               f"{spec.state_size}]; got {st.shape}")
         states = decode_tensor(st, binaries.get(INITIAL_STATE), "FP32")
-        seqs = [Chunk(s, states[i]) for i, s in enumerate(seqs)]
+        seqs = [Chunk(s, states[i]) for i, s in enumerate(arrays)]
     return seqs, steps
 
 

@@ -337,10 +337,10 @@ class Registry:
                 keep[v] = mv
 
             rest = on_disk  # newest first
-            if promoted in on_disk:
+            if promoted is not None and promoted in on_disk:
                 take(promoted)
             if promoted is not None and promoted not in keep:  # refused or missing
-                if served in on_disk:
+                if served is not None and served in on_disk:
                     take(served)
                 rest = [v for v in on_disk if v < promoted] + \
                     [v for v in on_disk if v > promoted]

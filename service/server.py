@@ -9,6 +9,7 @@ import asyncio
 import errno
 import functools
 import logging
+import math
 import signal
 import socket
 import sys
@@ -143,7 +144,9 @@ class DrainingServer(uvicorn.Server):
                                                      backlog=config.backlog)
                             for sock in sockets]
         else:
-            self.servers = [EagerListener(sock, create_protocol, config.backlog)
+            # uvicorn types servers as asyncio.Server; an EagerListener has what uvicorn
+            # calls of one (close, wait_closed, sockets)
+            self.servers = [EagerListener(sock, create_protocol, config.backlog)  # type: ignore[misc]
                             for sock in sockets]
 
     def handle_exit(self, sig, frame) -> None:
@@ -202,7 +205,8 @@ def serve(settings: Settings) -> int:
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=False,
-                            timeout_graceful_shutdown=settings.drain_timeout_s or None,
+                            # uvicorn takes whole seconds here
+                            timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s) or None,
                             limit_concurrency=None, timeout_keep_alive=30,
                             # X-Forwarded-For/-Proto would set the client address (read
                             # only by access logs, off) and the scheme (read by no route);

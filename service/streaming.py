@@ -20,10 +20,14 @@ import base64
 import binascii
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .inputs import ClientError
+
+if TYPE_CHECKING:
+    from .registry import ModelVersion
 
 
 class StateConflict(ClientError):
@@ -124,7 +128,7 @@ class UnknownSession(ClientError):
 class Session:
     id: str
     model: str
-    mv: object  # the registry's ModelVersion, held while the session lives
+    mv: ModelVersion  # held while the session lives
     state: np.ndarray | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_used: float = field(default_factory=time.monotonic)
