@@ -200,3 +200,14 @@ def test_set_factors_round_trips_and_names_bad_input():
                                s.sort(descending=True).values)
     with pytest.raises(ValueError, match="singular values must lie in"):
         svd.set_factors(singular_values=torch.full((4,), 2.0))
+
+
+def test_models_ops_modules_import_in_one_direction():
+    """The op modules build on the reference, never the reverse (no import circle)."""
+    import ast
+
+    ops = ROOT / "models" / "ops"
+    reference = ast.parse((ops / "reference.py").read_text())
+    imported = {node.module for node in ast.walk(reference)
+                if isinstance(node, ast.ImportFrom) and node.level == 1}
+    assert not imported & {"scan", "triton_scan", "dispatch"}, imported

@@ -8,9 +8,10 @@ u [B, T, n] is the precomputed input projection plus bias, g an activation kind 
 t < length: the last state is each sequence's own final state and states at padded
 steps are zero, so padding never changes a result.
 
-Two entry points share one forward loop:
-* ``rnn_scan`` (dense W): the op ``torch.ops.orthornn.rnn_scan`` (``models.ops.scan``),
-  whose CPU implementation is ``scan_forward`` / ``scan_backward`` below. The
+Two users share one forward loop:
+* the op ``torch.ops.orthornn.rnn_scan`` (dense W; ``models.ops.scan``, which imports
+  this module, never the other way round): its CPU implementation is ``scan_forward``
+  / ``scan_backward`` below. The
   backward is one reverse scan for dz_t, then dW = sum_t dz_t h_{t-1}^T as a single
   matrix product (``scan_parameter_grads``, shared with the Triton path); it saves
   only the pre-activations and the carried states.
@@ -124,19 +125,6 @@ def scan_parameter_grads(d_pre, d_out, pre, carried, a, bias, kind: str, slope: 
     if bias is not None:
         d_bias = modrelu_bias_grad(pre, d_pre)
     return d_weight, d_a, d_b2, d_bias
-
-
-def rnn_scan(u: torch.Tensor, weight: torch.Tensor, h0: torch.Tensor | None = None,
-             lengths: torch.Tensor | None = None, *, activation: str = "relu",
-             slope: float = 0.01, bias: torch.Tensor | None = None,
-             gates: tuple[torch.Tensor, torch.Tensor] | None = None,
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the recurrence with a dense W [n, n]: (states [B, T, n], last [B, n]).
-    A thin wrapper over the op (``models.ops.scan.rnn_scan``), which picks the path."""
-    from .scan import rnn_scan as scan_op  # the op module builds on this one
-
-    return scan_op(u, weight, h0, lengths, activation=activation, slope=slope, bias=bias,
-                   gates=gates)
 
 
 def rnn_scan_steps(u: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor],
