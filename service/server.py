@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import functools
 import logging
 import math
 import signal
@@ -18,93 +17,35 @@ import threading
 import uvicorn
 
 from .app import create_app
+from .listener import listen_eagerly
 from .settings import Settings
 
 log = logging.getLogger("orthornn.service")
 
 
-class EagerListener:
-    """Accepts every connection waiting in the listen queue each time it is readable.
-
-    uvloop's libuv accepts one connection per event-loop iteration. Under overload an
-    iteration serves a thousand open connections (tens of ms), so new connections wait
-    in the kernel's queue for seconds before their first byte is read: with 1,024
-    clients reconnecting, p99 reached 7 s though every answer took milliseconds (the
-    asyncio loop accepts up to ``backlog`` per readiness, but serves 6x fewer requests).
-    Quacks like asyncio.Server for uvicorn's shutdown (close, wait_closed)."""
-
-    RETRY_S = 1.0  # out of descriptors or memory: wait as asyncio does, rather than spin
-    OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-
-    def __init__(self, sock: socket.socket, protocol_factory, backlog: int):
-        self.sock, self.protocol_factory, self.backlog = sock, protocol_factory, backlog
-        self.loop = asyncio.get_running_loop()
-        sock.setblocking(False)
-        sock.listen(backlog)
-        self.loop.add_reader(sock.fileno(), self._accept)
-        self.closed = False
-
-    def _accept(self) -> None:
-        for _ in range(self.backlog):
-            try:
-                conn, _ = self.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as error:
-                if error.errno not in self.OUT_OF_RESOURCES:  # one connection's trouble
-                    log.debug("accept: %s", error)
-                    continue
-                log.error("accept failed (%s); pausing new connections for %.0f s",
-                          error.strerror or error, self.RETRY_S)
-                self.loop.remove_reader(self.sock.fileno())
-                self.loop.call_later(self.RETRY_S, self._resume)
-                return
-            task = self.loop.create_task(
-                self.loop.connect_accepted_socket(self.protocol_factory, conn))
-            task.add_done_callback(functools.partial(self._connected, conn))
-
-    def _connected(self, conn: socket.socket, task: asyncio.Task) -> None:
-        if task.cancelled():
-            conn.close()
-        elif task.exception() is not None:
-            log.debug("connection setup failed: %s", task.exception())
-            conn.close()
-        elif self.closed:  # accepted just before shutdown, after uvicorn listed connections
-            shutdown = getattr(task.result()[1], "shutdown", None)
-            if shutdown is not None:
-                shutdown()
-
-    def _resume(self) -> None:
-        if not self.closed:
-            self.loop.add_reader(self.sock.fileno(), self._accept)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.loop.remove_reader(self.sock.fileno())
-            self.sock.close()
-
-    async def wait_closed(self) -> None:
-        return None
-
-
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app, delay: float):
+    def __init__(self, config: uvicorn.Config, app, delay: float, eager: bool = True):
         super().__init__(config)
         self.service_app = app
         self.delay = delay
+        self.eager = eager
         self._draining = False
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        """uvicorn's startup (lifespan, state) with our listener in place of its server on
-        the given sockets (without sockets: uvicorn's own, binding host and port); then,
-        in the background, the one log line that says the service is ready and where."""
-        if sockets is None:
-            await super().startup(sockets)
-            sockets = [s for server in getattr(self, "servers", ())
-                       for s in getattr(server, "sockets", None) or ()]
+        """uvicorn's startup; on the given sockets, with the eager listener in place of
+        uvicorn's own server (``service.listener``) unless ``eager`` is off (or on
+        Windows, whose Proactor loop has no add_reader). Then, in the background, the one
+        log line that says the service is ready and where."""
+        if sockets is not None and self.eager and sys.platform != "win32":
+            await super().startup(sockets=[])  # lifespan and state, no server of its own
+            # an EagerListener has what uvicorn's shutdown calls of a server (close,
+            # wait_closed), though uvicorn types the list as asyncio.Server
+            self.servers = listen_eagerly(self, sockets)
         else:
-            await self._listen(sockets)
+            await super().startup(sockets)
+            if sockets is None:  # uvicorn bound host and port itself
+                sockets = [s for server in getattr(self, "servers", ())
+                           for s in getattr(server, "sockets", None) or ()]
         if not self.should_exit:
             urls = ", ".join(address(sock) for sock in sockets)
             self._announcer = asyncio.get_running_loop().create_task(self.announce(urls))
@@ -129,25 +70,6 @@ class DrainingServer(uvicorn.Server):
         count = f"{len(serving)} model{'' if len(serving) == 1 else 's'}: {models}" \
             if serving else "no models yet"
         log.info("ready on %s (%s)", urls, count)
-
-    async def _listen(self, sockets: list[socket.socket]) -> None:
-        await super().startup(sockets=[])
-        config = self.config
-
-        def create_protocol(_loop=None):  # as uvicorn's own startup builds it
-            return config.http_protocol_class(config=config, server_state=self.server_state,
-                                              app_state=self.lifespan.state, _loop=_loop)
-
-        loop = asyncio.get_running_loop()
-        if sys.platform == "win32":  # the Proactor loop has no add_reader
-            self.servers = [await loop.create_server(create_protocol, sock=sock,
-                                                     backlog=config.backlog)
-                            for sock in sockets]
-        else:
-            # uvicorn types servers as asyncio.Server; an EagerListener has what uvicorn
-            # calls of one (close, wait_closed, sockets)
-            self.servers = [EagerListener(sock, create_protocol, config.backlog)  # type: ignore[misc]
-                            for sock in sockets]
 
     def handle_exit(self, sig, frame) -> None:
         if self._draining or sig not in (signal.SIGTERM, signal.SIGINT):
@@ -212,6 +134,7 @@ def serve(settings: Settings) -> int:
                             # only by access logs, off) and the scheme (read by no route);
                             # the wrapper costs every request a layer
                             proxy_headers=False)
-    server = DrainingServer(config, app, settings.shutdown_delay_s)
+    server = DrainingServer(config, app, settings.shutdown_delay_s,
+                            eager=settings.listener == "eager")
     server.run(sockets=[sock])
     return 0

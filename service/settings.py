@@ -94,6 +94,11 @@ class Settings(BaseSettings):
                     "accepted (lets load balancers notice), before the listener closes")
     drain_timeout_s: float = Field(30.0, ge=0, le=3600,
                                    description="longest wait for in-flight requests on exit")
+    listener: Literal["eager", "uvicorn"] = Field(
+        "eager", description="eager: accept every waiting connection at each readiness "
+                             "(no client waits in the listen queue under overload; uses "
+                             "uvicorn beyond its public surface, service/listener.py); "
+                             "uvicorn: uvicorn's own listener")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="the service's log level")
 

@@ -66,15 +66,18 @@ def free_port() -> int:
 class LiveServer:
     """The app on uvicorn in a thread, on a free loopback port."""
 
-    def __init__(self, **settings):
+    def __init__(self, uvicorn_options: dict | None = None, **settings):
         settings.setdefault("poll_interval_s", 0.1)
         self.settings = Settings(host="127.0.0.1", port=free_port(), **settings)
         self.app = create_app(self.settings)
         # the product's server and listener (service/server.py), without its signals
+        options = uvicorn_options or {}
         self.server = DrainingServer(uvicorn.Config(self.app, host="127.0.0.1",
                                                     port=self.settings.port,
-                                                    log_level="warning"), self.app, 0.0)
-        self.url = f"http://127.0.0.1:{self.settings.port}"
+                                                    log_level="warning", **options),
+                                     self.app, 0.0, eager=self.settings.listener == "eager")
+        scheme = "https" if "ssl_certfile" in options else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.settings.port}"
         sock = listen("127.0.0.1", self.settings.port)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
                                        daemon=True)

@@ -250,19 +250,22 @@ def test_server_probes_lifecycle_and_settings():
     assert c["startupProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
-    # grace period > preStop sleep + the service's drain
+    # one shutdown mechanism, the service's: no preStop sleep; grace > its delay + drain
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    sleep = c["lifecycle"]["preStop"]["exec"]["command"]
-    assert sleep[0] == "sleep"
-    drain = values["lifecycle"]["drainSeconds"]
-    assert pod["terminationGracePeriodSeconds"] > int(sleep[1]) + drain
+    assert "lifecycle" not in c
+    config_data = one(docs, "ConfigMap")["data"]
+    delay, drain = (int(config_data[k]) for k in ("ORTHORNN_SHUTDOWN_DELAY_S",
+                                                  "ORTHORNN_DRAIN_TIMEOUT_S"))
+    assert (delay, drain) == (values["lifecycle"]["shutdownDelaySeconds"],
+                              values["lifecycle"]["drainSeconds"])
+    assert pod["terminationGracePeriodSeconds"] > delay + drain
     assert c["args"] == ["serve", "--repo", "/models", "--host", "0.0.0.0", "--port", "8000"]
     config = one(docs, "ConfigMap")
     assert c["envFrom"] == [{"configMapRef": {"name": config["metadata"]["name"]}}]
     assert set(config["data"]) == {
         "ORTHORNN_REPO", "ORTHORNN_HOST", "ORTHORNN_PORT", "ORTHORNN_LOG_LEVEL",
         "ORTHORNN_MAX_BATCH_SIZE", "ORTHORNN_MAX_QUEUE_DELAY_MS", "ORTHORNN_POLL_INTERVAL_S",
-        "ORTHORNN_DRAIN_TIMEOUT_S"}
+        "ORTHORNN_SHUTDOWN_DELAY_S", "ORTHORNN_DRAIN_TIMEOUT_S"}
     assert config["data"]["ORTHORNN_REPO"] == "/models"
     assert config["data"]["ORTHORNN_PORT"] == "8000"
     (token,) = [e for e in c["env"] if e["name"] == "ORTHORNN_ADMIN_TOKEN"]

@@ -5,6 +5,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 import numpy as np
@@ -504,7 +506,7 @@ def test_listener_accepts_every_waiting_connection_at_once():
     import socket
 
     import uvloop
-    from orthornn.service.server import EagerListener
+    from orthornn.service.listener import EagerListener
 
     async def main():
         made, received = [], []
@@ -548,7 +550,7 @@ def test_listener_pauses_when_out_of_file_descriptors(monkeypatch):
     import socket
 
     import uvloop
-    from orthornn.service.server import EagerListener
+    from orthornn.service.listener import EagerListener
 
     async def main():
         sock = socket.socket()
@@ -600,3 +602,61 @@ def test_listener_pauses_when_out_of_file_descriptors(monkeypatch):
         client.close()
 
     uvloop.run(main())
+
+
+# -- the eager listener and uvicorn's internals (service/listener.py) ------------------
+
+def test_uvicorn_provides_what_the_eager_listener_uses(service_packages, tmp_path):
+    """The contract: against the pinned uvicorn nothing is missing, and the listener in
+    place is ours. An upgrade that drops an attribute fails here, naming it."""
+    from orthornn.service.listener import EagerListener, surface_problems
+
+    repo = make_repo(service_packages, tmp_path / "repo", {"digits": [1]})
+    with LiveServer(repo=repo) as live:
+        assert surface_problems(live.server) == []
+        assert all(isinstance(s, EagerListener) for s in live.server.servers)
+        assert httpx.get(live.url + "/v2/health/ready").status_code == 200
+
+
+def test_a_missing_uvicorn_attribute_is_named_with_the_fallback():
+    from orthornn.service.listener import listen_eagerly, surface_problems
+
+    class Changed:  # a uvicorn whose Server lost server_state and lifespan
+        config = type("Config", (), {"http_protocol_class": None})()
+        servers: ClassVar[list] = []
+
+    problems = surface_problems(Changed())
+    assert problems == ["uvicorn.Config.http_protocol_class", "uvicorn.Server.server_state",
+                        "uvicorn.Server.lifespan.state"]
+    with pytest.raises(RuntimeError, match=r"lacks what the eager listener uses: "
+                                           r"uvicorn\.Config\.http_protocol_class.*"
+                                           r"--listener uvicorn"):
+        listen_eagerly(Changed(), [])
+
+
+def test_listener_uvicorn_serves_with_uvicorns_own_server(service_packages, tmp_path):
+    from orthornn.service.listener import EagerListener
+
+    repo = make_repo(service_packages, tmp_path / "repo", {"digits": [1]})
+    with LiveServer(repo=repo, listener="uvicorn") as live:
+        assert live.server.servers and not any(isinstance(s, EagerListener)
+                                               for s in live.server.servers)
+        r = httpx.post(live.url + "/predict", json={"model": "digits", "inputs": [[0.5] * 8]})
+        assert r.status_code == 200 and r.json()["version"] == 1
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+@pytest.mark.parametrize("listener", ["eager", "uvicorn"])
+def test_tls_works_through_either_listener(service_packages, tmp_path, listener):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    repo = make_repo(service_packages, tmp_path / "repo", {"digits": [1]})
+    with LiveServer(uvicorn_options={"ssl_certfile": str(cert), "ssl_keyfile": str(key)},
+                    repo=repo, listener=listener) as live:
+        assert live.url.startswith("https://")
+        r = httpx.post(live.url + "/predict", json={"model": "digits", "inputs": [[0.5] * 8]},
+                       verify=str(cert))
+        assert r.status_code == 200 and r.json()["version"] == 1

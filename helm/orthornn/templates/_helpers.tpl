@@ -104,9 +104,9 @@ random one (so upgrades keep it). */}}
 
 {{/* Cross-field checks the JSON schema cannot express. */}}
 {{- define "orthornn.validate" -}}
-{{- $drain := add .Values.lifecycle.preStopSleepSeconds .Values.lifecycle.drainSeconds }}
+{{- $drain := add .Values.lifecycle.shutdownDelaySeconds .Values.lifecycle.drainSeconds }}
 {{- if le (int .Values.terminationGracePeriodSeconds) (int $drain) }}
-{{- fail (printf "terminationGracePeriodSeconds (%d) must be greater than lifecycle.preStopSleepSeconds + lifecycle.drainSeconds (%d)" (int .Values.terminationGracePeriodSeconds) (int $drain)) }}
+{{- fail (printf "terminationGracePeriodSeconds (%d) must be greater than lifecycle.shutdownDelaySeconds + lifecycle.drainSeconds (%d)" (int .Values.terminationGracePeriodSeconds) (int $drain)) }}
 {{- end }}
 {{- if and .Values.retraining.enabled (not .Values.persistence.enabled) }}
 {{- fail "retraining.enabled needs persistence.enabled: the jobs publish into the shared model repository volume" }}

@@ -1,0 +1,139 @@
+"""The eager listener, and every use of uvicorn beyond its public surface, in one place.
+
+uvicorn's public surface is ``Config``, ``Server(config).run(sockets=...)`` and
+``Server.handle_exit``. To put ``EagerListener`` where uvicorn's own server would be,
+this module also uses what uvicorn builds inside ``Server.startup``: the protocol class
+(``Config.http_protocol_class``, constructed with ``config``, ``server_state``,
+``app_state`` and ``_loop``), ``Server.server_state``, ``Server.lifespan.state`` and the
+``Server.servers`` list that its shutdown closes. uvicorn has changed this surface about
+once a year, so ``surface_problems`` names whatever of it is missing: the service
+refuses to start with that list (``--listener uvicorn`` runs uvicorn's own listener
+instead), and tests/test_service_live.py checks it against the pinned uvicorn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+import inspect
+import logging
+import socket
+import ssl as ssl_module
+
+import uvicorn
+
+log = logging.getLogger("orthornn.service")
+
+#: the protocol class's constructor parameters this module passes
+PROTOCOL_PARAMETERS = ("config", "server_state", "app_state", "_loop")
+
+
+def surface_problems(server: uvicorn.Server) -> list[str]:
+    """What this module needs of uvicorn's internals and does not find, each named (call
+    after uvicorn's own startup has run with no sockets); [] when all is there."""
+    problems = []
+    if "sockets" not in inspect.signature(uvicorn.Server.startup).parameters:
+        problems.append("uvicorn.Server.startup(sockets=...)")
+    protocol = getattr(server.config, "http_protocol_class", None)
+    if protocol is None:
+        problems.append("uvicorn.Config.http_protocol_class")
+    else:
+        given = inspect.signature(protocol.__init__).parameters
+        problems += [f"{protocol.__name__}.__init__({name}=...)"
+                     for name in PROTOCOL_PARAMETERS if name not in given]
+    if not hasattr(server, "server_state"):
+        problems.append("uvicorn.Server.server_state")
+    if not hasattr(getattr(server, "lifespan", None), "state"):
+        problems.append("uvicorn.Server.lifespan.state")
+    if not isinstance(getattr(server, "servers", None), list):
+        problems.append("uvicorn.Server.servers (a list its shutdown closes)")
+    return problems
+
+
+def listen_eagerly(server: uvicorn.Server, sockets: list[socket.socket]) -> list:
+    """EagerListeners on ``sockets`` serving uvicorn's protocol, as uvicorn's own
+    startup would build its servers (TLS included: ``config.ssl``); RuntimeError naming
+    what of uvicorn is missing."""
+    problems = surface_problems(server)
+    if problems:
+        raise RuntimeError(f"uvicorn {uvicorn.__version__} lacks what the eager listener "
+                           f"uses: {', '.join(problems)}; start with --listener uvicorn "
+                           f"(ORTHORNN_LISTENER=uvicorn)")
+    config = server.config
+
+    def create_protocol(_loop=None):  # as uvicorn's own startup builds it
+        return config.http_protocol_class(config=config, server_state=server.server_state,
+                                          app_state=server.lifespan.state, _loop=_loop)
+
+    return [EagerListener(sock, create_protocol, config.backlog, ssl=config.ssl)
+            for sock in sockets]
+
+
+class EagerListener:
+    """Accepts every connection waiting in the listen queue each time it is readable.
+
+    uvloop's libuv accepts one connection per event-loop iteration. Under overload an
+    iteration serves a thousand open connections (tens of ms), so new connections wait
+    in the kernel's queue for seconds before their first byte is read: with 1,024
+    clients reconnecting, p99 reached 7 s though every answer took milliseconds (the
+    asyncio loop accepts up to ``backlog`` per readiness, but serves 6x fewer requests).
+    Quacks like asyncio.Server for uvicorn's shutdown (close, wait_closed)."""
+
+    RETRY_S = 1.0  # out of descriptors or memory: wait as asyncio does, rather than spin
+    OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+    def __init__(self, sock: socket.socket, protocol_factory, backlog: int,
+                 ssl: ssl_module.SSLContext | None = None):
+        self.sock, self.protocol_factory, self.backlog = sock, protocol_factory, backlog
+        self.ssl = ssl
+        self.loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+        sock.listen(backlog)
+        self.loop.add_reader(sock.fileno(), self._accept)
+        self.closed = False
+
+    def _accept(self) -> None:
+        for _ in range(self.backlog):
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as error:
+                if error.errno not in self.OUT_OF_RESOURCES:  # one connection's trouble
+                    log.debug("accept: %s", error)
+                    continue
+                log.error("accept failed (%s); pausing new connections for %.0f s",
+                          error.strerror or error, self.RETRY_S)
+                self.loop.remove_reader(self.sock.fileno())
+                self.loop.call_later(self.RETRY_S, self._resume)
+                return
+            task = self.loop.create_task(
+                self.loop.connect_accepted_socket(self.protocol_factory, conn, ssl=self.ssl))
+            task.add_done_callback(functools.partial(self._connected, conn))
+
+    def _connected(self, conn: socket.socket, task: asyncio.Task) -> None:
+        if task.cancelled():
+            conn.close()
+        elif task.exception() is not None:
+            log.debug("connection setup failed: %s", task.exception())
+            conn.close()
+        elif self.closed:  # accepted just before shutdown, after uvicorn listed connections
+            shutdown = getattr(task.result()[1], "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+
+    def _resume(self) -> None:
+        if not self.closed:
+            self.loop.add_reader(self.sock.fileno(), self._accept)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+
+    async def wait_closed(self) -> None:
+        return None
+
+
