@@ -37,10 +37,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import auth
-from .batcher import QueueFull
 from .dataplane import DataPlane, server_version
 from .docs import add_docs
-from .inputs import ClientError
+from .errors import BodyTooLarge, ClientError, ServiceError
 from .metrics import UNKNOWN, Metrics
 from .protocol import (
     ErrorResponse,
@@ -57,10 +56,9 @@ from .protocol import (
     RollbackResponse,
     ServerMetadata,
 )
-from .registry import NotFound, Registry
+from .registry import Registry
 from .runtime import select_providers
 from .settings import Settings
-from .streaming import SessionLimit
 
 log = logging.getLogger("orthornn.service")
 WARNING_HEADER = "Orthornn-Input-Warning"
@@ -78,20 +76,11 @@ def error(status: int, message: str, headers: dict | None = None) -> JSON:
     return JSON({"error": message}, status_code=status, headers=headers)
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
-def answer(exc: Exception, max_body: int, where: str = "") -> JSON:
-    """The one error mapping: a client mistake's 4xx, or a logged 500."""
-    if isinstance(exc, ClientError):
-        return error(exc.status, str(exc))
-    if isinstance(exc, NotFound):
-        return error(404, str(exc))
-    if isinstance(exc, QueueFull | SessionLimit):
-        return error(429, str(exc), headers={"Retry-After": "1"})
-    if isinstance(exc, BodyTooLarge):
-        return error(413, f"body: larger than the limit of {max_body} bytes")
+def answer(exc: Exception, where: str = "") -> JSON:
+    """The one error handler: a ServiceError's own status (service.errors), FastAPI's
+    and Starlette's 4xx, or a logged 500."""
+    if isinstance(exc, ServiceError):
+        return error(exc.status, str(exc), headers=exc.headers)
     if isinstance(exc, RequestValidationError):
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "request"
@@ -199,7 +188,7 @@ class Routes:
                 return  # the client went away
             response = await route.handler(body, scope, **params)
         except Exception as exc:
-            response = answer(exc, self.max_body, f"{scope['method']} {scope['path']}")
+            response = answer(exc, f"{scope['method']} {scope['path']}")
         await response(scope, receive, send)
 
 
@@ -263,7 +252,7 @@ class Observe:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body:
-                    raise BodyTooLarge
+                    raise BodyTooLarge(self.max_body)
             return message
 
         self.inflight += 1
@@ -497,10 +486,9 @@ def create_app(settings: Settings) -> FastAPI:
                        max_inflight=settings.max_inflight_requests)
 
     async def _error(request, exc: Exception):
-        return answer(exc, settings.max_body_bytes, f"{request.method} {request.url.path}")
+        return answer(exc, f"{request.method} {request.url.path}")
 
-    for kind in (ClientError, NotFound, QueueFull, SessionLimit, BodyTooLarge,
-                 RequestValidationError, StarletteHTTPException, Exception):
+    for kind in (ServiceError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(kind, _error)
 
     def openapi():

@@ -32,9 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from .errors import Overloaded
 
-class QueueFull(Exception):
-    pass
+
+class QueueFull(Overloaded):
+    """Too many sequences waiting for this model version (429)."""
 
 
 @dataclass

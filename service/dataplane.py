@@ -17,7 +17,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from . import generate, inputs
-from .inputs import ClientError
+from .errors import ClientError, NotFound
 from .metrics import UNKNOWN
 from .protocol import (
     GenerateRequest,
@@ -26,7 +26,7 @@ from .protocol import (
     RepositoryIndexRequest,
     RollbackRequest,
 )
-from .registry import NotFound, Registry, RollbackRefused
+from .registry import Registry, RollbackRefused
 from .runtime import Chunk
 from .settings import Settings
 from .streaming import (
@@ -230,7 +230,7 @@ class DataPlane:
             return await asyncio.to_thread(self.registry.rollback, name,
                                            version_param(req.version))
         except RollbackRefused as error:
-            raise ClientError(f"rollback of model {name!r}: {error}", status=409) from None
+            raise RollbackRefused(f"rollback of model {name!r}: {error}") from None
 
     async def unload(self, name: str) -> dict:
         await asyncio.to_thread(self.registry.unload, name)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from orthornn.export.vocabulary import EOS
 
-from .inputs import ClientError
+from .errors import ClientError
 from .protocol import GenerateRequest
 from .runtime import ModelSpec, Runtime
 

@@ -11,18 +11,11 @@ import simdjson
 from orthornn.export.package import INITIAL_LOGITS, INITIAL_STATE
 from pydantic import ValidationError
 
+from .errors import ClientError
 from .protocol import InferenceRequest, PredictRequest, RequestInput
 from .runtime import NUMPY_TYPES, Chunk, ModelSpec
 
 F32_MAX = float(np.finfo(np.float32).max)
-
-
-class ClientError(Exception):
-    """A request the client must fix: answered with ``status`` and {"error": message}."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
 
 
 def _float_sequence(spec: ModelSpec, seq: list | np.ndarray, field: str) -> np.ndarray:

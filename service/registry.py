@@ -41,6 +41,7 @@ from orthornn.export.repository import (
 from orthornn.export.repository import rollback as rollback_promotion
 
 from .batcher import Batcher
+from .errors import Conflict, NotFound
 from .inputs import prepare_rows
 from .metrics import Metrics
 from .runtime import ModelSpec, Runtime
@@ -49,11 +50,7 @@ from .settings import Settings
 log = logging.getLogger("orthornn.service")
 
 
-class NotFound(LookupError):
-    """Unknown model or version (404)."""
-
-
-class RollbackRefused(ValueError):
+class RollbackRefused(Conflict):
     """A rollback that cannot be done (409); the message names the usable versions."""
 
 

@@ -24,17 +24,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .inputs import ClientError
+from .errors import ClientError, Conflict, NotFound, Overloaded
 
 if TYPE_CHECKING:
     from .registry import ModelVersion
 
 
-class StateConflict(ClientError):
+class StateConflict(Conflict):
     """A state or session of another model version (409)."""
-
-    def __init__(self, message: str):
-        super().__init__(message, status=409)
 
 
 def encode_state(name: str, version: int, state: np.ndarray) -> dict:
@@ -115,13 +112,12 @@ def decode_state(value, name: str, version: int, size: int, where: str) -> np.nd
 
 # -- server-side sessions -----------------------------------------------------------------
 
-class SessionLimit(Exception):
+class SessionLimit(Overloaded):
     """Too many open sessions (429)."""
 
 
-class UnknownSession(ClientError):
-    def __init__(self, message: str):
-        super().__init__(message, status=404)
+class UnknownSession(NotFound):
+    """A session that is not open (404)."""
 
 
 @dataclass(eq=False)
@@ -154,8 +150,8 @@ class Sessions:
     def start(self, session_id: str, model: str, version: int | None) -> Session:
         """Open a session on a model's version (default: the promoted, else the newest)."""
         if session_id in self._open:
-            raise ClientError(f"session {session_id!r} is already open; end it first or "
-                              f"use another id", status=409)
+            raise Conflict(f"session {session_id!r} is already open; end it first or use "
+                           f"another id")
         if len(self._open) >= self.max_sessions:
             raise SessionLimit(f"session {session_id!r}: the service holds the maximum of "
                                f"{self.max_sessions} open sessions; retry later")

@@ -435,3 +435,29 @@ def test_docs_and_openapi(client):
     body = schema["paths"]["/predict"]["post"]["requestBody"]["content"]["application/json"]
     assert body["schema"]["$ref"] == "#/components/schemas/PredictRequest"
     assert "inputs" in schema["components"]["schemas"]["PredictRequest"]["properties"]
+
+
+def test_errors_carry_their_status_and_one_handler_answers_them(caplog):
+    """Every service error is answered with its own status (and headers) by app.answer;
+    nothing maps types to statuses a second time."""
+    import orjson
+    from orthornn.service import errors
+    from orthornn.service.app import answer
+    from orthornn.service.batcher import QueueFull
+    from orthornn.service.registry import RollbackRefused
+    from orthornn.service.streaming import SessionLimit, StateConflict, UnknownSession
+
+    cases = [(errors.ClientError("x"), 400), (errors.NotFound("x"), 404),
+             (UnknownSession("x"), 404), (StateConflict("x"), 409),
+             (RollbackRefused("x"), 409), (errors.BodyTooLarge(1024), 413),
+             (QueueFull("x"), 429), (SessionLimit("x"), 429),
+             (errors.ClientError("x", status=422), 422)]
+    for exc, status in cases:
+        response = answer(exc)
+        assert response.status_code == status, exc
+        assert orjson.loads(response.body) == {"error": str(exc)}
+        assert (response.headers.get("retry-after") == "1") == (status == 429), exc
+    assert "larger than the limit of 1024 bytes" in str(errors.BodyTooLarge(1024))
+    with caplog.at_level("ERROR", logger="orthornn.service"):
+        assert answer(RuntimeError("bug"), "GET /x").status_code == 500
+    assert "internal error on GET /x" in caplog.text
