@@ -382,6 +382,10 @@ class DataPlane:
         ``sequence_start`` and ``sequence_end`` (as tritonclient sends them) run it on a
         session."""
         req = inputs.fast_infer_request(body) or parse(InferenceRequest, body)
+        for field, value, in_url in (("model_name", req.model_name, name),
+                                     ("model_version", req.model_version, version)):
+            if value is not None and in_url is not None and value != in_url:
+                raise ClientError(f"{field}: the body names {value!r}, the URL {in_url!r}")
         binaries = inputs.binary_chunks(req, tail)
         params = req.parameters or {}
         if any(k in params for k in SEQUENCE_KEYS):

@@ -154,6 +154,10 @@ class RequestOutput(_Model):
 
 class InferenceRequest(_Model):
     id: str | None = Field(None, max_length=1024)
+    # what KServe's client (InferRequest.to_rest) adds: the URL names the model; when the
+    # body names one too, the two must agree
+    model_name: str | None = Field(None, max_length=256)
+    model_version: str | None = Field(None, max_length=64)
     parameters: dict[str, Any] | None = None
     inputs: list[RequestInput] = Field(min_length=1, max_length=64)
     outputs: list[RequestOutput] | None = Field(None, max_length=64)

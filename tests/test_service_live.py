@@ -39,6 +39,48 @@ from .service_helpers import (
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def test_kserve_client_round_trip_json_and_binary(service_packages, tmp_path):
+    """KServe's own Python client (InferenceRESTClient, protocol v2) sends model_name in
+    the body, and with binary data the Inference-Header-Content-Length extension: both
+    are answered, equal to onnxruntime's; a body naming another model is refused."""
+    import asyncio
+
+    kserve = pytest.importorskip("kserve")
+    from kserve.protocol.infer_type import InferInput, InferRequest
+
+    repo = make_repo(service_packages, tmp_path, {"digits": [1]})
+    g = golden(repo / "digits" / "1")
+    x, lengths = g["model/x"], g["model/lengths"].astype(np.int64)
+    ref = reference(repo / "digits" / "1", [s[:n] for s, n in zip(x, lengths, strict=True)])
+
+    def request(binary: bool, model: str = "digits") -> InferRequest:
+        inputs = [InferInput("x", list(x.shape), "FP32"),
+                  InferInput("lengths", [len(lengths)], "INT64")]
+        inputs[0].set_data_from_numpy(x, binary_data=binary)
+        inputs[1].set_data_from_numpy(lengths, binary_data=binary)
+        return InferRequest(model_name=model, infer_inputs=inputs, request_id="k1")
+
+    async def run(url: str):
+        client = kserve.InferenceRESTClient(kserve.RESTConfig(protocol="v2", retries=0))
+        answers = [await client.infer(url, request(binary), model_name="digits")
+                   for binary in (False, True)]
+        with pytest.raises(Exception) as wrong:
+            await client.infer(url, request(False, model="words"), model_name="digits")
+        await client.close()
+        return answers, wrong.value
+
+    with LiveServer(repo=repo) as srv:
+        answers, wrong = asyncio.run(run(srv.url))
+    for answer in answers:
+        logits = answer.outputs[0].as_numpy() if answer.outputs[0].name == "logits" else \
+            answer.outputs[1].as_numpy()
+        np.testing.assert_allclose(np.asarray(logits).reshape(4, 10),
+                                   [r["logits"] for r in ref], atol=1e-6)
+        assert answer.id == "k1" and answer.model_name == "digits"
+    assert wrong.response.status_code == 400
+    assert "model_name: the body names 'words', the URL 'digits'" in wrong.response.text
+
+
 def test_tritonclient_round_trip(service_packages, tmp_path):
     repo = make_repo(service_packages, tmp_path, {"digits": [1], "words": [1]})
     with LiveServer(repo=repo, admin_token="tok") as srv:
