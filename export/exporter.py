@@ -29,7 +29,6 @@ from .onnx_export import MODES, build_graph
 from .package import INITIAL_LOGITS, INITIAL_STATE
 
 MIN_OPSET, MAX_OPSET = 17, 21
-DTYPES = {np.float32: "FP32", np.int64: "INT64"}
 
 
 def _golden_inputs(model, config: dict, seed: int = 0) -> dict[str, np.ndarray]:
@@ -91,7 +90,7 @@ def _io_spec(proto: onnx.ModelProto) -> tuple[list, list]:
     def spec(v):
         t = v.type.tensor_type
         dims = [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim]
-        datatype = {onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.INT64: "INT64"}[t.elem_type]
+        datatype = package.ONNX_DATATYPES[t.elem_type].name
         return {"name": v.name, "datatype": datatype, "shape": dims}
     defaulted = {t.name for t in proto.graph.initializer}  # inputs with a default value
     inputs = [{**spec(v), "optional": True} if v.name in defaulted else spec(v)

@@ -34,6 +34,22 @@ class PackageError(ValueError):
     """A package that must not be served; the message says what is wrong."""
 
 
+@dataclass(frozen=True)
+class Datatype:
+    """A tensor datatype of packages and of the Open Inference Protocol."""
+
+    name: str  # the protocol's name
+    numpy: np.dtype  # the array type (little-endian on the wire)
+    onnx: int  # onnx.TensorProto's element type
+    json_buffer: str  # pysimdjson's as_buffer type for its JSON numbers: "d" or "i"
+
+
+#: the one table of datatypes (graph I/O specs, the OIP codecs, binary tensors)
+DATATYPES = {d.name: d for d in (Datatype("FP32", np.dtype("<f4"), 1, "d"),
+                                 Datatype("INT64", np.dtype("<i8"), 7, "i"))}
+ONNX_DATATYPES = {d.onnx: d for d in DATATYPES.values()}
+
+
 # the optional state input of the full graphs and the prediction it gives (language
 # models): names the exporter writes and the service feeds and reads
 INITIAL_STATE, INITIAL_LOGITS = "initial_state", "initial_logits"

@@ -14,6 +14,7 @@ from importlib.metadata import version as dist_version
 
 import numpy as np
 import orjson
+from orthornn.export.package import DATATYPES
 from pydantic import BaseModel, ValidationError
 
 from . import generate, inputs
@@ -39,7 +40,6 @@ from .streaming import (
     state_version,
 )
 
-DATATYPE_BYTES = {"FP32": np.dtype("<f4"), "INT64": np.dtype("<i8")}
 SEQUENCE_KEYS = ("sequence_id", "sequence_start", "sequence_end")
 
 
@@ -452,7 +452,7 @@ class DataPlane:
             arr = tensors[n]
             item = {"name": n, "shape": list(arr.shape), "datatype": datatypes[n]}
             if binary[n]:
-                blob = arr.astype(DATATYPE_BYTES[datatypes[n]]).tobytes()
+                blob = arr.astype(DATATYPES[datatypes[n]].numpy).tobytes()
                 item["parameters"] = {"binary_data_size": len(blob)}
                 blobs.append(blob)
             else:

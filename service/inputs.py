@@ -4,16 +4,16 @@ the Open Inference Protocol. Every violation raises ClientError naming the field
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import simdjson
-from orthornn.export.package import INITIAL_LOGITS, INITIAL_STATE
+from orthornn.export.package import DATATYPES, INITIAL_LOGITS, INITIAL_STATE
 from pydantic import ValidationError
 
 from .errors import ClientError
 from .protocol import InferenceRequest, PredictRequest, RequestInput
-from .runtime import NUMPY_TYPES, Chunk, ModelSpec
+from .runtime import Chunk, ModelSpec
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -200,8 +200,8 @@ def fast_predict_request(body: bytes) -> PredictRequest | None:
 
 _INFER_KEYS = frozenset(InferenceRequest.model_fields)
 _INPUT_KEYS = frozenset(RequestInput.model_fields)
-_BUFFER_TYPES: dict[str, tuple[Literal["d", "i"], type]] = {
-    "FP32": ("d", np.float64), "INT64": ("i", np.int64)}
+# pysimdjson's buffers of JSON numbers: doubles ("d") or 64-bit integers ("i")
+_JSON_BUFFERS = {"d": np.float64, "i": np.int64}
 
 
 def _python(value):
@@ -245,11 +245,13 @@ def fast_infer_request(body: bytes) -> InferenceRequest | None:
         if data is None:
             arrays.append(None)
         else:
-            kind = _BUFFER_TYPES.get(meta.get("datatype") or "")
-            if type(data) is not simdjson.Array or kind is None:
+            datatype = DATATYPES.get(meta.get("datatype") or "")
+            if type(data) is not simdjson.Array or datatype is None:
                 return None
+            kind = datatype.json_buffer
             try:
-                arrays.append(np.frombuffer(data.as_buffer(of_type=kind[0]), dtype=kind[1]))
+                arrays.append(np.frombuffer(data.as_buffer(of_type=kind),
+                                            dtype=_JSON_BUFFERS[kind]))
             except _NUMBER_ERRORS:
                 return None
             meta["data"] = []  # validated as present; the numbers are the array above
@@ -364,24 +366,22 @@ def shape_outputs(spec: ModelSpec, rows: list[dict], sequences: list,
 
 # -- Open Inference Protocol tensors ---------------------------------------------------
 
-DATATYPE_SIZE = {"FP32": 4, "INT64": 8}
-
-
 def decode_tensor(inp, binary: bytes | None, expected_dtype: str) -> np.ndarray:
     """One OIP input as a numpy array of its declared shape and the model's datatype."""
     field = f"inputs[{inp.name}]"
     if inp.datatype != expected_dtype:
         raise ClientError(f"{field}.datatype: the model expects {expected_dtype}; "
                           f"got {inp.datatype!r}")
-    dtype = NUMPY_TYPES[expected_dtype]
+    wire = DATATYPES[expected_dtype].numpy
+    dtype = wire.type
     count = math.prod(inp.shape)
     if count > 1 << 28:
         raise ClientError(f"{field}.shape: too many elements ({count})")
     if binary is not None:
-        if len(binary) != count * DATATYPE_SIZE[expected_dtype]:
+        if len(binary) != count * wire.itemsize:
             raise ClientError(f"{field}: binary_data_size {len(binary)} does not match shape "
                               f"{inp.shape} of {expected_dtype}")
-        arr = np.frombuffer(binary, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype)
+        arr = np.frombuffer(binary, dtype=wire).astype(dtype)
     else:
         if inp.data is None:
             raise ClientError(f"{field}.data: required (or binary_data_size)")

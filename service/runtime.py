@@ -12,7 +12,6 @@ from orthornn.export.package import INITIAL_STATE, Manifest, PackageError, sessi
 from orthornn.export.vocabulary import UNK, words
 
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
-NUMPY_TYPES = {"FP32": np.float32, "INT64": np.int64}
 #: an input is far outside the training range when it lies beyond min - m (max - min) or
 #: max + m (max - min) of its feature (m (|max| or 1) for a feature constant in training)
 RANGE_MARGIN = 0.5
