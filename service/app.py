@@ -3,9 +3,11 @@
 Every route is a row of ``ROUTES`` (built in ``create_app``): method, path template,
 handler ``(body, scope, **path parameters) -> Response`` and its OpenAPI description.
 The table is served by ``Routes``, a small ASGI dispatcher that answers a matching request
-without FastAPI's routing, dependency and validation layers (the fast path), and the same
-rows are registered with FastAPI, which gives the OpenAPI document and /docs (and 404 /
-405 for what matches no row). Around both, written once and applied to every route:
+without FastAPI's routing, dependency and validation layers (the fast path), and 405 for
+another method on a path of the table. The OpenAPI document is generated from the same
+rows (``openapi_paths``): nothing is registered twice, so no endpoint is unreachable.
+FastAPI itself serves only /openapi.json, /docs and /redoc, and 404 for what matches
+nothing. Around both, written once and applied to every route:
 
     Observe (outermost of ours): admission (over ``max_inflight_requests`` in flight ->
         503 with Retry-After at once, so answered requests keep a bounded latency), the
@@ -26,14 +28,15 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from http import HTTPStatus
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from prometheus_client import Counter, Histogram
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import auth
@@ -139,7 +142,7 @@ class Route:
     body_required: bool = True
     errors: dict = field(default_factory=lambda: ERRORS)
     admin: bool = False  # the repository API: bearer token
-    response_class: type[Response] = JSON
+    media_type: str = "application/json"  # of the 200 answer (the document says it)
 
     @property
     def pattern(self) -> re.Pattern:
@@ -153,16 +156,24 @@ class RouteTable:
         self.routes = routes
         self._table = [(r.method, r.pattern, r) for r in routes]
 
-    def match(self, scope) -> tuple[Route, dict] | None:
+    @staticmethod
+    def _path(scope) -> str:
         path, root = scope["path"], scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root):]
+        return path[len(root):] if root and path.startswith(root) else path
+
+    def match(self, scope) -> tuple[Route, dict] | None:
+        path = self._path(scope)
         for method, pattern, route in self._table:
             if method == scope["method"]:
                 found = pattern.fullmatch(path)
                 if found is not None:
                     return route, found.groupdict()
         return None
+
+    def methods(self, scope) -> list[str]:
+        """The methods the table answers at this path (for a 405's Allow header)."""
+        path = self._path(scope)
+        return sorted({m for m, pattern, _ in self._table if pattern.fullmatch(path)})
 
 
 class Routes:
@@ -179,7 +190,13 @@ class Routes:
             if found is not None:
                 route, params = found
                 return await self.answer(route, params, scope, receive, send)
-        await self.app(scope, receive, send)
+            allowed = self.table.methods(scope)
+            if allowed:  # a route of the table, another method
+                response = error(405, f"Method Not Allowed: {scope['method']}; this path "
+                                      f"takes {', '.join(allowed)}",
+                                 headers={"Allow": ", ".join(allowed)})
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)  # /docs, /redoc, /openapi.json, else 404
 
     async def answer(self, route: Route, params: dict, scope, receive, send) -> None:
         try:
@@ -294,26 +311,47 @@ class Observe:
         histogram.observe(time.perf_counter() - start)
 
 
-def _openapi_row(app: FastAPI, route: Route) -> None:
-    """Register a table row with FastAPI: the OpenAPI document, and the answer to a
-    request the dispatcher passed on (it calls the same handler)."""
-    async def endpoint(request: Request):
-        return await route.handler(await request.body(), request.scope, **request.path_params)
-    extra: dict = {}
-    params = re.findall(r"{(\w+)}", route.path)
-    if params:
-        extra["parameters"] = [{"name": p, "in": "path", "required": True,
-                                "schema": {"type": "string"}} for p in params]
-    if route.body is not None:
-        extra["requestBody"] = {"required": route.body_required, "content": {
-            "application/json": {"schema": {
-                "$ref": f"#/components/schemas/{route.body.__name__}"}}}}
-    if route.admin:
-        extra["x-orthornn-admin"] = True
-    app.add_api_route(route.path, endpoint, methods=[route.method], summary=route.summary,
-                      response_model=route.response_model, responses=route.errors,
-                      response_class=route.response_class, openapi_extra=extra or None,
-                      name=route.handler.__name__)
+def _schema_ref(model, components: dict) -> dict:
+    """The JSON schema of a pydantic model (a $ref, the schema added to components) or of
+    another annotated type (``list[RepositoryModel]``: inline), definitions included."""
+    schema = TypeAdapter(model).json_schema(ref_template="#/components/schemas/{model}")
+    components.update(schema.pop("$defs", {}))
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        components[model.__name__] = schema
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+    return schema
+
+
+def openapi_paths(routes: list[Route], components: dict, secured: bool) -> dict:
+    """The OpenAPI paths of the route table: what the dispatcher answers, and only that
+    (no endpoint is registered twice): each operation's parameters, request body, answer
+    and error answers."""
+    paths: dict = {}
+    for route in routes:
+        op: dict = {"summary": route.summary,
+                    "operationId": f"{route.handler.__name__}_{route.method.lower()}_"
+                                   + re.sub(r"\W+", "_", route.path).strip("_")}
+        params = re.findall(r"{(\w+)}", route.path)
+        if params:
+            op["parameters"] = [{"name": p, "in": "path", "required": True,
+                                 "schema": {"type": "string"}} for p in params]
+        if route.body is not None:
+            op["requestBody"] = {"required": route.body_required, "content": {
+                "application/json": {"schema": _schema_ref(route.body, components)}}}
+        media = route.media_type
+        answer_schema = _schema_ref(route.response_model, components) \
+            if route.response_model is not None else {}
+        responses = {"200": {"description": "OK",
+                             "content": {media: {"schema": answer_schema}}}}
+        for status, spec in sorted(route.errors.items()):
+            description = spec.get("description") or HTTPStatus(status).phrase
+            responses[str(status)] = {"description": description, "content": {
+                "application/json": {"schema": _schema_ref(spec["model"], components)}}}
+        op["responses"] = responses
+        if route.admin and secured:
+            op["security"] = [{"bearer": []}]
+        paths.setdefault(route.path, {})[route.method.lower()] = op
+    return paths
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -474,11 +512,9 @@ def create_app(settings: Settings) -> FastAPI:
               "verifies, and serve it now (in-flight requests and sessions finish on theirs)",
               RollbackResponse, RollbackRequest, body_required=False, errors=ROLLBACK_ERRORS,
               admin=True),
-        Route("GET", "/metrics", prometheus, "Prometheus metrics", response_class=Response),
+        Route("GET", "/metrics", prometheus, "Prometheus metrics", media_type="text/plain"),
     ]
     table = app.state.routes = RouteTable(routes)
-    for route in routes:
-        _openapi_row(app, route)
     add_docs(app)
     # added first: innermost, so middleware added later (by us or a user) wraps it
     app.add_middleware(Routes, table=table, max_body=settings.max_body_bytes)
@@ -494,18 +530,13 @@ def create_app(settings: Settings) -> FastAPI:
     def openapi():
         if app.openapi_schema:
             return app.openapi_schema
+        # FastAPI's own routes are only /docs and /redoc (outside the schema): every
+        # operation is a row of the table, described from it
         schema = get_openapi(title=app.title, version=app.version,
                              description=app.description, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (PredictRequest, GenerateRequest, InferenceRequest,
-                      RepositoryIndexRequest, RollbackRequest):
-            s = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            components.update(s.pop("$defs", {}))
-            components[model.__name__] = s
-        for ops in schema["paths"].values():
-            for op in ops.values():
-                if op.pop("x-orthornn-admin", False) and settings.admin_token is not None:
-                    op["security"] = [{"bearer": []}]
+        schema["paths"] = openapi_paths(table.routes, components,
+                                        settings.admin_token is not None)
         if settings.admin_token is not None:
             schema["components"]["securitySchemes"] = {"bearer": {"type": "http",
                                                                   "scheme": "bearer"}}
