@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -700,5 +701,5 @@ def test_tls_works_through_either_listener(service_packages, tmp_path, listener)
                     repo=repo, listener=listener) as live:
         assert live.url.startswith("https://")
         r = httpx.post(live.url + "/predict", json={"model": "digits", "inputs": [[0.5] * 8]},
-                       verify=str(cert))
+                       verify=ssl.create_default_context(cafile=str(cert)))
         assert r.status_code == 200 and r.json()["version"] == 1
