@@ -146,7 +146,10 @@ def score_session(sess, task) -> float:
             total += float((pred.argmax(-1) == y).sum())
         elif task.metric == "mse":
             total += float(((pred.astype(np.float64) - y) ** 2).mean()) * len(y)
-        else:  # cross_entropy over every step (the copy task)
+        else:  # cross_entropy (the copy task): every step, or the scored last ones
+            steps = getattr(task, "scored_steps", None)
+            if steps is not None:
+                pred, y = pred[:, -steps:], y[:, -steps:]
             nll = -np.take_along_axis(_log_softmax(pred), y[..., None], -1)
             total += float(nll.mean()) * len(y)
         count += len(y)

@@ -3,6 +3,7 @@ tests assert behaviour, not timings)."""
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,29 @@ def test_reproduce_benchmark_runs(tmp_path):
         assert r["steps"] == 3 and r["paper_budget"] == "2000 steps"
         assert r["verdict"] in ("reproduced", "close", "budget-limited", "not reproduced")
     assert "| UCR GunPoint | svdrnn |" in (tmp_path / "reproduce-quick.md").read_text()
+    # DizzyRNN's copy rows: the paper's variant (copied portion, 10 symbols, lag 90) and
+    # Arjovsky's (every step, 8 symbols), each with its own baseline, at the paper's budget
+    module = _load("reproduce")
+    assert module.main(["--quick", "--only", "copy", "--arch", "dizzyrnn", "--seeds", "1",
+                        "--out", str(tmp_path / "copy")]) == 0
+    rows = json.loads((tmp_path / "copy" / "reproduce-quick.json").read_text())["rows"]
+    by_name = {r["experiment"]: r for r in rows}
+    paper = by_name["copy T=90, copied portion, 10 symbols (DizzyRNN sec. 6)"]
+    assert paper["baseline"] == pytest.approx(math.log(10))
+    assert "copy_accuracy" in paper["extra"] and paper["paper_budget"] == "1000 steps"
+    arjovsky = by_name["copy T=100, every step, 8 symbols"]
+    assert arjovsky["baseline"] == pytest.approx(10 * math.log(8) / 120)
+    row = next(e for e in module.experiments()
+               if e["experiment"].startswith("copy T=90") and e["arch"] == "dizzyrnn")
+    assert module.verdict(row, 0.05, 1000, 1000, math.log(10), 0.97) == "reproduced"
+    assert module.verdict(row, 0.3, 1000, 1000, math.log(10), 0.92) == "close"
+    assert module.verdict(row, 1.0, 1000, 1000, math.log(10), 0.6) == (
+        "not reproduced (below baseline)")
+    assert module.verdict(row, 2.31, 1000, 1000, math.log(10), 0.1) == "not reproduced"
+    # SGORNN's long adding rows are --full rows (a GPU), with VPRNN beside
+    long = {(e["experiment"], e["arch"]) for e in module.experiments() if e["full_only"]}
+    for t in (1000, 5000):
+        assert {(f"adding T={t}", "sgornn"), (f"adding T={t}", "vprnn")} <= long
 
 
 def test_service_benchmark_runs(tmp_path):

@@ -5,6 +5,7 @@ the preset; --show-config names the source of every value."""
 from __future__ import annotations
 
 import argparse
+import math
 
 import numpy as np
 import pytest
@@ -103,9 +104,49 @@ def test_preset_values_and_sources_are_the_papers():
     assert config.hidden_size == 170 and config.arch_options["rho"] == 119  # 7n/10
     config, _ = resolve({"arch": "scornn", "task": "adding"})
     assert config.arch_options["rho"] == 85  # n/2 at T = 200
-    config, _ = resolve({"arch": "sgornn", "task": "adding"})
+    config, sources = resolve({"arch": "sgornn", "task": "adding"})
     assert (config.optimizer, config.lr, config.schedule, config.batch_size) == (
         "rmsprop", 1e-2, "linear", 64)
+    # b2 starts where the paper's clip puts it, on eq. 3's boundary 1 - 2a (to 0.1%)
+    a = 1 / (1 + math.exp(3))
+    assert config.arch_options["b2_init"] == pytest.approx(0.999 * (1 - 2 * a))
+    assert "sec. 2" in sources["arch_options.b2_init"]
+    model = build_model("sgornn", "regress", input_size=2, hidden_size=128, num_outputs=1,
+                        **config.arch_options)
+    ga, gb = (g.item() for g in model.layer.gates())
+    assert ga == pytest.approx(a, rel=1e-5) and 1 - 2 * ga - gb == pytest.approx(
+        0.001 * (1 - 2 * a), rel=1e-3)
+    # it follows a given a_init, and a given b2_init wins
+    config, _ = resolve({"arch": "sgornn", "task": "adding", "arch_options": {"a_init": 0.1}})
+    assert config.arch_options["b2_init"] == pytest.approx(0.999 * 0.8)
+    config, _ = resolve({"arch": "sgornn", "task": "adding", "arch_options": {"b2_init": 0.5}})
+    assert config.arch_options["b2_init"] == 0.5
+    config, _ = resolve({"arch": "vprnn", "task": "adding"})
+    assert "b2_init" not in config.arch_options
+
+
+def test_dizzyrnn_copy_preset_is_the_papers_task():
+    """DizzyRNN sec. 6: the copied portion scored, 10 symbols, lag 90, batches of 100,
+    100 epochs of 10 batches, 10 packed rotations; the other models keep Arjovsky's."""
+    config, sources = resolve({"arch": "dizzyrnn", "task": "copy"})
+    assert (config.copy_loss, config.copy_symbols, config.seq_len) == ("copied", 10, 90)
+    assert (config.batch_size, config.steps, config.hidden_size) == (100, 1000, 128)
+    assert config.arch_options["rotations"] == 10
+    for key in ("copy_loss", "copy_symbols", "seq_len", "steps", "batch_size",
+                "arch_options.rotations"):
+        assert "DizzyRNN" in sources[key] and "sec. 6" in sources[key], key
+    task = make_task("copy", **config.task_options())
+    assert task.scored_steps == 10 and task.input_size == 12
+    for arch in ("svdrnn", "scornn", "lstm", "sgornn"):
+        config, _ = resolve({"arch": arch, "task": "copy"})
+        assert (config.copy_loss, config.copy_symbols, config.seq_len) == (None, None, 100)
+        assert make_task("copy", **config.task_options()).scored_steps is None
+    # flags choose the other variant for dizzyrnn
+    config, sources = resolve_args(parse(["--arch", "dizzyrnn", "--task", "copy",
+                                          "--copy-loss", "all", "--copy-symbols", "8",
+                                          "--seq-len", "100"]))
+    assert (config.copy_loss, config.copy_symbols, config.seq_len) == ("all", 8, 100)
+    assert sources["copy_loss"] == sources["copy_symbols"] == "flag"
 
 
 def test_flags_override_the_preset_and_the_file(tmp_path):

@@ -244,3 +244,16 @@ def test_rollback_goes_back_one_step_at_a_time(runs, tmp_path):
         repository.rollback(repo / "adder")
     assert torch.isfinite(torch.tensor(score(repo / "adder" / "1", rebuild_task(json.loads(
         (runs / "weak" / "config.json").read_text())))))
+
+
+def test_evaluation_of_the_copied_portion_variant_is_its_test_metric(tmp_path):
+    """The copy task in DizzyRNN's form scores only the copied steps: so does the
+    exported graph's evaluation (summary.json's figure, within the two runtimes)."""
+    train(TrainConfig(arch="dizzyrnn", task="copy", seq_len=5, hidden_size=8, steps=3,
+                      batch_size=8, log_every=3, copy_loss="copied", copy_symbols=10,
+                      out=str(tmp_path / "run")), progress=False)
+    path = export_run(tmp_path / "run", tmp_path / "repo", "copier")
+    evaluation = json.loads((path / "manifest.json").read_text())["evaluation"]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert evaluation["metric"] == "cross_entropy"
+    assert evaluation["value"] == pytest.approx(summary["test"]["cross_entropy"], rel=1e-4)

@@ -66,6 +66,74 @@ def test_copy_batch_structure_and_baseline():
     assert copy_baseline(lag) == pytest.approx(10 * math.log(8) / (lag + 20))
 
 
+def test_copy_paper_variant_dizzyrnn_sec6():
+    """DizzyRNN sec. 6: 10 symbols of an alphabet of 10, a lag of 90, only the copied
+    portion scored (baseline log 10, chance accuracy 10%)."""
+    lag = 90
+    b = copy_batch(400, lag, gen(), symbols=10)
+    steps = lag + 20
+    assert b.x.shape == (400, steps, 12) and b.y.shape == (400, steps)
+    symbols = b.x.argmax(-1)
+    assert torch.all((symbols[:, :10] >= 1) & (symbols[:, :10] <= 10))
+    assert set(symbols[:, :10].unique().tolist()) == set(range(1, 11))
+    assert torch.all(symbols[:, steps - 11] == 11)  # the marker: symbols + 1
+    assert torch.equal(b.y[:, -10:], symbols[:, :10]) and torch.all(b.y[:, :-10] == 0)
+    task = make_task("copy", seq_len=lag, copy_loss="copied", copy_symbols=10)
+    assert (task.input_size, task.num_outputs, task.scored_steps) == (12, 12, 10)
+    assert task.options == {"seq_len": 90, "copy_loss": "copied", "copy_symbols": 10}
+    assert task.baseline == pytest.approx(math.log(10)) == copy_baseline(lag, 10, "copied")
+    # the baseline strategy on the copied steps: uniform over the 10 data symbols
+    probs = torch.zeros(400, 10, 12)
+    probs[..., 1:11] = 1 / 10
+    ce = -torch.log(probs.gather(-1, b.y[:, -10:].unsqueeze(-1))).mean().item()
+    assert ce == pytest.approx(task.baseline)
+    # the default stays Arjovsky's: every step, 8 symbols, the same data as before
+    default = make_task("copy", seq_len=lag)
+    assert default.scored_steps is None and default.input_size == 10
+    assert default.options == {"seq_len": 90, "copy_loss": "all", "copy_symbols": 8}
+    assert default.baseline == pytest.approx(10 * math.log(8) / (lag + 20))
+    assert torch.equal(copy_batch(5, 7, gen(2)).x, copy_batch(5, 7, gen(2), symbols=8).x)
+
+
+def test_copied_loss_ignores_the_non_copied_steps():
+    from orthornn.training.trainer import task_loss
+
+    torch.manual_seed(0)
+    b = copy_batch(4, 6, gen(), symbols=10)  # 26 steps, the last 10 copied
+    out = torch.randn(4, 26, 12)
+    # by hand: the mean negative log-softmax of the target over the 4 x 10 copied steps
+    total = 0.0
+    for i in range(4):
+        for t in range(16, 26):
+            logits = out[i, t].double()
+            total -= (logits[b.y[i, t]] - torch.logsumexp(logits, 0)).item()
+    copied = task_loss("seq2seq", out, b.y, scored_steps=10)
+    assert copied.item() == pytest.approx(total / 40, rel=1e-6)
+    changed = out.clone()
+    changed[:, :16] = torch.randn(4, 16, 12) * 100  # the non-copied steps do not count
+    assert task_loss("seq2seq", changed, b.y, scored_steps=10).item() == pytest.approx(
+        copied.item(), rel=1e-6)
+    assert task_loss("seq2seq", changed, b.y).item() != pytest.approx(copied.item(), rel=1e-3)
+    every = task_loss("seq2seq", out, b.y)  # the default: every step
+    assert every.item() == pytest.approx(torch.nn.functional.cross_entropy(
+        out.reshape(-1, 12), b.y.reshape(-1)).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"copy_loss": "copy"}, "copy_loss must be one of 'all', 'copied'; got 'copy'"),
+    ({"copy_loss": None, "copy_symbols": 1}, "copy_symbols must be an integer in \\[2, 1000\\]"),
+    ({"copy_symbols": 2.5}, "copy_symbols must be an integer"),
+])
+def test_copy_options_are_checked(options, match):
+    with pytest.raises(ValueError, match=match):
+        make_task("copy", seq_len=10, **options)
+
+
+def test_copy_options_apply_to_copy_only():
+    with pytest.raises(ValueError, match="copy_loss do not apply to task 'adding'"):
+        make_task("adding", copy_loss="copied")
+
+
 @pytest.mark.parametrize("name", ["digits", "permuted-digits"])
 def test_digits(name):
     task = make_task(name)

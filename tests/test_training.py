@@ -1,6 +1,7 @@
 """The trainer, checkpoints, resume, the command line and DDP."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -49,6 +50,27 @@ def test_run_directory_contents_and_metrics_log(tmp_path):
         p.numel() for p in checkpoint.load_model(run)[0].parameters())
     config = json.loads((run / "config.json").read_text())
     assert config["input_spec"] == {"kind": "float", "feature_size": 2, "max_length": 10}
+
+
+def test_copy_variant_is_recorded_and_rebuilt(tmp_path):
+    """The copied-portion copy task (DizzyRNN sec. 6) is in config.json, and the task that
+    export rebuilds from it scores the same loss as the trainer."""
+    from orthornn.export.evaluation import rebuild_task
+
+    run = tmp_path / "run"
+    summary = train(small(run, arch="dizzyrnn", task="copy", seq_len=5, copy_loss="copied",
+                          copy_symbols=10, arch_options={"rotations": 2}), progress=False)
+    assert summary["baseline"] == pytest.approx(math.log(10))
+    config = json.loads((run / "config.json").read_text())
+    assert config["data"] == {"seq_len": 5, "copy_loss": "copied", "copy_symbols": 10}
+    assert (config["train"]["copy_loss"], config["train"]["copy_symbols"]) == ("copied", 10)
+    assert config["input_spec"]["feature_size"] == config["model"]["num_outputs"] == 12
+    task = rebuild_task(config)
+    assert task.scored_steps == 10 and task.baseline == pytest.approx(math.log(10))
+    model, _ = checkpoint.load_model(run)
+    again = evaluate(model, task, task.test, 256, torch.device("cpu"))
+    assert again["cross_entropy"] == pytest.approx(summary["test"]["cross_entropy"], rel=1e-6)
+    assert 0 <= again["copy_accuracy"] <= 1
 
 
 def test_checkpoint_round_trip_gives_identical_outputs(tmp_path):
@@ -113,6 +135,9 @@ def test_config_file_and_flag_override(tmp_path):
     (["--optimizer", "sgd"], "optimizer must be one of"),
     (["--task", "classify"], "needs --data FILE"),
     (["--epochs", "2"], "epochs does not apply to the generated task"),
+    (["--task", "copy", "--copy-loss", "some"], "copy_loss must be one of 'all', 'copied'"),
+    (["--task", "copy", "--copy-symbols", "1"], "copy_symbols must be an integer in [2, 1000]"),
+    (["--copy-loss", "copied"], "copy_loss do not apply to task 'adding'"),
 ])
 def test_cli_errors_are_one_line_and_leave_no_run_dir(tmp_path, capsys, args, message):
     run = tmp_path / "run"

@@ -23,6 +23,9 @@ HELP = {
     "hidden_size": "hidden state size n",
     "embedding_size": "token embedding size (task lm)",
     "seq_len": "sequence length T (adding) or time lag T (copy)",
+    "copy_loss": "copy task: cross-entropy over every step (all, Arjovsky et al.) or over "
+                 "the copied portion only (copied, DizzyRNN sec. 6)",
+    "copy_symbols": "copy task: number of data symbols (alphabet: these, blank, marker)",
     "dataset": "UCR/UEA set bundled with sktime (task ucr)",
     "point_by_point": "feed UCR series one point per step (task ucr)",
     "corpus": "a text file to model instead of the bundled corpus (task lm)",
@@ -55,6 +58,8 @@ UNSET = {
     "out": "none: required",
     "embedding_size": "the hidden size",
     "seq_len": "200 for adding, 100 for copy",
+    "copy_loss": "all",
+    "copy_symbols": "8",
     "dataset": "none: required by --task ucr",
     "point_by_point": "false: L/n_i steps of n_i values",
     "corpus": "the bundled Wikipedia + news corpus",

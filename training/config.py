@@ -17,6 +17,7 @@ TASK_NAMES = ("adding", "copy", "digits", "permuted-digits", "mnist1d", "ucr", "
 OPTIMIZERS = ("rmsprop", "adam")
 SCHEDULES = ("constant", "cosine", "step", "linear")
 SELECTS = ("auto", "best", "last")
+COPY_LOSSES = ("all", "copied")  # training.tasks.COPY_LOSSES (this module stays torch-free)
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -31,6 +32,8 @@ class TrainConfig:
     embedding_size: int | None = None
     # data (each applies to the tasks that take it)
     seq_len: int | None = None
+    copy_loss: str | None = None
+    copy_symbols: int | None = None
     dataset: str | None = None
     point_by_point: bool | None = None
     corpus: str | None = None
@@ -57,7 +60,8 @@ class TrainConfig:
     plot: bool = False
 
     def task_options(self) -> dict:
-        return {"seq_len": self.seq_len, "dataset": self.dataset,
+        return {"seq_len": self.seq_len, "copy_loss": self.copy_loss,
+                "copy_symbols": self.copy_symbols, "dataset": self.dataset,
                 "point_by_point": self.point_by_point, "corpus": self.corpus,
                 "vocab_size": self.vocab_size, "bptt": self.bptt, "data": self.data}
 
@@ -107,6 +111,10 @@ def validate(config: TrainConfig) -> TrainConfig:
     if not config.out:
         raise ValueError("--out RUN_DIR is required (out: the run directory to create)")
     check_int("hidden_size", config.hidden_size, 1, 65536)
+    if config.copy_loss is not None:
+        check_choice("copy_loss", config.copy_loss, COPY_LOSSES)
+    if config.copy_symbols is not None:
+        check_int("copy_symbols", config.copy_symbols, 2, 1000)
     if not isinstance(config.arch_options, dict):
         raise ValueError("arch_options must be a mapping of option names to values")
     if config.steps is not None and config.epochs is not None:

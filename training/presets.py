@@ -83,6 +83,18 @@ M16 = {"m1": _reflectors(16), "m2": _reflectors(16)}
 K14, K16, K10 = _rotations(14, "vprnn"), _rotations(16, "vprnn"), _rotations(10, "dizzyrnn")
 
 
+#: FastRNN's initial a = sigmoid(-3) (models/cells.py DEFAULT_A)
+FASTRNN_A = 1 / (1 + math.exp(3.0))
+
+
+def _b2_on_the_boundary(config: dict) -> float:
+    """SGORNN's b2 started where the paper's clip puts it: FastRNN's sigmoid(3) = 0.953 is
+    clipped to 1 - 2a at step 0 (sec. 2, eq. 3), so b2 starts on the boundary; eq. 3's map
+    b2 = (1 - 2a) sigmoid(beta) cannot start on it, so 0.999 (1 - 2a) (a from a_init)."""
+    a = (config.get("arch_options") or {}).get("a_init", FASTRNN_A)
+    return 0.999 * (1 - 2 * a)
+
+
 def _is(dataset: str) -> Callable[[dict], bool]:
     return lambda config: config.get("dataset") == dataset
 
@@ -99,6 +111,13 @@ PRESETS: dict[str, list[Rule]] = {
              f"{SGORNN} sec. 3.1 (n = 128, batch 64, RMSprop 1e-2 decayed linearly to 0, "
              f"20,000 steps; every model of that comparison)"),
         Rule({"arch_options": {"rotations": K14}}, f"{SGORNN} sec. 3.1 (k = 14)", GATED),
+        Rule({"arch_options": {"b2_init": _b2_on_the_boundary}},
+             f"{SGORNN} sec. 2 (b2 clipped to 1 - 2a after the sigmoid: FastRNN's start "
+             f"sigmoid(3) = 0.953 is clipped, b2 starts on the boundary 1 - 2a) and {OURS} "
+             f"measurement (adding T = 1000: started at 0.95 (1 - 2a), a + b2 = 0.907, "
+             f"||dL/dh_0|| is 0 and the gates barely move in 500 steps; at 0.999 (1 - 2a) "
+             f"they move as the clip's do; docs/reproducing.md, SGORNN's long adding)",
+             ("sgornn",)),
         Rule({"optimizer": "adam", "lr": 1e-3, "batch_size": 128, "schedule": "constant",
               "arch_options": {**M16, "r": 0.01}},
              f"{SRNN_CODE} (dataset add: Adam 1e-3, batch 128, r_size 16, r_margin 0.01; "
@@ -129,8 +148,11 @@ PRESETS: dict[str, list[Rule]] = {
              f"{OURS} measurement: with leaky ReLU (slope 0.01) a sign-mixing orthogonal W "
              f"loses the copied symbols (CE stays at the baseline); modReLU, as scoRNN, "
              f"keeps them (README, copy diagnosis)", ("svdrnn",)),
-        Rule({"arch_options": {"rotations": K10}, "batch_size": 100},
-             f"{DIZZY} sec. 6 and Figure 1 (10 packed rotations, batches of 100)",
+        Rule({"arch_options": {"rotations": K10}, "batch_size": 100, "seq_len": 90,
+              "copy_loss": "copied", "copy_symbols": 10, "steps": 1000},
+             f"{DIZZY} sec. 6 and Figure 1 (the loss on the copied portion only, 10 "
+             f"symbols of an alphabet of 10 (chance 10%), a lag of 90; 10 packed "
+             f"rotations; batches of 100; 100 epochs of 10 batches = 1,000 steps)",
              ("dizzyrnn",)),
         Rule({"arch_options": {"rotations": K14}}, f"{SGORNN} sec. 3.1 (k = 14 for n = 128)",
              GATED),
@@ -276,7 +298,11 @@ def resolve(given: dict, origin: dict | None = None) -> tuple[TrainConfig, dict]
             values[key] = value(values)
     options = {}
     for option, value in preset_options.items():
-        options[option] = value(values) if callable(value) else value
+        if option in user_options:
+            continue  # given: the user's value below (no preset function to evaluate)
+        # a function of the config sees the options given with it (e.g. b2_init from a_init)
+        options[option] = value({**values, "arch_options": user_options}) \
+            if callable(value) else value
     for option, value in user_options.items():
         options[option] = value
         option_sources[option] = origin.get("arch_options", "flag")

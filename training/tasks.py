@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from orthornn.models.validation import check_int
+from orthornn.models.validation import check_choice, check_int
 
 from . import corpus as corpus_lib
 from .config import TASK_NAMES
@@ -40,6 +40,9 @@ class Task:
     labels: list[str] | None = None
     vocabulary: list[str] | None = None
     max_length: int = 0
+    #: seq2seq: the loss and its metric score only the last ``scored_steps`` steps (the copy
+    #: task's copied portion, DizzyRNN sec. 6); None: every step
+    scored_steps: int | None = None
     options: dict = field(default_factory=dict)  # what rebuilds this data pipeline
     #: how raw inputs became the model's inputs: {"kind": "affine", "offset": [...],
     #: "scale": [...], "description": ...} (model input = (raw - offset) / scale); None: as given
@@ -71,20 +74,25 @@ def adding_batch(batch: int, steps: int, generator: torch.Generator) -> Split:
     return Split(torch.stack([values, markers], dim=-1), y)
 
 
-COPY_SYMBOLS, COPY_LENGTH = 10, 10  # alphabet 0 blank, 1-8 data, 9 marker; 10 data symbols
+COPY_LENGTH = 10  # symbols to memorise and copy (Arjovsky et al.; DizzyRNN sec. 6)
+COPY_DATA = 8  # data symbols of the default (Arjovsky) variant: 1-8
+COPY_SYMBOLS = COPY_DATA + 2  # its alphabet: 0 blank, 1-8 data, 9 the marker
+COPY_LOSSES = ("all", "copied")  # cross-entropy over every step, or the copied steps only
 
 
-def copy_batch(batch: int, lag: int, generator: torch.Generator) -> Split:
-    """Copy task: 10 symbols from 1-8, blanks, the marker 9 ten steps before the end;
-    the target is blank until the marker, then the 10 symbols. Length lag + 20."""
+def copy_batch(batch: int, lag: int, generator: torch.Generator,
+               symbols: int = COPY_DATA) -> Split:
+    """Copy task: 10 symbols from 1-``symbols``, blanks (0), the marker ``symbols`` + 1
+    ten steps before the end; the target is blank until the marker, then the 10 symbols.
+    Length lag + 20; one-hot inputs of ``symbols`` + 2 channels."""
     steps = lag + 2 * COPY_LENGTH
-    data = torch.randint(1, 9, (batch, COPY_LENGTH), generator=generator)
+    data = torch.randint(1, symbols + 1, (batch, COPY_LENGTH), generator=generator)
     x = torch.zeros(batch, steps, dtype=torch.long)
     x[:, :COPY_LENGTH] = data
-    x[:, steps - COPY_LENGTH - 1] = 9
+    x[:, steps - COPY_LENGTH - 1] = symbols + 1
     y = torch.zeros(batch, steps, dtype=torch.long)
     y[:, -COPY_LENGTH:] = data
-    return Split(torch.nn.functional.one_hot(x, COPY_SYMBOLS).float(), y)
+    return Split(torch.nn.functional.one_hot(x, symbols + 2).float(), y)
 
 
 def _fixed(sample, size: int, seed: int) -> Split:
@@ -101,21 +109,34 @@ def _adding(seq_len: int = 200, eval_size: int = 1000) -> Task:
                 baseline=1 / 6, max_length=steps, options={"seq_len": steps})
 
 
-def copy_baseline(lag: int) -> float:
-    """Cross-entropy of guessing blanks, then uniformly among the 8 symbols."""
-    return COPY_LENGTH * math.log(8) / (lag + 2 * COPY_LENGTH)
+def copy_baseline(lag: int, symbols: int = COPY_DATA, loss: str = "all") -> float:
+    """Cross-entropy of guessing blanks, then uniformly among the data symbols: averaged
+    over every step (``all``: 10 log(symbols) / (lag + 20)) or over the copied steps only
+    (``copied``: log(symbols)). Copy accuracy's chance level is 1 / symbols either way."""
+    if loss == "copied":
+        return math.log(symbols)
+    return COPY_LENGTH * math.log(symbols) / (lag + 2 * COPY_LENGTH)
 
 
-def _copy(seq_len: int = 100, eval_size: int = 1000) -> Task:
+def _copy(seq_len: int = 100, copy_loss: str = "all", copy_symbols: int = COPY_DATA,
+          eval_size: int = 1000) -> Task:
+    """Arjovsky et al.'s copy task (``copy_loss='all'``, 8 symbols: the cross-entropy of
+    every step) or DizzyRNN's (sec. 6: ``copy_loss='copied'``, 10 symbols, lag 90: only
+    the copied portion is scored)."""
     lag = check_int("seq_len", seq_len, 1, 100_000)
+    check_choice("copy_loss", copy_loss, COPY_LOSSES)
+    symbols = check_int("copy_symbols", copy_symbols, 2, 1000)
 
     def sample(batch, generator):
-        return copy_batch(batch, lag, generator)
-    return Task("copy", "seq2seq", COPY_SYMBOLS, COPY_SYMBOLS, "cross_entropy",
+        return copy_batch(batch, lag, generator, symbols)
+    return Task("copy", "seq2seq", symbols + 2, symbols + 2, "cross_entropy",
                 val=_fixed(sample, eval_size, SPLIT_SEED), sample=sample,
-                test=_fixed(sample, eval_size, SPLIT_SEED + 1), baseline=copy_baseline(lag),
-                labels=[str(i) for i in range(COPY_SYMBOLS)],
-                max_length=lag + 2 * COPY_LENGTH, options={"seq_len": lag})
+                test=_fixed(sample, eval_size, SPLIT_SEED + 1),
+                baseline=copy_baseline(lag, symbols, copy_loss),
+                labels=[str(i) for i in range(symbols + 2)],
+                max_length=lag + 2 * COPY_LENGTH,
+                options={"seq_len": lag, "copy_loss": copy_loss, "copy_symbols": symbols},
+                scored_steps=COPY_LENGTH if copy_loss == "copied" else None)
 
 
 # -- fixed data sets ------------------------------------------------------------------
@@ -337,7 +358,7 @@ def _user_classify(data: str | None = None) -> Task:
 
 _BUILDERS = {
     "adding": (_adding, ("seq_len",)),
-    "copy": (_copy, ("seq_len",)),
+    "copy": (_copy, ("seq_len", "copy_loss", "copy_symbols")),
     "digits": (lambda: _digits(False), ()),
     "permuted-digits": (lambda: _digits(True), ()),
     "mnist1d": (_mnist1d, ()),

@@ -39,11 +39,16 @@ class TrainingError(ValueError):
 
 # -- losses and metrics ------------------------------------------------------------------
 
-def task_loss(kind: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def task_loss(kind: str, out: torch.Tensor, y: torch.Tensor,
+              scored_steps: int | None = None) -> torch.Tensor:
+    """The task's loss; ``scored_steps`` (seq2seq): only the last that many steps count
+    (the copy task's copied portion, DizzyRNN sec. 6; Task.scored_steps)."""
     if kind == "regress":
         return F.mse_loss(out, y)
     if kind == "classify":
         return F.cross_entropy(out, y)
+    if scored_steps is not None:
+        out, y = out[:, -scored_steps:], y[:, -scored_steps:]
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))  # seq2seq, lm
 
 
@@ -67,7 +72,7 @@ def evaluate(model, task: Task, data: Split | TokenStream, batch_size: int, devi
         x, y = batch.x.to(device), batch.y.to(device)
         lengths = None if batch.lengths is None else batch.lengths.to(device)
         out = model(x, lengths=lengths)
-        total += task_loss(task.kind, out, y).item() * len(y)
+        total += task_loss(task.kind, out, y, task.scored_steps).item() * len(y)
         count += len(y)
         if task.kind == "classify":
             correct += (out.argmax(-1) == y).sum().item()
@@ -285,7 +290,7 @@ def _train(config: TrainConfig, resume: bool, progress: bool, threads: int) -> d
             if log_now and getattr(model, "state_size", None):
                 h0 = torch.zeros(x.shape[0], model.state_size, device=device, requires_grad=True)
             out = net(x, lengths=lengths, h0=h0) if h0 is not None else net(x, lengths=lengths)
-        loss = task_loss(task.kind, out, y)
+        loss = task_loss(task.kind, out, y, task.scored_steps)
         objective = loss + model.regularization()
         optimizer.zero_grad(set_to_none=True)
         objective.backward()
