@@ -11,9 +11,15 @@ $(BIN)/python:
 
 # torch is installed on its own first: a bare `torch` requirement could pull a
 # several-GB CUDA build, while torch==2.13.0 takes the CPU build on this disk.
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+# make serve needs only the train and serve extras (a newcomer's first command: the
+# quickest install); make test adds the dev extra on top.
+$(VENV)/.installed-serve: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet -e '.[train,serve]'
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.installed-serve
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
@@ -42,7 +48,7 @@ bench-ops: $(VENV)/.installed  # needs a CUDA device
 	$(BIN)/python bench/ops.py
 
 # The quickstart: default models (trained once, kept in .quickstart/) served on 127.0.0.1:8000.
-serve: $(VENV)/.installed
+serve: $(VENV)/.installed-serve
 	$(BIN)/orthornn quickstart --dir .quickstart
 
 clean:
