@@ -108,6 +108,29 @@ def test_givens_apply(monkeypatch, n, cols, perms):
                [x, cos, sin])
 
 
+@pytest.mark.parametrize(("n", "cols", "perms"), [(20, 17, True), (12, 5, False)])
+def test_givens_apply_rows_through_memory(monkeypatch, n, cols, perms):
+    """The path of n > GATHER_MAX (rows permuted through a scratch buffer), reached at
+    small n by lowering the bound."""
+    from orthornn.models.ops import triton_chains
+
+    monkeypatch.setattr(triton_chains, "GATHER_MAX", 8)
+    assert triton_chains.givens_launch_meta(n, perms)[1]["GATHER_MEM"]
+    test_givens_apply(monkeypatch, n, cols, perms)
+
+
+def test_chains_with_fewer_rows_and_columns_per_program(monkeypatch):
+    """Large n takes fewer vectors (Householder) or columns (Givens) per program;
+    reached at small n by lowering the per-thread tile bound."""
+    from orthornn.models.ops import triton_chains
+
+    monkeypatch.setattr(triton_chains, "TILE_PER_THREAD", 1)
+    assert triton_chains.householder_launch_meta(20, False)[1]["BB"] < 16
+    assert triton_chains.givens_launch_meta(20, True)[1]["BC"] < 16
+    test_householder_apply(monkeypatch, (17, 20), 7, True)
+    test_givens_apply(monkeypatch, 20, 17, True)
+
+
 def test_opcheck_triton(monkeypatch):
     monkeypatch.setenv("ORTHORNN_KERNELS", "triton")
     opcheck_all(DEVICE)

@@ -21,6 +21,9 @@ import torch
 
 MODES = ("auto", "triton", "reference")
 ENV = "ORTHORNN_KERNELS"
+#: 32-bit registers a thread may use (PTX) and a block may hold (sm_80, sm_90).
+MAX_REGISTERS = 255
+REGISTER_FILE = 64 * 1024
 
 
 def kernel_mode() -> str:
@@ -63,6 +66,15 @@ def use_triton(op: str, tensors, unsupported: str | None = None) -> bool:
     if unsupported is not None:
         raise ValueError(f"{ENV}=triton: {op} {unsupported}")
     return True
+
+
+def launch_options(num_warps: int) -> dict:
+    """Triton launch options of every kernel here: ``num_warps`` and ``maxnreg``, all the
+    registers a thread of such a block may have. The kernels run few programs (one per
+    16 sequences, rows or columns), so blocks per SM do not matter, and without the bound
+    ptxas at times spills a few bytes to use fewer registers (``compile_check``)."""
+    return dict(num_warps=num_warps,
+                maxnreg=min(MAX_REGISTERS, REGISTER_FILE // (32 * num_warps)))
 
 
 def check_launch(kernel, tensor: torch.Tensor) -> None:

@@ -56,11 +56,15 @@ def apply_backward_reference(grad: Tensor, out: Tensor, y: Tensor, transpose: bo
     return grad, d_y
 
 
+#: Largest n the Triton kernels take (in auto mode; larger runs the reference).
+MAX_TRITON_SIZE = 4096
+
+
 def _unsupported(x: Tensor, y: Tensor) -> str | None:
     if x.dtype != torch.float32 or y.dtype != torch.float32:
         return f"supports float32 only; got {x.dtype}"
-    if y.shape[0] > 4096:
-        return f"supports sizes up to 4096; got {y.shape[0]}"
+    if y.shape[0] > MAX_TRITON_SIZE:
+        return f"supports sizes up to {MAX_TRITON_SIZE}; got {y.shape[0]}"
     return None
 
 

@@ -48,11 +48,15 @@ def chain_backward(grad, inputs, cos, sin, partner, perms):
     return grad, d_cos, d_sin
 
 
+#: Most rows the Triton kernels take (in auto mode; more run the reference).
+MAX_TRITON_ROWS = 1024
+
+
 def _unsupported(x: Tensor) -> str | None:
     if x.dtype != torch.float32:
         return f"supports float32 only; got {x.dtype}"
-    if x.shape[0] > 1024:
-        return f"supports up to 1024 rows; got {x.shape[0]}"
+    if x.shape[0] > MAX_TRITON_ROWS:
+        return f"supports up to {MAX_TRITON_ROWS} rows; got {x.shape[0]}"
     return None
 
 

@@ -1,11 +1,22 @@
 """Triton kernels of the fused recurrence (imported only when a kernel is about to run).
 
 Forward: one persistent program per block of BB sequences loops over all T steps.
-Step t computes Z_t = U_t + H_{t-1} W^T with ``tl.dot`` (tensor cores on the GPU) and
-writes h_t into the carried-state buffer [B, T + 1, n], which doubles as the saved
-residual and as the on-chip exchange of h between the column tiles of one program.
-When n fits one tile (``RESIDENT_MAX``) W^T is loaded once before the time loop and
-stays on chip; larger n streams W tile by tile from L2 every step.
+Step t computes Z_t = U_t + H_{t-1} W^T with ``tl.dot`` and writes h_t into the
+carried-state buffer [B, T + 1, n], which doubles as the saved residual and as the
+on-chip exchange of h between the column tiles of one program. When n fits one small
+tile (``RESIDENT_MAX``) W^T is loaded once before the time loop and stays on chip;
+larger n reads W^T every step in [BK, BN] blocks (from L1 while it fits there, 64 KiB
+at n = 128, else from L2), so the registers a program needs do not grow with n.
+
+Why the blocks are small (``docs/gpu.md`` has the compiled numbers): in full fp32
+(``input_precision="ieee"``, PyTorch's default) ``tl.dot`` runs on FMA units and every
+thread holds its rows and columns of both operands over the whole K extent of the
+dot: with K = 128 (W^T resident at n = 128, as first written) that is hundreds of
+values per thread, and the kernels spilled kilobytes. K blocks of 16 keep the operands
+small in either precision, and 64-column tiles on 8 warps keep the rest of a tile to 4
+elements per thread. The programs are few (one per 16 sequences), so blocks per SM do
+not matter: the launch lets ptxas use every register a thread may have (``maxnreg``,
+``dispatch.launch_options``); without it ptxas at times spills a few bytes instead.
 
 Backward: the same program layout runs the reverse scan
     g_t <- g_t + dL/dstates_t;  dz_t = g'(z_t) (a) g_t;  g_{t-1} = dz_t W (+ b2 g_t)
@@ -24,12 +35,20 @@ import triton
 import triton.language as tl
 
 from ..activations import KINDS, check_kind
-from .dispatch import check_launch
+from .dispatch import check_launch, launch_options
 
-#: Largest padded hidden size whose W stays on chip for the whole scan (fp32 W^T of
-#: 128 x 128 = 64 KiB); above it W is streamed in TILE x TILE blocks each step.
-RESIDENT_MAX = 128
+#: Largest padded hidden size whose W^T is loaded once and stays on chip for the whole
+#: scan, as one dot operand (a single K block of RESIDENT_MAX); at 64 that fp32 FMA dot
+#: already spills on sm_80 and sm_90a. Above it W^T is streamed in [BK_TILE, BN] blocks
+#: every step, in column tiles of BN = min(TILE, padded n).
+RESIDENT_MAX = 32
 TILE = 64
+BK_TILE = 16
+#: Elements of a [BLOCK_B, BN] tile per thread: warps = BLOCK_B BN / (32 TILE_PER_THREAD),
+#: at least 4 (half as many elements with W^T resident: its K is the whole n). With 8
+#: (BN = 128 on 8 warps), kernels whose loads cannot vectorize (n not a multiple of 16)
+#: reach 255 registers and spill; 4 leaves a margin (at most ~215 registers).
+TILE_PER_THREAD = 4
 #: Sequences per program: tl.dot needs at least 16 rows.
 BLOCK_B = 16
 
@@ -135,41 +154,47 @@ def _bias_tile(bias_ptr, cols, col_ok, KIND: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _scan_fwd_kernel(u_ptr, w_ptr, len_ptr, a_ptr, b2_ptr, bias_ptr,
+def _scan_fwd_kernel(u_ptr, wt_ptr, len_ptr, a_ptr, b2_ptr, bias_ptr,
                      states_ptr, pre_ptr, carried_ptr, B, T, N, slope,
                      KIND: tl.constexpr, GATED: tl.constexpr, HAS_LEN: tl.constexpr,
                      STORE_PRE: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr,
-                     RESIDENT: tl.constexpr, PRECISION: tl.constexpr):
+                     BK: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr):
+    # wt_ptr: W^T [N, N], row-major (the launcher transposes W once).
     rows = (tl.program_id(0) * BB + tl.arange(0, BB)).to(tl.int64)
     row_ok = rows < B
+    seq_rows = rows * T * N  # [BB] offsets of each sequence in u, states, pre
+    carried_rows = rows * (T + 1) * N
     lane = tl.arange(0, BN)
+    k_lane = tl.arange(0, BK)
     if HAS_LEN:
         length = tl.load(len_ptr + rows, mask=row_ok, other=0)
     if GATED:
         a = tl.load(a_ptr)
         b2 = tl.load(b2_ptr)
-    if RESIDENT:  # W^T[k, j] = W[j, k], loaded once for all T steps
-        w_res = tl.load(w_ptr + lane[None, :] * N + lane[:, None],
-                        mask=(lane[:, None] < N) & (lane[None, :] < N), other=0.0)
+    if RESIDENT:  # one tile (BK = BN >= N): W^T loaded once for all T steps
+        w_res = tl.load(wt_ptr + k_lane[:, None] * N + lane[None, :],
+                        mask=(k_lane[:, None] < N) & (lane[None, :] < N), other=0.0)
     for t in range(T):
-        prev_row = carried_ptr + rows[:, None] * (T + 1) * N + t * N  # h_{t-1}
+        prev_row = carried_ptr + (carried_rows + t * N)[:, None]  # h_{t-1}
+        seq_row = (seq_rows + t * N)[:, None]
         for j0 in range(0, N, BN):
             cols = j0 + lane
             col_ok = cols < N
             tile = row_ok[:, None] & col_ok[None, :]
-            seq = rows[:, None] * T * N + t * N + cols[None, :]
+            seq = seq_row + cols[None, :]
             z = tl.load(u_ptr + seq, mask=tile, other=0.0)
             if RESIDENT:
-                h = tl.load(prev_row + lane[None, :], mask=row_ok[:, None] & (lane[None, :] < N),
-                            other=0.0)
+                h = tl.load(prev_row + k_lane[None, :],
+                            mask=row_ok[:, None] & (k_lane[None, :] < N), other=0.0)
                 z = tl.dot(h, w_res, z, input_precision=PRECISION)
-            else:
-                for k0 in range(0, N, BN):
-                    ks = k0 + lane
-                    h = tl.load(prev_row + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < N),
+            else:  # W^T streamed in [BK, BN] blocks (from L1 / L2): bounded registers
+                for k0 in range(0, N, BK):
+                    ks = k0 + k_lane
+                    k_ok = ks < N
+                    h = tl.load(prev_row + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                                 other=0.0)
-                    w = tl.load(w_ptr + cols[None, :] * N + ks[:, None],
-                                mask=(ks[:, None] < N) & col_ok[None, :], other=0.0)
+                    w = tl.load(wt_ptr + ks[:, None] * N + cols[None, :],
+                                mask=k_ok[:, None] & col_ok[None, :], other=0.0)
                     z = tl.dot(h, w, z, input_precision=PRECISION)
             if STORE_PRE:
                 tl.store(pre_ptr + seq, z, mask=tile)
@@ -192,29 +217,32 @@ def _scan_bwd_kernel(d_states_ptr, w_ptr, pre_ptr, len_ptr, a_ptr, b2_ptr, bias_
                      d_pre_ptr, d_out_ptr, g_ptr, B, T, N, slope,
                      KIND: tl.constexpr, GATED: tl.constexpr, HAS_LEN: tl.constexpr,
                      HAS_D_STATES: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr,
-                     RESIDENT: tl.constexpr, PRECISION: tl.constexpr):
+                     BK: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr):
     # g_ptr [B, N] holds dL/dh_t between steps: dL/dlast on entry, dL/dh0 on exit.
     rows = (tl.program_id(0) * BB + tl.arange(0, BB)).to(tl.int64)
     row_ok = rows < B
+    seq_rows = rows * T * N
+    g_row = g_ptr + (rows * N)[:, None]
     lane = tl.arange(0, BN)
+    k_lane = tl.arange(0, BK)
     if HAS_LEN:
         length = tl.load(len_ptr + rows, mask=row_ok, other=0)
     if GATED:
         a = tl.load(a_ptr)
         b2 = tl.load(b2_ptr)
-    if RESIDENT:  # W[k, j], loaded once
-        w_res = tl.load(w_ptr + lane[:, None] * N + lane[None, :],
-                        mask=(lane[:, None] < N) & (lane[None, :] < N), other=0.0)
+    if RESIDENT:  # W[k, j], loaded once (BK = BN >= N)
+        w_res = tl.load(w_ptr + k_lane[:, None] * N + lane[None, :],
+                        mask=(k_lane[:, None] < N) & (lane[None, :] < N), other=0.0)
     for s in range(T):
         t = T - 1 - s
+        seq_row = (seq_rows + t * N)[:, None]
         # pass 1, per column tile: dz_t and the part of g_{t-1} that bypasses W
         for j0 in range(0, N, BN):
             cols = j0 + lane
             col_ok = cols < N
             tile = row_ok[:, None] & col_ok[None, :]
-            seq = rows[:, None] * T * N + t * N + cols[None, :]
-            g_at = g_ptr + rows[:, None] * N + cols[None, :]
-            g = tl.load(g_at, mask=tile, other=0.0)
+            seq = seq_row + cols[None, :]
+            g = tl.load(g_row + cols[None, :], mask=tile, other=0.0)
             if HAS_LEN:
                 live = (t < length)[:, None]
             if HAS_D_STATES:
@@ -236,38 +264,42 @@ def _scan_bwd_kernel(d_states_ptr, w_ptr, pre_ptr, len_ptr, a_ptr, b2_ptr, bias_
             if HAS_LEN:
                 carry = carry + tl.where(live, 0.0, g)  # padded steps pass g through
             tl.store(d_pre_ptr + seq, dz, mask=tile)
-            tl.store(g_at, carry, mask=tile)
+            tl.store(g_row + cols[None, :], carry, mask=tile)
         tl.debug_barrier()  # all of dz_t written before pass 2 reads it
         # pass 2: g_{t-1} = carry + dz_t W
-        dz_row = d_pre_ptr + rows[:, None] * T * N + t * N
+        dz_row = d_pre_ptr + seq_row
         for j0 in range(0, N, BN):
             cols = j0 + lane
             col_ok = cols < N
             tile = row_ok[:, None] & col_ok[None, :]
-            g_at = g_ptr + rows[:, None] * N + cols[None, :]
-            g = tl.load(g_at, mask=tile, other=0.0)
+            g = tl.load(g_row + cols[None, :], mask=tile, other=0.0)
             if RESIDENT:
-                dz = tl.load(dz_row + lane[None, :], mask=row_ok[:, None] & (lane[None, :] < N),
-                             other=0.0)
+                dz = tl.load(dz_row + k_lane[None, :],
+                             mask=row_ok[:, None] & (k_lane[None, :] < N), other=0.0)
                 g = tl.dot(dz, w_res, g, input_precision=PRECISION)
-            else:
-                for k0 in range(0, N, BN):
-                    ks = k0 + lane
-                    dz = tl.load(dz_row + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < N),
+            else:  # W streamed in [BK, BN] blocks
+                for k0 in range(0, N, BK):
+                    ks = k0 + k_lane
+                    k_ok = ks < N
+                    dz = tl.load(dz_row + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                                  other=0.0)
                     w = tl.load(w_ptr + ks[:, None] * N + cols[None, :],
-                                mask=(ks[:, None] < N) & col_ok[None, :], other=0.0)
+                                mask=k_ok[:, None] & col_ok[None, :], other=0.0)
                     g = tl.dot(dz, w, g, input_precision=PRECISION)
-            tl.store(g_at, g, mask=tile)
+            tl.store(g_row + cols[None, :], g, mask=tile)
         tl.debug_barrier()
 
 
-def _config(n: int) -> tuple[int, bool, int]:
-    """(tile width, W resident on chip, warps) for hidden size n."""
+KERNELS = {"scan_fwd": _scan_fwd_kernel, "scan_bwd": _scan_bwd_kernel}
+
+
+def _config(n: int) -> tuple[int, bool, int, int]:
+    """(column tile BN, W resident on chip, warps, K block BK) for hidden size n."""
     padded = max(16, triton.next_power_of_2(n))
-    if padded <= RESIDENT_MAX:
-        return padded, True, 4 if padded <= 64 else 8
-    return min(TILE, padded), False, 4
+    if padded <= RESIDENT_MAX:  # K = padded in one dot: half the tile elements per thread
+        return padded, True, max(4, BLOCK_B * padded // (16 * TILE_PER_THREAD)), padded
+    block = min(TILE, padded)
+    return block, False, max(4, BLOCK_B * block // (32 * TILE_PER_THREAD)), BK_TILE
 
 
 def _precision() -> str:
@@ -275,15 +307,23 @@ def _precision() -> str:
     return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
+def launch_meta(n: int, kind: str, gated: bool, has_len: bool, precision: str):
+    """(launch options, constexprs) of both scan kernels for hidden size n: what the
+    launchers below pass, and what ``compile_check`` compiles."""
+    block, resident, warps, k_block = _config(n)
+    return launch_options(warps), dict(
+        KIND=KINDS.index(check_kind(kind)), GATED=gated, HAS_LEN=has_len, BB=BLOCK_B, BN=block,
+        BK=k_block, RESIDENT=resident, PRECISION=precision)
+
+
 def _common(u, weight, lengths, a, b2, bias, kind):
-    block, resident, warps = _config(u.shape[-1])
+    options, meta = launch_meta(u.shape[-1], kind, a is not None, lengths is not None,
+                                _precision())
     dummy = u  # never read: the matching constexpr switch is off
     return dict(args=(lengths if lengths is not None else dummy,
                       a if a is not None else dummy, b2 if b2 is not None else dummy,
                       bias.contiguous() if bias is not None else dummy),
-                meta=dict(KIND=KINDS.index(check_kind(kind)), GATED=a is not None,
-                          HAS_LEN=lengths is not None, BB=BLOCK_B, BN=block, RESIDENT=resident,
-                          PRECISION=_precision(), num_warps=warps))
+                meta=dict(meta, **options))
 
 
 def scan_forward(u, weight, h0, lengths, a, b2, bias, kind: str, slope: float,
@@ -300,7 +340,8 @@ def scan_forward(u, weight, h0, lengths, a, b2, bias, kind: str, slope: float,
     c = _common(u, weight, lengths, a, b2, bias, kind)
     lens, a_, b2_, bias_ = c["args"]
     _scan_fwd_kernel[(triton.cdiv(batch, BLOCK_B),)](
-        u, weight, lens, a_, b2_, bias_, states, pre, carried, batch, steps, n, float(slope),
+        u, weight.t().contiguous(), lens, a_, b2_, bias_, states, pre, carried, batch, steps, n,
+        float(slope),
         STORE_PRE=keep, **c["meta"])
     return states, carried[:, steps].clone(), pre, carried
 
