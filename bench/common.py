@@ -20,3 +20,12 @@ def write_result(path: Path, result) -> None:
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     tmp.replace(path)
     print(f"wrote {path}")
+
+
+def chosen_rows(parser, text: str, allowed) -> list[str]:
+    """The rows a comma-separated --rows names; a parser error (exit 2) naming the
+    allowed ones when it names none or an unknown one."""
+    rows = [r for r in text.split(",") if r]
+    if not rows or any(r not in allowed for r in rows):
+        parser.error(f"--rows must name some of {', '.join(allowed)}; got {text!r}")
+    return rows

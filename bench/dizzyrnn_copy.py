@@ -29,7 +29,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import write_result
+from bench.common import chosen_rows, write_result
 
 ARJOVSKY = {"copy_loss": "all", "copy_symbols": 8}
 
@@ -120,10 +120,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results"
                    / "dizzyrnn_copy.json")
     a = p.parse_args(argv)
-    rows = [r for r in a.rows.split(",") if r]
-    bad = [r for r in rows if r not in ROWS]
-    if bad or not rows:
-        p.error(f"--rows must name some of {', '.join(ROWS)}; got {a.rows!r}")
+    rows = chosen_rows(p, a.rows, ROWS)
     if a.seeds < 1 or a.jobs < 1 or (a.steps is not None and a.steps < 1):
         p.error("--seeds, --jobs and --steps must be at least 1")
     start = time.perf_counter()

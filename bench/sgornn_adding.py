@@ -41,7 +41,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import write_result
+from bench.common import chosen_rows, write_result
 
 THRESHOLD = 0.05  # "converged": validation MSE below this and staying there
 HORIZON = 20000  # SGORNN sec. 3.1: at most 20,000 steps, lr decayed linearly to 0
@@ -164,10 +164,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results"
                    / "sgornn_adding.json")
     a = p.parse_args(argv)
-    rows = [r for r in a.rows.split(",") if r]
-    bad = [r for r in rows if r not in ROWS]
-    if bad or not rows:
-        p.error(f"--rows must name some of {', '.join(ROWS)}; got {a.rows!r}")
+    rows = chosen_rows(p, a.rows, ROWS)
     if min(a.steps, a.horizon, a.jobs, a.seq_len) < 1:
         p.error("--steps, --horizon, --jobs and --seq-len must be at least 1")
     if a.collect and a.runs is None:
