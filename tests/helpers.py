@@ -1,6 +1,24 @@
-"""Independent references the tests compare against."""
+"""Independent references the tests compare against, and the command line as a user
+runs it."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def orthornn(*args, code: int | None = None, timeout: float = 300
+             ) -> subprocess.CompletedProcess:
+    """`python -m orthornn ARGS` in a process of its own, from the checkout; with
+    ``code``, its exit status must be that (the output's tail says why not)."""
+    result = subprocess.run([sys.executable, "-m", "orthornn", *map(str, args)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=timeout)
+    if code is not None:
+        assert result.returncode == code, result.stderr[-3000:]
+    return result
 
 
 def spectral_error(w: torch.Tensor) -> float:

@@ -7,7 +7,6 @@ import json
 import math
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,13 +20,9 @@ from orthornn.training.config import TrainConfig
 from orthornn.training.trainer import train
 
 from orthornn import __version__
+from tests.helpers import orthornn
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def orthornn(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orthornn", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
 
 
 def adding(out: Path, steps: int, **kw) -> Path:

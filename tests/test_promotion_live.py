@@ -17,6 +17,7 @@ import httpx
 import pytest
 from orthornn.training import checkpoint
 
+from tests.helpers import orthornn as run_orthornn
 from tests.service_helpers import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,10 +27,7 @@ BODY = {"model": "adder", "inputs": [[[0.5, 1], [0.2, 0], [0.3, 1], [0.1, 0]]]}
 
 
 def orthornn(*args, code: int = 0) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "orthornn", *map(str, args)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == code, result.stderr[-3000:]
-    return result
+    return run_orthornn(*args, code=code)
 
 
 class Load:
