@@ -216,8 +216,8 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
         record = evaluation.evaluate(package.session_from_bytes(graph.SerializeToString()), task)
     else:
         record = {"absent": absent}
-    on_disk = repository.versions(model_dir)
-    parent = repository.promoted(model_dir) or (max(on_disk) if on_disk else None)
+    parent = repository.live_version(repository.versions(model_dir),
+                                     repository.promoted(model_dir))
     created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     lineage = {"config_sha256": evaluation.config_sha256(config),
                "train_data_fingerprint": None if task is None

@@ -114,6 +114,14 @@ def promoted(model_dir: str | Path) -> int | None:
         return None
 
 
+def live_version(on_disk: list[int], promoted_version: int | None) -> int | None:
+    """The version a model serves by default, of the versions on disk: the promoted one,
+    else (none promoted, or it is gone) the newest; None without versions."""
+    if promoted_version in on_disk:
+        return promoted_version
+    return max(on_disk) if on_disk else None
+
+
 def promote(model_dir: str | Path, version: int, action: str, reason: str = "") -> dict:
     """Make ``version`` the promoted one (atomically) and record why; returns the new
     promotion record. The caller has checked that the version exists and verifies."""
@@ -175,7 +183,8 @@ def rollback(model_dir: str | Path, to: int | None = None) -> dict:
     if not on_disk:
         raise ValueError(f"{str(model_dir)!r} holds no versions")
     record = read_promotion(model_dir)
-    current = record["version"] or max(on_disk)
+    current = live_version(on_disk, record["version"])
+    assert current is not None  # on_disk is not empty
 
     def usable() -> str:
         good = []
@@ -223,9 +232,8 @@ def describe(model_dir: str | Path) -> list[dict]:
     candidate, why (what ``orthornn versions`` prints). Reads manifests; verifies
     nothing."""
     model_dir = Path(model_dir)
-    current = promoted(model_dir)
     on_disk = versions(model_dir)
-    live = current if current in on_disk else (max(on_disk) if on_disk else None)
+    live = live_version(on_disk, promoted(model_dir))
     rows = []
     for path in [*(model_dir / str(v) for v in on_disk), *rejected(model_dir)]:
         try:
