@@ -1,0 +1,61 @@
+"""The few HTTP pieces every layer of the service shares: the JSON response (orjson), the
+error body {"error": ...} and the one mapping of exceptions to it, a request header from
+the ASGI scope, the request body."""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .errors import ServiceError
+
+log = logging.getLogger("orthornn.service")
+
+
+class JSON(Response):
+    media_type = "application/json"
+
+    def render(self, content) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def error(status: int, message: str, headers: dict | None = None) -> JSON:
+    return JSON({"error": message}, status_code=status, headers=headers)
+
+
+def answer(exc: Exception, where: str = "") -> JSON:
+    """The one error handler: a ServiceError's own status (service.errors), FastAPI's
+    and Starlette's 4xx, or a logged 500."""
+    if isinstance(exc, ServiceError):
+        return error(exc.status, str(exc), headers=exc.headers)
+    if isinstance(exc, RequestValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "request"
+        return error(400, f"{where}: {first.get('msg', 'invalid')}")
+    if isinstance(exc, StarletteHTTPException):
+        return error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+    log.error("internal error on %s", where or "a request", exc_info=exc)
+    return error(500, "internal server error (logged)")
+
+
+def header(scope, name: bytes) -> str | None:
+    """A request header (name in lower case) from the ASGI scope, or None."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def read_body(receive) -> bytes | None:
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
