@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 import orjson
 from fastapi import FastAPI
@@ -31,10 +31,12 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import auth
-from .dataplane import DataPlane, server_version
+from .codecs import oip_binary, predict_json
+from .dataplane import DataPlane, server_version, version_param
 from .docs import add_docs
 from .errors import ClientError, ServiceError
 from .http import JSON, answer, error, header
+from .messages import Served
 from .metrics import Metrics
 from .observe import Observe
 from .protocol import (
@@ -51,6 +53,7 @@ from .protocol import (
     RollbackRequest,
     RollbackResponse,
     ServerMetadata,
+    parse,
 )
 from .registry import Registry
 from .routing import (
@@ -71,10 +74,19 @@ WARNING_HEADER = "Orthornn-Input-Warning"
 Handler = Callable[..., Awaitable[Response]]
 
 
-def labels(scope: dict) -> dict:
-    """The request's scope["state"] (what request.state shows); the dataplane puts the
-    model/version metric labels there."""
-    return scope.setdefault("state", {})
+def count_under(scope: dict, labels: tuple[str, str | int]) -> None:
+    """The model / version metric labels of this request, for observe.Observe (which
+    reads them from the ASGI scope's state, as request.state shows it)."""
+    scope.setdefault("state", {})["labels"] = (labels[0], str(labels[1]))
+
+
+def _version_or_none(version: str | None) -> int | None:
+    """A URL's version as an integer, None when absent or not one (then the labels leave
+    it out)."""
+    try:
+        return version_param(version)
+    except ServiceError:
+        return None
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -109,33 +121,51 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.draining = False
 
     # -- handlers: (body, scope, **path parameters) -> Response ---------------------------
+    # A body is decoded by its protocol's codec, the dataplane answers with a typed result,
+    # and the codec encodes it; the request is counted under the model version that
+    # answered (or, on an error, the one it held, else the model it named).
 
-    def warned(scope: dict) -> dict | None:
-        """The input-range warning header the dataplane left for this request, if any."""
-        warning = labels(scope).get("warning")
-        return None if warning is None else {WARNING_HEADER: warning}
+    @contextmanager
+    def counted(scope: dict, name: str, version: str | None = None) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            served = getattr(exc, "served", None)  # the version it held (service.errors)
+            count_under(scope, served or dataplane.labels(name, _version_or_none(version)))
+            raise
+
+    def done(scope: dict, served: Served | None) -> dict[str, str] | None:
+        """Count the request under SERVED; its warning header, if any."""
+        if served is None:
+            return None
+        count_under(scope, (served.model, served.version))
+        return None if served.warning is None else {WARNING_HEADER: served.warning}
 
     async def predict(body: bytes, scope: dict) -> Response:
-        return JSON(await dataplane.predict(body, labels(scope)), headers=warned(scope))
+        req = predict_json.decode(body)
+        with counted(scope, req.model):
+            result = await dataplane.predict(req)
+        return Response(predict_json.encode(result), media_type="application/json",
+                        headers=done(scope, result.served))
 
     async def generate_text(body: bytes, scope: dict) -> Response:
-        return JSON(await dataplane.generate(body, labels(scope)))
+        req = parse(GenerateRequest, body)
+        with counted(scope, req.model):
+            result = await dataplane.generate(req)
+        done(scope, result.served)
+        return JSON(result.body)
 
     async def infer(body: bytes, scope: dict, name: str, version: str | None = None):
-        dataplane.label(labels(scope), name)  # counted under the model from the start
-        length = header(scope, b"inference-header-content-length")
-        tail = b""
-        if length is not None:
-            if not length.isdigit() or int(length) > len(body):
-                raise ClientError("Inference-Header-Content-Length: must be an integer no "
-                                  "larger than the body")
-            body, tail = body[:int(length)], body[int(length):]
-        head, blobs = await dataplane.infer(body, tail, name, version, labels(scope))
-        headers = warned(scope) or {}
+        with counted(scope, name):  # counted under the model from the start
+            req = oip_binary.decode(body, header(scope, b"inference-header-content-length"),
+                                    name, version)
+            result = await dataplane.infer(req, name, version)
+        head, blobs = oip_binary.encode(req, result)
+        headers = done(scope, result.served) or {}
         if not blobs:
             return Response(head, media_type="application/json", headers=headers)
         return Response(head + b"".join(blobs), media_type="application/octet-stream",
-                        headers={**headers, "Inference-Header-Content-Length": str(len(head))})
+                        headers={**headers, oip_binary.HEADER_LENGTH: str(len(head))})
 
     async def server_metadata(body: bytes, scope: dict) -> Response:
         return JSON(dataplane.server_metadata())
@@ -152,17 +182,26 @@ def create_app(settings: Settings) -> FastAPI:
 
     async def model_metadata(body: bytes, scope: dict, name: str,
                              version: str | None = None) -> Response:
-        return JSON(dataplane.model_metadata(name, version, labels(scope)))
+        with counted(scope, name):
+            result = dataplane.model_metadata(name, version)
+        done(scope, result.served)
+        return JSON(result.body)
 
     async def model_ready(body: bytes, scope: dict, name: str,
                           version: str | None = None) -> Response:
-        if dataplane.model_ready(name, version, labels(scope)):
+        with counted(scope, name, version):
+            is_ready = dataplane.model_ready(name, version)
+        count_under(scope, dataplane.labels(name, _version_or_none(version)))
+        if is_ready:
             return JSON({"name": name, "ready": True})
         return error(503, f"model {name!r}" + (f" version {version}" if version else "")
                      + " is not ready")
 
     async def model_config(body: bytes, scope: dict, name: str) -> Response:
-        return JSON(dataplane.model_config(name, labels(scope)))
+        with counted(scope, name):
+            result = dataplane.model_config(name)
+        done(scope, result.served)
+        return JSON(result.body)
 
     def admin_body(body: bytes) -> None:
         if body.strip():
@@ -175,7 +214,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     async def repository_index(body: bytes, scope: dict) -> Response:
         admin(scope)
-        return JSON(await dataplane.repository_index(body))
+        req = parse(RepositoryIndexRequest, body, allow_empty=True)
+        return JSON(await dataplane.repository_index(req))
 
     async def load_model(body: bytes, scope: dict, name: str) -> Response:
         admin(scope)
@@ -184,7 +224,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     async def rollback_model(body: bytes, scope: dict, name: str) -> Response:
         admin(scope)
-        return JSON(await dataplane.rollback(name, body))
+        req = parse(RollbackRequest, body, allow_empty=True)
+        return JSON(await dataplane.rollback(name, req))
 
     async def unload_model(body: bytes, scope: dict, name: str) -> Response:
         admin(scope)

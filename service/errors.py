@@ -1,5 +1,5 @@
 """The service's errors: each carries the HTTP status (and headers) it is answered with,
-as MLServer's errors do, so one handler (``app.answer``) maps every one of them to
+as MLServer's errors do, so one handler (``http.answer``) maps every one of them to
 ``{"error": message}`` without a table of types. Anything else is a logged 500."""
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ class ServiceError(Exception):
 
     status = 500
     headers: dict[str, str] | None = None
+    #: the model version a request held when this was raised (name, version), if any: the
+    #: HTTP layer counts the request under it
+    served: tuple[str, int] | None = None
 
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
@@ -47,4 +50,12 @@ class Overloaded(ServiceError):
     """Come back in a second: a full queue, or too many open sessions."""
 
     status = 429
+    headers = {"Retry-After": "1"}  # noqa: RUF012 (read only)
+
+
+class StoreUnavailable(ServiceError):
+    """The session store (a shared Redis) did not answer in time or failed: come back in a
+    second (503)."""
+
+    status = 503
     headers = {"Retry-After": "1"}  # noqa: RUF012 (read only)

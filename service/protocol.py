@@ -1,13 +1,46 @@
 """Request and answer schemas: the simple ``/predict`` and ``/generate`` API and the Open
 Inference Protocol (REST, v2). They document the API (OpenAPI at /docs) and validate
 request bodies; semantic limits that depend on the model (sequence length, feature size,
-token ids) are checked in ``service.inputs``."""
+token ids) are checked in ``service.inputs``. ``parse`` validates a body against one of
+them, with a message that names the field."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+
+from .errors import ClientError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], body: bytes, allow_empty: bool = False) -> M:
+    """BODY validated against MODEL (an empty body is MODEL's defaults when allowed);
+    ClientError naming the field otherwise."""
+    if allow_empty and not body.strip():
+        return model()
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise ClientError(_describe(e)) from None
+
+
+def _describe(e: ValidationError) -> str:
+    errors = e.errors(include_url=False)
+    first = max(errors, key=lambda err: len(err["loc"]))  # the most specific union branch
+    if any(err["type"] == "json_invalid" for err in errors):
+        return f"body is not valid JSON: {first['msg']}"
+    where = ""
+    for part in first["loc"]:
+        if isinstance(part, int):
+            where += f"[{part}]"
+        elif "[" in part or part in ("float", "int", "str", "bool", "list", "constrained-str"):
+            continue  # a union member's tag, not a field
+        else:
+            where += f".{part}" if where else part
+    return f"{where or 'body'}: {first['msg']}"
+
 
 Number = Annotated[float, Strict()]  # JSON numbers only: no strings, no booleans
 Step = Number | list[Number]

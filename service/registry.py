@@ -40,9 +40,9 @@ from orthornn.export.repository import (
 )
 from orthornn.export.repository import rollback as rollback_promotion
 
+from .answers import prepare_rows
 from .batcher import Batcher
 from .errors import Conflict, NotFound
-from .inputs import prepare_rows
 from .metrics import Metrics
 from .runtime import ModelSpec, Runtime
 from .settings import Settings

@@ -1,0 +1,127 @@
+"""Answers from a model's output rows, next to the model work (they run in the inference
+thread, on the rows the batcher hands back): probabilities, top-k, per-step outputs and
+language-model scoring for /predict, and the stacked output tensors of the Open Inference
+Protocol. The codecs only serialise what these give."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from orthornn.export.package import INITIAL_LOGITS
+
+from .runtime import Chunk, ModelSpec
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    z = np.exp(x - x.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def _label(spec: ModelSpec, i: int) -> str:
+    return spec.labels[i] if spec.labels and i < len(spec.labels) else str(i)
+
+
+PROBABILITIES, INDEX = "_probabilities", "_index"  # added to classify rows by prepare_rows
+
+
+def prepare_rows(spec: ModelSpec, rows: list[dict]) -> None:
+    """Once per batch, in the inference thread: every classify row's probabilities (as a
+    list) and most likely class, from one softmax over the batch instead of one per row."""
+    if spec.task != "classify" or not rows:
+        return
+    p = _softmax(np.stack([r[spec.output_name] for r in rows]).astype(np.float64))
+    for row, probabilities, index in zip(rows, p.tolist(), p.argmax(axis=-1).tolist(),
+                                         strict=True):
+        row[PROBABILITIES], row[INDEX] = probabilities, index
+
+
+def _classify_item(spec: ModelSpec, p: list[float], i: int, top_k: int | None) -> dict:
+    item: dict[str, Any] = {"label": _label(spec, i), "index": i, "probabilities": p}
+    if top_k:  # most likely first; ties keep the class order (a stable sort)
+        best = sorted(range(len(p)), key=lambda j: -p[j])[:top_k]
+        item["top_k"] = [{"label": _label(spec, j), "index": j, "probability": p[j]}
+                         for j in best]
+    return item
+
+
+def _per_step_items(spec: ModelSpec, y: np.ndarray, top_k: int | None) -> list[dict]:
+    """classify / regress outputs after every step (y [T, C] of the "steps" graph)."""
+    if spec.task == "regress":
+        return [{"value": float(v[0]) if v.size == 1 else v.tolist()}
+                for v in y.astype(np.float64)]
+    p = _softmax(y.astype(np.float64))
+    return [_classify_item(spec, row, i, top_k)
+            for row, i in zip(p.tolist(), p.argmax(axis=-1).tolist(), strict=True)]
+
+
+def shape_outputs(spec: ModelSpec, rows: list[dict], sequences: list,
+                  top_k: int | None, per_step: bool = False, allow_unk: bool = False
+                  ) -> list[dict]:
+    """Per sequence, the /predict answer from its output rows (runs in the inference
+    thread). ``sequences``: arrays, or Chunks that continued from a state. Language models
+    list no <unk> among next_tokens unless allow_unk."""
+    if per_step:
+        out = []
+        for row in rows:
+            steps = _per_step_items(spec, row[spec.output_name], top_k)
+            out.append({**steps[-1], "steps": steps})
+        return out
+    if rows and spec.task == "classify" and PROBABILITIES not in rows[0]:
+        prepare_rows(spec, rows)  # not batched through the batcher's prepare step
+    out = []
+    for row, seq in zip(rows, sequences, strict=True):
+        if spec.task == "classify":
+            out.append(_classify_item(spec, row[PROBABILITIES], row[INDEX], top_k))
+            continue
+        y = row[spec.output_name].astype(np.float64)
+        if spec.task == "regress":
+            item = {"value": float(y[0]) if y.size == 1 else y.tolist()}
+        elif spec.task == "seq2seq":
+            idx = np.argmax(y, axis=-1)
+            item = {"indices": idx.tolist(), "labels": [_label(spec, int(j)) for j in idx]}
+        else:  # lm: y [T, V]; position t predicts token t + 1
+            tokens = seq.data if isinstance(seq, Chunk) else seq
+            logp = _log_softmax(y)
+            scored = len(tokens) - 1
+            ll = float(logp[np.arange(scored), tokens[1:]].sum()) if scored else 0.0
+            if isinstance(seq, Chunk) and seq.state is not None and INITIAL_LOGITS in row:
+                # a continued chunk: its first token is predicted by the state it continues
+                ll += float(_log_softmax(row[INITIAL_LOGITS].astype(np.float64))[tokens[0]])
+                scored += 1
+            p = np.exp(logp[-1])
+            rank = -p
+            if not allow_unk and spec.unk_id is not None:
+                rank[spec.unk_id] = np.inf  # last: never among the top k
+            best = np.argsort(rank, kind="stable")[:min(top_k or 5, len(p) - (not allow_unk))]
+            vocab = spec.vocabulary or []
+            item = {"next_tokens": [{"token": vocab[j], "id": int(j),
+                                     "probability": float(p[j])} for j in best],
+                    "log_likelihood": ll,
+                    "perplexity": math.exp(-ll / scored) if scored else None,
+                    "tokens": scored}
+        out.append(item)
+    return out
+
+
+def outputs_to_tensors(rows: list[dict], names: list[str], steps: int,
+                       per_step: set[str]) -> dict[str, np.ndarray]:
+    """Stack the named outputs of per-sequence rows back into [B, ...] tensors; time-axis
+    outputs are padded to the request's T with zeros past each sequence's length."""
+    out = {}
+    for name in names:
+        if name in per_step:
+            first = rows[0][name]
+            arr = np.zeros((len(rows), steps, *first.shape[1:]), dtype=first.dtype)
+            for i, r in enumerate(rows):
+                arr[i, :len(r[name])] = r[name]
+        else:
+            arr = np.stack([r[name] for r in rows])
+        out[name] = arr
+    return out

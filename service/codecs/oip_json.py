@@ -1,0 +1,204 @@
+"""The Open Inference Protocol's JSON codec (REST, v2): an inference request body into an
+``Inference`` (each input's ``data`` through simdjson's ``as_buffer``, no Python object per
+number; anything unusual through pydantic, whose messages name the field), an
+``InferenceResult`` into the JSON answer. The binary tensor extension
+(``codecs.oip_binary``) reuses the header parse and the answer document."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import simdjson
+from orthornn.export.package import DATATYPES
+from pydantic import ValidationError
+
+from ..errors import ClientError
+from ..messages import Inference, InferenceResult, InputTensor
+from ..protocol import InferenceRequest, RequestInput, parse
+
+_NUMBER_ERRORS = (TypeError, ValueError, RuntimeError)  # what simdjson raises on non-numbers
+
+
+def decode(body: bytes, name: str, version: str | None) -> Inference:
+    """A JSON inference request to model NAME (VERSION: the URL's, or None)."""
+    return to_inference(parse_header(body), {}, name, version)
+
+
+def parse_header(body: bytes) -> InferenceRequest:
+    return fast_infer_request(body) or parse(InferenceRequest, body)
+
+
+def to_inference(req: InferenceRequest, binaries: dict[str, bytes], name: str,
+                 version: str | None) -> Inference:
+    """The typed request: the body's model_name / model_version (what KServe's client
+    adds) must agree with the URL's; each input decoded from its JSON data or from its
+    binary chunk (BINARIES, by input name)."""
+    for field, value, in_url in (("model_name", req.model_name, name),
+                                 ("model_version", req.model_version, version)):
+        if value is not None and in_url is not None and value != in_url:
+            raise ClientError(f"{field}: the body names {value!r}, the URL {in_url!r}")
+    return Inference(inputs=[decode_input(inp, binaries.get(inp.name)) for inp in req.inputs],
+                     outputs=req.outputs, id=req.id, parameters=req.parameters or {})
+
+
+def binary_outputs(inference: Inference) -> set[str]:
+    """The outputs the request wants as binary data (``binary_data`` per output, else the
+    request's ``binary_data_output``)."""
+    binary_all = bool(inference.parameters.get("binary_data_output"))
+    if not inference.outputs:  # every output
+        return {"*"} if binary_all else set()
+    return {o.name for o in inference.outputs
+            if (o.parameters or {}).get("binary_data", binary_all)}
+
+
+def document(result: InferenceResult, binary: set[str]) -> tuple[dict, list[bytes]]:
+    """The answer's JSON document and the blobs of the outputs named in BINARY ("*":
+    all), in order."""
+    outputs, blobs = [], []
+    for out in result.outputs:
+        item: dict[str, Any] = {"name": out.name, "shape": list(out.data.shape),
+                                "datatype": out.datatype}
+        if out.name in binary or "*" in binary:
+            blob = out.data.astype(DATATYPES[out.datatype].numpy).tobytes()
+            item["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            item["data"] = out.data.reshape(-1)
+        outputs.append(item)
+    answer = {"model_name": result.served.model, "model_version": str(result.served.version),
+              "outputs": outputs}
+    if result.id is not None:
+        answer["id"] = result.id
+    return answer, blobs
+
+
+def decode_input(inp: RequestInput, binary: bytes | None) -> InputTensor:
+    """One input as a flat array of its declared datatype, its element count checked
+    against its shape (data None for a datatype the service does not know: the model's
+    check names the one it expects)."""
+    field = f"inputs[{inp.name}]"
+    shape = tuple(inp.shape)
+    datatype = DATATYPES.get(inp.datatype)
+    if datatype is None:
+        return InputTensor(inp.name, inp.datatype, shape, None)
+    wire = datatype.numpy
+    dtype = wire.type
+    count = math.prod(shape)
+    if count > 1 << 28:
+        raise ClientError(f"{field}.shape: too many elements ({count})")
+    if binary is not None:
+        if len(binary) != count * wire.itemsize:
+            raise ClientError(f"{field}: binary_data_size {len(binary)} does not match shape "
+                              f"{inp.shape} of {inp.datatype}")
+        arr = np.frombuffer(binary, dtype=wire).astype(dtype)
+    else:
+        if inp.data is None:
+            raise ClientError(f"{field}.data: required (or binary_data_size)")
+        if isinstance(inp.data, np.ndarray):  # from fast_infer_request: already numbers
+            with np.errstate(over="ignore"):  # beyond float32: inf, refused below
+                arr = inp.data.astype(dtype)
+        else:
+            arr = _flatten(inp.data, inp.datatype, field)
+        if arr.size != count:
+            raise ClientError(f"{field}.data: {arr.size} elements do not match shape "
+                              f"{inp.shape}")
+    if arr.dtype == np.float32 and not np.isfinite(arr).all():
+        raise ClientError(f"{field}.data: numbers must be finite (float32 range)")
+    return InputTensor(inp.name, inp.datatype, shape, arr)
+
+
+def _flatten(data: list, datatype: str, field: str) -> np.ndarray:
+    flat: list = []
+    stack = [iter(data)]
+    depth_limit = 16
+    while stack:
+        for v in stack[-1]:
+            if isinstance(v, list):
+                if len(stack) >= depth_limit:
+                    raise ClientError(f"{field}.data: nested too deeply")
+                stack.append(iter(v))
+                break
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise ClientError(f"{field}.data: numbers only; got {type(v).__name__}")
+            if datatype == "INT64" and (isinstance(v, float) or not -2**63 <= v < 2**63):
+                raise ClientError(f"{field}.data: INT64 values must be 64-bit integers; "
+                                  f"got {v!r}")
+            flat.append(v)
+        else:
+            stack.pop()
+    if datatype == "INT64":
+        return np.array(flat, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        return np.array(flat, dtype=np.float64).astype(np.float32)
+
+
+_INFER_KEYS = frozenset(InferenceRequest.model_fields)
+_INPUT_KEYS = frozenset(RequestInput.model_fields)
+# pysimdjson's buffers of JSON numbers: doubles ("d") or 64-bit integers ("i")
+_JSON_BUFFERS = {"d": np.float64, "i": np.int64}
+
+
+def _python(value):
+    """A simdjson value as plain Python (small values: names, shapes, parameters)."""
+    if type(value) is simdjson.Object:
+        return value.as_dict()
+    if type(value) is simdjson.Array:
+        return value.as_list()
+    return value
+
+
+def fast_infer_request(body: bytes) -> InferenceRequest | None:
+    """An OIP JSON inference request read with simdjson: each input's ``data`` becomes a
+    flat numpy array through ``as_buffer`` (no Python object per number), everything else
+    is validated by pydantic as usual. None when anything is unusual (a string, boolean or
+    null among the numbers, a duplicate key, a datatype other than FP32 / INT64, a BOM):
+    the caller then parses the body with pydantic alone, whose messages name the field.
+    ``to_inference`` checks the element count against the shape on either path."""
+    if body.startswith(b"\xef\xbb\xbf"):
+        return None
+    try:  # Any: as in fast_predict_request
+        doc: Any = simdjson.Parser().parse(body)
+    except _NUMBER_ERRORS:
+        return None
+    if type(doc) is not simdjson.Object:
+        return None
+    keys = set(doc.keys())
+    inputs = doc.get("inputs")
+    if len(keys) != len(doc) or not keys <= _INFER_KEYS or type(inputs) is not simdjson.Array:
+        return None
+    metas: list[dict] = []
+    arrays: list[np.ndarray | None] = []
+    for inp in inputs:
+        if type(inp) is not simdjson.Object:
+            return None
+        ikeys = set(inp.keys())
+        if len(ikeys) != len(inp) or not ikeys <= _INPUT_KEYS:
+            return None
+        meta = {k: _python(inp[k]) for k in ikeys if k != "data"}
+        data = inp.get("data")
+        if data is None:
+            arrays.append(None)
+        else:
+            datatype = DATATYPES.get(meta.get("datatype") or "")
+            if type(data) is not simdjson.Array or datatype is None:
+                return None
+            kind = datatype.json_buffer
+            try:
+                arrays.append(np.frombuffer(data.as_buffer(of_type=kind),
+                                            dtype=_JSON_BUFFERS[kind]))
+            except _NUMBER_ERRORS:
+                return None
+            meta["data"] = []  # validated as present; the numbers are the array above
+        metas.append(meta)
+    try:
+        req = InferenceRequest.model_validate(
+            {**{k: _python(doc[k]) for k in keys if k != "inputs"}, "inputs": metas})
+    except ValidationError:
+        return None
+    for request_input, arr in zip(req.inputs, arrays, strict=True):
+        if arr is not None:
+            # the array stands in for the list (decode_input takes either)
+            request_input.data = arr  # type: ignore[assignment]
+    return req

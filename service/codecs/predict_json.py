@@ -1,0 +1,97 @@
+"""The /predict codec: the body into a ``PredictRequest`` (the common body, float
+sequences, through simdjson without a Python object per number; anything else, and every
+mistake, through pydantic, whose messages name the field), a ``PredictResult`` into JSON."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import orjson
+import simdjson
+
+from ..messages import PredictResult
+from ..protocol import PredictRequest, parse
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def decode(body: bytes) -> PredictRequest:
+    return fast_predict_request(body) or parse(PredictRequest, body)
+
+
+def encode(result: PredictResult) -> bytes:
+    answer: dict[str, Any] = {"model": result.served.model, "version": result.served.version,
+                              "outputs": result.outputs}
+    if result.session is not None:
+        answer["session"] = result.session
+    return orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+# the keys of the common body; any other (streaming ones, allow_unk) takes pydantic's path
+_PREDICT_KEYS = frozenset({"model", "version", "inputs", "text", "top_k"})
+_NUMBER_ERRORS = (TypeError, ValueError, RuntimeError)  # what simdjson raises on non-numbers
+
+
+def fast_predict_request(body: bytes) -> PredictRequest | None:
+    """The common /predict body (float sequences, no text) read with simdjson, whose
+    ``as_buffer`` turns a nested array of numbers into doubles without making a Python
+    object per number, or None when anything is unusual.
+
+    It accepts only bodies that PredictRequest accepts too, and gives the same numbers
+    (simdjson and pydantic both round each number to the nearest double): strings,
+    booleans, nulls and objects among the numbers, numbers beyond 64-bit integers or
+    doubles, duplicate keys, ragged steps and arrays nested deeper than
+    [sequence][step][feature] are refused here (None: pydantic's path). The model's checks
+    (``service.inputs``) give the same messages for this request as for pydantic's.
+    """
+    if body.startswith(b"\xef\xbb\xbf"):  # simdjson skips a UTF-8 BOM, pydantic refuses it
+        return None
+    try:  # Any: the checks below are type(...) tests mypy does not narrow on
+        data: Any = simdjson.Parser().parse(body)  # a parser per call: thread-safe, cheap
+    except _NUMBER_ERRORS:
+        return None
+    if type(data) is not simdjson.Object:
+        return None
+    keys = set(data.keys())
+    if len(keys) != len(data) or not keys <= _PREDICT_KEYS or "allow_unk" in keys:
+        return None  # a duplicate key (pydantic keeps the last), an unknown or a rare one
+    model, version, top_k = data.get("model"), data.get("version"), data.get("top_k")
+    seqs = data.get("inputs")
+    if type(model) is not str or not 1 <= len(model) <= 128 or "[" in model \
+            or data.get("text") is not None or type(seqs) is not simdjson.Array:
+        return None
+    if version is not None and not (type(version) is int and 1 <= version <= 2**62):
+        return None  # strings ("2") and mistakes: pydantic
+    if top_k is not None and not (type(top_k) is int and 1 <= top_k <= 1_000_000):
+        return None
+    arrays, brackets = [], 1 + len(seqs)  # '[' of inputs and of each sequence
+    seq: Any
+    for seq in seqs:
+        if type(seq) is not simdjson.Array:
+            return None
+        shape: tuple[int, ...] = (len(seq),)
+        if shape[0] and type(seq[0]) is simdjson.Array:  # [T, d]: every step a list of d
+            width = len(seq[0])
+            try:
+                widths = [len(step) for step in seq]  # type: ignore[arg-type]  # TypeError
+            except TypeError:  # a number among the steps
+                return None
+            if widths.count(width) != shape[0]:
+                return None
+            shape, brackets = (shape[0], width), brackets + shape[0]
+        try:  # strings, booleans, nulls and objects raise
+            flat = np.frombuffer(seq.as_buffer(of_type="d"), dtype=np.float64)
+        except _NUMBER_ERRORS:
+            return None
+        if flat.size != math.prod(shape) or (flat.size and not
+                                             -F32_MAX <= flat.min() <= flat.max() <= F32_MAX):
+            return None  # nested deeper, or beyond float32: the checks below name it
+        arrays.append(flat.astype(np.float32).reshape(shape))
+    # as_buffer flattens any nesting: a '[' beyond the expected ones is a deeper array (the
+    # keys and the model name hold none)
+    if body.count(b"[") != brackets:
+        return None
+    return PredictRequest.model_construct(model=model, version=version, inputs=arrays,
+                                          text=None, top_k=top_k, allow_unk=False)

@@ -1,0 +1,80 @@
+"""The typed seam between the HTTP layer and the dataplane: what a codec decodes a request
+body into, and what the dataplane answers, whatever the protocol (as MLServer's
+``InferenceRequest`` / ``InferenceResponse`` serve REST and gRPC alike).
+
+The wire schemas (pydantic, for validation and the OpenAPI document) are in
+``service.protocol``; the codecs (``service.codecs``) turn bodies into these values and
+these values into bodies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .protocol import RequestOutput
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the HTTP layer needs besides the answer: the model version that answered (the
+    metric labels) and the input-range warning, if any (a response header)."""
+
+    model: str
+    version: int
+    warning: str | None = None
+
+
+# -- the Open Inference Protocol ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class InputTensor:
+    """One input of an inference request, decoded from JSON or binary data."""
+
+    name: str
+    datatype: str  # as the request declares it
+    shape: tuple[int, ...]
+    data: np.ndarray | None  # flat; None when the datatype is not one the service knows
+
+
+@dataclass(frozen=True)
+class Inference:
+    """An inference request: the URL's model (and version), the body's inputs."""
+
+    inputs: list[InputTensor]
+    outputs: list[RequestOutput] | None = None  # None: every output of the model
+    id: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str
+    datatype: str
+    data: np.ndarray  # [B, ...]
+
+
+@dataclass(frozen=True)
+class InferenceResult:
+    served: Served
+    outputs: list[OutputTensor]
+    id: str | None = None
+
+
+# -- /predict ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PredictResult:
+    served: Served
+    outputs: list[dict]  # one per sequence, as protocol.SequenceOutput
+    session: str | None = None
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Any other answer: a JSON document (metadata, /generate, the repository API)."""
+
+    served: Served | None
+    body: Any
