@@ -5,6 +5,7 @@ the preset; --show-config names the source of every value."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 import numpy as np
@@ -12,7 +13,17 @@ import pytest
 from orthornn.models import ARCHITECTURES, build_model
 from orthornn.training.cli import add_train_parser, resolve_args
 from orthornn.training.config import TASK_NAMES, TrainConfig, validate
-from orthornn.training.presets import PRESETS, resolve
+from orthornn.training.presets import (
+    CHOSEN,
+    DEFAULT,
+    FLAG,
+    PRESETS,
+    Kind,
+    Provenance,
+    Rule,
+    derive,
+    resolve,
+)
 from orthornn.training.tasks import _BUILDERS, make_task, ucr_datasets
 
 from orthornn.cli import main as cli
@@ -58,8 +69,8 @@ def test_every_preset_resolves_to_a_valid_configuration(task, arch, user_data):
                 num_outputs={"classify": 2, "seq2seq": 10}.get(kind),
                 embedding_size=config.embedding_size, **config.arch_options)
     assert config.steps is not None or config.epochs is not None  # a budget, always
-    assert sources["task"] == "flag"
-    assert any(s.startswith("preset: ") for s in sources.values())
+    assert str(sources["task"]) == "flag"
+    assert any(str(s).startswith("preset: ") for s in sources.values())
 
 
 @pytest.mark.parametrize("dataset", DATASETS)
@@ -69,17 +80,17 @@ def test_ucr_preset_batch_fits_the_training_split(dataset, arch):
     n_train = len(make_task("ucr", dataset=dataset).train)  # built, not counted
     assert config.batch_size <= n_train
     if config.batch_size == n_train:
-        assert "capped" in sources["batch_size"]
+        assert "capped" in str(sources["batch_size"])
 
 
 def test_user_data_preset_batch_is_capped_and_a_flag_is_not(user_data):
     config, sources = resolve({"arch": "rnn", "task": "classify", "data": user_data})
     n_train = len(make_task("classify", data=user_data).train)
     assert n_train < 64 and config.batch_size == n_train
-    assert "capped" in sources["batch_size"]
+    assert "capped" in str(sources["batch_size"])
     config, sources = resolve({"arch": "rnn", "task": "classify", "data": user_data,
                                "batch_size": 40})
-    assert config.batch_size == 40 and sources["batch_size"] == "flag"  # the trainer says no
+    assert config.batch_size == 40 and str(sources["batch_size"]) == "flag"  # the trainer says no
 
 
 def test_the_issues_first_command_runs_as_given(tmp_path, capsys):
@@ -94,7 +105,8 @@ def test_the_issues_first_command_runs_as_given(tmp_path, capsys):
 def test_preset_values_and_sources_are_the_papers():
     config, sources = resolve({"arch": "svdrnn", "task": "ucr", "dataset": "ArrowHead"})
     assert config.hidden_size == 32 and config.arch_options["m1"] == 16
-    assert "Table 4" in sources["hidden_size"] and "Table 4" in sources["arch_options.m1"]
+    assert "Table 4" in str(sources["hidden_size"])
+    assert "Table 4" in str(sources["arch_options.m1"])
     # the paper's parameter count for ArrowHead's recurrence: 1,011 - 587 (oRNN) + 392
     model = build_model("svdrnn", "classify", input_size=1, hidden_size=32, num_outputs=3,
                         **config.arch_options)
@@ -110,7 +122,7 @@ def test_preset_values_and_sources_are_the_papers():
     # b2 starts where the paper's clip puts it, on eq. 3's boundary 1 - 2a (to 0.1%)
     a = 1 / (1 + math.exp(3))
     assert config.arch_options["b2_init"] == pytest.approx(0.999 * (1 - 2 * a))
-    assert "sec. 2" in sources["arch_options.b2_init"]
+    assert "sec. 2" in str(sources["arch_options.b2_init"])
     model = build_model("sgornn", "regress", input_size=2, hidden_size=128, num_outputs=1,
                         **config.arch_options)
     ga, gb = (g.item() for g in model.layer.gates())
@@ -134,7 +146,7 @@ def test_dizzyrnn_copy_preset_is_the_papers_task():
     assert config.arch_options["rotations"] == 10
     for key in ("copy_loss", "copy_symbols", "seq_len", "steps", "batch_size",
                 "arch_options.rotations"):
-        assert "DizzyRNN" in sources[key] and "sec. 6" in sources[key], key
+        assert "DizzyRNN" in str(sources[key]) and "sec. 6" in str(sources[key]), key
     task = make_task("copy", **config.task_options())
     assert task.scored_steps == 10 and task.input_size == 12
     for arch in ("svdrnn", "scornn", "lstm", "sgornn"):
@@ -146,15 +158,15 @@ def test_dizzyrnn_copy_preset_is_the_papers_task():
                                           "--copy-loss", "all", "--copy-symbols", "8",
                                           "--seq-len", "100"]))
     assert (config.copy_loss, config.copy_symbols, config.seq_len) == ("all", 8, 100)
-    assert sources["copy_loss"] == sources["copy_symbols"] == "flag"
+    assert str(sources["copy_loss"]) == str(sources["copy_symbols"]) == "flag"
 
 
 def test_flags_override_the_preset_and_the_file(tmp_path):
     config, sources = resolve_args(parse(["--arch", "scornn", "--task", "copy", "--lr", "0.01",
                                           "--hidden", "64", "--option", "rho=10"]))
     assert (config.lr, config.hidden_size, config.arch_options["rho"]) == (0.01, 64, 10)
-    assert sources["lr"] == sources["hidden_size"] == sources["arch_options.rho"] == "flag"
-    assert config.orthogonal_lr == 1e-4 and sources["orthogonal_lr"].startswith("preset: ")
+    assert {str(sources[k]) for k in ("lr", "hidden_size", "arch_options.rho")} == {"flag"}
+    assert config.orthogonal_lr == 1e-4 and str(sources["orthogonal_lr"]).startswith("preset: ")
     # a preset value computed from another follows the override: rho = n/2 of --hidden
     config, _ = resolve_args(parse(["--arch", "scornn", "--task", "copy", "--hidden", "64"]))
     assert config.arch_options["rho"] == 32
@@ -162,8 +174,8 @@ def test_flags_override_the_preset_and_the_file(tmp_path):
     cfg.write_text("arch: svdrnn\ntask: copy\nlr: 0.005\nbatch_size: 7\n"
                    "arch_options: {activation: leaky_relu}\n")
     config, sources = resolve_args(parse(["--config", str(cfg), "--batch-size", "9"]))
-    assert config.lr == 0.005 and sources["lr"].startswith("config file")
-    assert config.batch_size == 9 and sources["batch_size"] == "flag"
+    assert config.lr == 0.005 and str(sources["lr"]).startswith("config file")
+    assert config.batch_size == 9 and str(sources["batch_size"]) == "flag"
     assert config.arch_options["activation"] == "leaky_relu"
     assert config.arch_options["m1"] == 16  # the rest of the preset's options stay
     # giving epochs drops the preset's steps (and the other way round)
@@ -202,3 +214,77 @@ def test_bundled_ucr_sets_all_resolve():
     for dataset in ucr_datasets():
         config, _ = resolve({"arch": "svdrnn", "task": "ucr", "dataset": dataset})
         assert config.batch_size >= 1
+
+
+def test_derived_presets_are_their_parent_but_the_named_rule():
+    digits = PRESETS["digits"]
+    mnist1d_note = "; mnist1d was in no paper, the digits preset"
+    for task, replaced, note in (("permuted-digits", "scornn", ""),
+                                 ("mnist1d", "budget", mnist1d_note)):
+        derived = PRESETS[task]
+        assert list(derived) == list(digits)  # the parent's rules, in its order
+        assert derived[replaced] != digits[replaced]
+        for name, rule in digits.items():
+            if name != replaced:
+                assert derived[name] == dataclasses.replace(rule, source=rule.source + note)
+    # resolved: permuted digits is digits for every model but scoRNN, whose rho is n/2
+    for arch in RECURRENT:
+        plain, plain_sources = resolve({"arch": arch, "task": "digits"})
+        perm, perm_sources = resolve({"arch": arch, "task": "permuted-digits"})
+        assert dataclasses.replace(perm, task="digits") == plain or arch == "scornn", arch
+        assert perm_sources == plain_sources or arch == "scornn", arch
+    plain, _ = resolve({"arch": "scornn", "task": "digits"})
+    perm, perm_sources = resolve({"arch": "scornn", "task": "permuted-digits"})
+    assert (plain.arch_options["rho"], perm.arch_options["rho"]) == (17, 85)
+    assert dataclasses.replace(perm, task="digits", arch_options=plain.arch_options) == plain
+    assert "rho = n/2 permuted" in str(perm_sources["arch_options.rho"])
+
+
+def test_derive_refuses_a_name_the_parent_lacks():
+    rule = Rule({"epochs": 1}, "test")
+    with pytest.raises(ValueError, match=r"replace must name rules of the parent preset "
+                                         r"\(shared, budget, .*\); got scorn"):
+        derive(PRESETS["digits"], {"scorn": rule})
+    assert derive(PRESETS["digits"], {"budget": rule})["budget"] is rule
+
+
+@pytest.mark.parametrize("provenance", [
+    DEFAULT, Provenance(Kind.PRESET, "a rule"), FLAG, Provenance(Kind.FLAG, "--steps replaces it"),
+    Provenance(Kind.CONFIG, "c.yaml"), Provenance(Kind.RESUMED),
+    Provenance(Kind.RESUMED).noted("the run's total: --resume trains up to it")])
+def test_the_batch_cap_follows_the_provenance_kind(provenance, user_data):
+    """The preset's batch is capped at the training split unless the user chose it (flag,
+    config file, resumed run), exactly as the text rule it replaced decided."""
+    config, sources = resolve({"arch": "rnn", "task": "classify", "data": user_data,
+                               "batch_size": 64}, {"batch_size": provenance})
+    was_capped = not str(provenance).startswith(("flag", "config", "resumed"))  # the old rule
+    assert (config.batch_size == 24) is was_capped and (config.batch_size == 64) is not was_capped
+    assert sources["batch_size"].kind is provenance.kind
+    assert ("capped at the 24 training sequences" in str(sources["batch_size"])) is was_capped
+    assert (provenance.kind in CHOSEN) is not was_capped
+
+
+def test_provenance_prints_as_before():
+    assert [str(p) for p in (
+        DEFAULT, DEFAULT.noted("the preset gives epochs"), FLAG,
+        Provenance(Kind.FLAG, "--steps replaces it").noted("the run's total: x"),
+        Provenance(Kind.PRESET, "scoRNN sec. 5.1").noted("capped at the 54 training sequences"),
+        Provenance(Kind.CONFIG, "c.yaml"), Provenance(Kind.RESUMED),
+        Provenance(Kind.PER_OPTION, "arch_options.KEY"))] == [
+        "default", "default (the preset gives epochs)", "flag",
+        "flag --steps replaces it (the run's total: x)",
+        "preset: scoRNN sec. 5.1 (capped at the 54 training sequences)",
+        "config file c.yaml", "resumed run", "per option: arch_options.KEY"]
+
+
+def test_a_config_files_batch_is_not_capped(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("arch: rnn\ntask: ucr\ndataset: GunPoint\nbatch_size: 500\n")
+    config, sources = resolve_args(parse(["--config", str(cfg)]))
+    assert config.batch_size == 500 and sources["batch_size"] == Provenance(Kind.CONFIG, str(cfg))
+    config, sources = resolve_args(parse(["--arch", "rnn", "--task", "ucr", "--dataset",
+                                          "GunPoint", "--batch-size", "500"]))
+    assert config.batch_size == 500 and sources["batch_size"] == FLAG
+    config, sources = resolve_args(parse(["--arch", "rnn", "--task", "ucr", "--dataset",
+                                          "GunPoint"]))
+    assert config.batch_size == 16 and sources["batch_size"].kind is Kind.PRESET

@@ -15,6 +15,7 @@ from orthornn.training.tasks import (
     fold_series,
     make_task,
     step_width,
+    train_size,
     ucr_datasets,
 )
 
@@ -274,3 +275,24 @@ def test_task_errors():
         make_task("adding", dataset="GunPoint")
     with pytest.raises(ValueError, match="seq_len must be an integer in \\[2"):
         make_task("adding", seq_len=1)
+
+
+@pytest.mark.parametrize("name,options", [
+    ("digits", {}), ("permuted-digits", {}), ("mnist1d", {}),
+    *[("ucr", {"dataset": d}) for d in ucr_datasets()], ("classify", {"data": 33}),
+    ("classify", {"data": 10})])
+def test_train_size_is_the_length_of_the_built_training_split(name, options, tmp_path):
+    """train_size counts without building the task (the presets' batch cap); the split it
+    counts must be the one make_task builds."""
+    if name == "classify":  # a user's .npz of N sequences
+        n, path = options["data"], tmp_path / "data.npz"
+        rng = np.random.default_rng(0)
+        np.savez(path, x=rng.normal(size=(n, 4, 2)).astype(np.float32), y=np.arange(n) % 3)
+        options = {"data": str(path)}
+    assert train_size(name, **options) == len(make_task(name, **options).train)
+
+
+def test_train_size_is_none_without_a_fixed_training_split(tmp_path):
+    assert train_size("adding") is None and train_size("copy") is None
+    assert train_size("lm") is None and train_size("ucr", dataset="Wafer") is None
+    assert train_size("classify", data=str(tmp_path / "missing.npz")) is None

@@ -15,6 +15,7 @@ from .config import (
     TrainConfig,
     read_config_file,
 )
+from .presets import FLAG, Kind, Provenance, resolve, show
 
 HELP = {
     "arch": "architecture (orthornn architectures lists them)",
@@ -150,49 +151,45 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return resolve_args(args)[0]
 
 
-def resolve_args(args: argparse.Namespace) -> tuple[TrainConfig, dict]:
+def resolve_args(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Provenance]]:
     """The configuration and the source of each value: flags over the config file (or
     a resumed run's options) over the task's preset over the defaults."""
-    from .presets import resolve
-
     values: dict = {}
-    origin: dict = {}
+    origin: dict[str, Provenance] = {}
     given = vars(args)
     if given.get("resume") and given.get("out"):
         from .checkpoint import read_run_config
 
         resumed = read_run_config(given["out"])["train"]
         values.update(resumed)
-        origin.update({k: "resumed run" for k in resumed})
+        origin.update({k: Provenance(Kind.RESUMED) for k in resumed})
     if given.get("config"):
         from_file = read_config_file(given["config"])
         values.update(from_file)
-        origin.update({k: f"config file {given['config']}" for k in from_file})
+        origin.update({k: Provenance(Kind.CONFIG, str(given["config"])) for k in from_file})
     for f in dataclasses.fields(TrainConfig):
         if f.name in given:
             value = given[f.name]
             if f.name == "arch_options":
                 value = {**values.get("arch_options", {}), **dict(value)}
             values[f.name] = value
-            origin[f.name] = "flag"
+            origin[f.name] = FLAG
     # one budget: a flag's --steps replaces the file's or the resumed run's epochs (and
     # the other way round); either is the run's total, which --resume continues up to
     for unit, other in (("steps", "epochs"), ("epochs", "steps")):
         if given.get(unit) is not None and values.get(other) is not None:
             values[other] = None
-            origin[other] = f"flag --{unit} replaces it"
+            origin[other] = Provenance(Kind.FLAG, f"--{unit} replaces it")
     if given.get("resume"):
         for unit in ("steps", "epochs"):
             if values.get(unit) is not None:
-                origin[unit] += " (the run's total: --resume trains up to it)"
+                origin[unit] = origin[unit].noted("the run's total: --resume trains up to it")
     return resolve(values, origin)
 
 
 def run_train(args: argparse.Namespace) -> int:
     config, sources = resolve_args(args)
     if getattr(args, "show_config", False):
-        from .presets import show
-
         print(show(config, sources))
         return 0
     from .trainer import train

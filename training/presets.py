@@ -6,7 +6,8 @@ differ, each with where it comes from.
     default (TrainConfig's field defaults)  <  preset (this table)
         <  resumed run / config file  <  flag
 
-and returns the sources beside the values, which ``orthornn train --show-config`` prints.
+and returns each value's ``Provenance`` beside it: its kind decides whether the batch
+size may be capped to the data, its text is what ``orthornn train --show-config`` prints.
 Values the papers do not give come from the authors' public code where it has them
 (zhangjiong724/spectral-RNN code/test.json and Params.py; SpartinStuff/scoRNN), else
 they are orthornn's own choices, marked as such with the measurement behind them.
@@ -18,6 +19,8 @@ batch-size fit of a fixed data set, the task code that counts its training split
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -41,7 +44,9 @@ GATED = ("sgornn", "vprnn")  # the SGORNN paper's models with rotation sublayers
 @dataclass(frozen=True)
 class Rule:
     """Values for the architectures in ``archs`` (None: every one) of a task, when
-    ``when(config)`` holds. A value may be a function of the resolved config so far."""
+    ``when(config)`` holds. A value may be a function of the resolved config so far.
+    A task's preset maps a name to each rule, applied in order (a later value wins);
+    a preset derived from another replaces rules by that name (``derive``)."""
 
     values: dict
     source: str
@@ -103,136 +108,214 @@ def _not(dataset: str) -> Callable[[dict], bool]:
     return lambda config: config.get("dataset") != dataset
 
 
-PRESETS: dict[str, list[Rule]] = {
-    "adding": [
-        Rule({"seq_len": 200}, f"{SCORNN} sec. 5.2 (T = 200, 400, 750)"),
-        Rule({"hidden_size": 128, "batch_size": 64, "optimizer": "rmsprop", "lr": 1e-2,
-              "schedule": "linear", "steps": 20000},
-             f"{SGORNN} sec. 3.1 (n = 128, batch 64, RMSprop 1e-2 decayed linearly to 0, "
-             f"20,000 steps; every model of that comparison)"),
-        Rule({"arch_options": {"rotations": K14}}, f"{SGORNN} sec. 3.1 (k = 14)", GATED),
-        Rule({"arch_options": {"b2_init": _b2_on_the_boundary}},
-             f"{SGORNN} sec. 2 (b2 clipped to 1 - 2a after the sigmoid: FastRNN's start "
-             f"sigmoid(3) = 0.953 is clipped, b2 starts on the boundary 1 - 2a) and {OURS} "
-             f"measurement (adding T = 1000: started at 0.95 (1 - 2a), a + b2 = 0.907, "
-             f"||dL/dh_0|| is 0 and the gates barely move in 500 steps; at 0.999 (1 - 2a) "
-             f"they move as the clip's do; docs/reproducing.md, SGORNN's long adding)",
-             ("sgornn",)),
-        Rule({"optimizer": "adam", "lr": 1e-3, "batch_size": 128, "schedule": "constant",
-              "arch_options": {**M16, "r": 0.01}},
-             f"{SRNN_CODE} (dataset add: Adam 1e-3, batch 128, r_size 16, r_margin 0.01; "
-             f"{SRNN} sec. 7: Adam)", ("svdrnn",)),
-        Rule({"hidden_size": 170, "optimizer": "adam", "lr": 1e-3, "orthogonal_lr": 1e-4,
-              "batch_size": 50, "schedule": "constant",
-              "arch_options": {"rho": _scornn_adding_rho}},
-             f"{SCORNN} sec. 5.2 and {SCORNN_ADD} (n = 170, Adam 1e-3, A at 1e-4, batch 50, "
-             f"10 epochs of 100,000 = 20,000 steps; rho n/2 at T = 200, 7n/10 above)",
-             ("scornn",)),
-        Rule({"hidden_size": 60}, f"{SCORNN} sec. 5.2 (LSTM n = 60, ~14k parameters)",
-             ("lstm",)),
-    ],
-    "copy": [
-        Rule({"seq_len": 100}, f"{OURS} (the README's and the issue's T; Spectral-RNN "
-             f"Figure 2 gives its T only in the plot)"),
-        Rule({"hidden_size": 128, "batch_size": 20, "optimizer": "rmsprop", "lr": 1e-3,
-              "steps": 10000},
-             f"{SCORNN_COPY} (batch 20, RMSprop 1e-3, 10,000 iterations; the Arjovsky et "
-             f"al. settings {SRNN} sec. 7.1 follows)"),
-        Rule({"hidden_size": 190, "orthogonal_lr": 1e-4, "arch_options": {"rho": _rho(0.5)}},
-             f"{SCORNN} sec. 5.1 and {SCORNN_COPY} (n = 190, rho = n/2, A at 1e-4)",
-             ("scornn",)),
-        Rule({"optimizer": "adam", "lr": 1e-3, "arch_options": {**M16, "r": 0.01}},
-             f"{SRNN} sec. 7 (Adam) and {SRNN_CODE} (lr 1e-3, r_size 16, r_margin 0.01)",
-             ("svdrnn",)),
-        Rule({"arch_options": {"activation": "modrelu"}},
-             f"{OURS} measurement: with leaky ReLU (slope 0.01) a sign-mixing orthogonal W "
-             f"loses the copied symbols (CE stays at the baseline); modReLU, as scoRNN, "
-             f"keeps them (README, copy diagnosis)", ("svdrnn",)),
-        Rule({"arch_options": {"rotations": K10}, "batch_size": 100, "seq_len": 90,
-              "copy_loss": "copied", "copy_symbols": 10, "steps": 1000},
-             f"{DIZZY} sec. 6 and Figure 1 (the loss on the copied portion only, 10 "
-             f"symbols of an alphabet of 10 (chance 10%), a lag of 90; 10 packed "
-             f"rotations; batches of 100; 100 epochs of 10 batches = 1,000 steps)",
-             ("dizzyrnn",)),
-        Rule({"arch_options": {"rotations": K14}}, f"{SGORNN} sec. 3.1 (k = 14 for n = 128)",
-             GATED),
-        Rule({"hidden_size": 68}, f"{SCORNN} sec. 5.1 (LSTM n = 68, ~22k parameters)",
-             ("lstm",)),
-    ],
-    "digits": [
-        Rule({"hidden_size": 128, "optimizer": "adam", "lr": 1e-3, "batch_size": 64},
-             f"{SRNN} sec. 7.2 (n = 128, Adam; lr and batch from its grid "
-             f"{{1e-1 .. 1e-4}} x {{64 .. 512}}; MNIST is not bundled, 8x8 digits stand in)"),
-        Rule({"epochs": 40}, f"{OURS} (1,257 training images: 40 epochs = 800 steps)"),
-        Rule({"arch_options": {**M16}}, f"{SRNN} Table 2 (128, m1 = m2 = 16)",
-             ("svdrnn",)),
-        Rule({"hidden_size": 170, "optimizer": "rmsprop", "lr": 1e-3, "orthogonal_lr": 1e-4,
-              "arch_options": {"rho": _rho(0.1)}},
-             f"{SCORNN} sec. 5.3 (n = 170, RMSprop 1e-3, A at 1e-4, rho = n/10 unpermuted)",
-             ("scornn",)),
-        Rule({"optimizer": "rmsprop", "lr": 1e-3, "arch_options": {"rotations": K14}},
-             f"{SGORNN} sec. 3.2 (RMSprop 1e-3, k = 14; its HAR-2 recipe)", GATED),
-        Rule({"hidden_size": 64}, f"{SGORNN} sec. 3.2 (LSTM n = 64 to match parameters)",
-             ("lstm",)),
-        Rule({"arch_options": {"rotations": K10}}, f"{DIZZY} Figure 1 (10 packed rotations)",
-             ("dizzyrnn",)),
-    ],
-    "ucr": [
-        Rule({"hidden_size": 32}, f"{SRNN_UCR} (n_h = 32 for every model)",
-             when=_not("BasicMotions")),
-        Rule({"arch_options": {**M16, "r": 0.01}},
-             f"{SRNN_UCR}: the parameter counts (1,011 for ArrowHead = oRNN's 587 + 424) "
-             f"are those of 16 reflectors in each of U and V (2 x 392 + 32 singular values "
-             f"= 816), as r_size 16 in {SRNN_CODE}; the text's 'm1 = m2 = 8' would give 488",
-             ("svdrnn",), _not("BasicMotions")),
-        Rule({"optimizer": "adam", "lr": 3e-3, "batch_size": 16, "steps": 2000},
-             f"{OURS} measurement ({SRNN} sec. 7: Adam; the paper gives no UCR budget and "
-             f"{SRNN_CODE}'s batch 128 exceeds every bundled training split)"),
-        Rule({"select": "auto"},
-             f"{OURS}: {SRNN_UCR} keeps the checkpoint of smallest validation error on the "
-             f"20% split; on 7-13 validation series that is noise, so auto keeps the last "
-             f"one there (--select best is the paper's rule)"),
+PRESETS: dict[str, dict[str, Rule]] = {
+    "adding": {
+        "seq_len": Rule({"seq_len": 200}, f"{SCORNN} sec. 5.2 (T = 200, 400, 750)"),
+        "shared": Rule(
+            {"hidden_size": 128, "batch_size": 64, "optimizer": "rmsprop", "lr": 1e-2,
+             "schedule": "linear", "steps": 20000},
+            f"{SGORNN} sec. 3.1 (n = 128, batch 64, RMSprop 1e-2 decayed linearly to 0, "
+            f"20,000 steps; every model of that comparison)"),
+        "gated": Rule({"arch_options": {"rotations": K14}}, f"{SGORNN} sec. 3.1 (k = 14)", GATED),
+        "b2_init": Rule(
+            {"arch_options": {"b2_init": _b2_on_the_boundary}},
+            f"{SGORNN} sec. 2 (b2 clipped to 1 - 2a after the sigmoid: FastRNN's start "
+            f"sigmoid(3) = 0.953 is clipped, b2 starts on the boundary 1 - 2a) and {OURS} "
+            f"measurement (adding T = 1000: started at 0.95 (1 - 2a), a + b2 = 0.907, "
+            f"||dL/dh_0|| is 0 and the gates barely move in 500 steps; at 0.999 (1 - 2a) "
+            f"they move as the clip's do; docs/reproducing.md, SGORNN's long adding)",
+            ("sgornn",)),
+        "svdrnn": Rule(
+            {"optimizer": "adam", "lr": 1e-3, "batch_size": 128, "schedule": "constant",
+             "arch_options": {**M16, "r": 0.01}},
+            f"{SRNN_CODE} (dataset add: Adam 1e-3, batch 128, r_size 16, r_margin 0.01; "
+            f"{SRNN} sec. 7: Adam)", ("svdrnn",)),
+        "scornn": Rule(
+            {"hidden_size": 170, "optimizer": "adam", "lr": 1e-3, "orthogonal_lr": 1e-4,
+             "batch_size": 50, "schedule": "constant",
+             "arch_options": {"rho": _scornn_adding_rho}},
+            f"{SCORNN} sec. 5.2 and {SCORNN_ADD} (n = 170, Adam 1e-3, A at 1e-4, batch 50, "
+            f"10 epochs of 100,000 = 20,000 steps; rho n/2 at T = 200, 7n/10 above)",
+            ("scornn",)),
+        "lstm": Rule(
+            {"hidden_size": 60}, f"{SCORNN} sec. 5.2 (LSTM n = 60, ~14k parameters)",
+            ("lstm",)),
+    },
+    "copy": {
+        "seq_len": Rule(
+            {"seq_len": 100}, f"{OURS} (the README's and the issue's T; Spectral-RNN "
+            f"Figure 2 gives its T only in the plot)"),
+        "shared": Rule(
+            {"hidden_size": 128, "batch_size": 20, "optimizer": "rmsprop", "lr": 1e-3,
+             "steps": 10000},
+            f"{SCORNN_COPY} (batch 20, RMSprop 1e-3, 10,000 iterations; the Arjovsky et "
+            f"al. settings {SRNN} sec. 7.1 follows)"),
+        "scornn": Rule(
+            {"hidden_size": 190, "orthogonal_lr": 1e-4, "arch_options": {"rho": _rho(0.5)}},
+            f"{SCORNN} sec. 5.1 and {SCORNN_COPY} (n = 190, rho = n/2, A at 1e-4)",
+            ("scornn",)),
+        "svdrnn": Rule(
+            {"optimizer": "adam", "lr": 1e-3, "arch_options": {**M16, "r": 0.01}},
+            f"{SRNN} sec. 7 (Adam) and {SRNN_CODE} (lr 1e-3, r_size 16, r_margin 0.01)",
+            ("svdrnn",)),
+        "svdrnn_activation": Rule(
+            {"arch_options": {"activation": "modrelu"}},
+            f"{OURS} measurement: with leaky ReLU (slope 0.01) a sign-mixing orthogonal W "
+            f"loses the copied symbols (CE stays at the baseline); modReLU, as scoRNN, "
+            f"keeps them (README, copy diagnosis)", ("svdrnn",)),
+        "dizzyrnn": Rule(
+            {"arch_options": {"rotations": K10}, "batch_size": 100, "seq_len": 90,
+             "copy_loss": "copied", "copy_symbols": 10, "steps": 1000},
+            f"{DIZZY} sec. 6 and Figure 1 (the loss on the copied portion only, 10 "
+            f"symbols of an alphabet of 10 (chance 10%), a lag of 90; 10 packed "
+            f"rotations; batches of 100; 100 epochs of 10 batches = 1,000 steps)",
+            ("dizzyrnn",)),
+        "gated": Rule(
+            {"arch_options": {"rotations": K14}}, f"{SGORNN} sec. 3.1 (k = 14 for n = 128)",
+            GATED),
+        "lstm": Rule(
+            {"hidden_size": 68}, f"{SCORNN} sec. 5.1 (LSTM n = 68, ~22k parameters)",
+            ("lstm",)),
+    },
+    "digits": {
+        "shared": Rule(
+            {"hidden_size": 128, "optimizer": "adam", "lr": 1e-3, "batch_size": 64},
+            f"{SRNN} sec. 7.2 (n = 128, Adam; lr and batch from its grid "
+            f"{{1e-1 .. 1e-4}} x {{64 .. 512}}; MNIST is not bundled, 8x8 digits stand in)"),
+        "budget": Rule({"epochs": 40}, f"{OURS} (1,257 training images: 40 epochs = 800 steps)"),
+        "svdrnn": Rule(
+            {"arch_options": {**M16}}, f"{SRNN} Table 2 (128, m1 = m2 = 16)",
+            ("svdrnn",)),
+        "scornn": Rule(
+            {"hidden_size": 170, "optimizer": "rmsprop", "lr": 1e-3, "orthogonal_lr": 1e-4,
+             "arch_options": {"rho": _rho(0.1)}},
+            f"{SCORNN} sec. 5.3 (n = 170, RMSprop 1e-3, A at 1e-4, rho = n/10 unpermuted)",
+            ("scornn",)),
+        "gated": Rule(
+            {"optimizer": "rmsprop", "lr": 1e-3, "arch_options": {"rotations": K14}},
+            f"{SGORNN} sec. 3.2 (RMSprop 1e-3, k = 14; its HAR-2 recipe)", GATED),
+        "lstm": Rule(
+            {"hidden_size": 64}, f"{SGORNN} sec. 3.2 (LSTM n = 64 to match parameters)",
+            ("lstm",)),
+        "dizzyrnn": Rule(
+            {"arch_options": {"rotations": K10}}, f"{DIZZY} Figure 1 (10 packed rotations)",
+            ("dizzyrnn",)),
+    },
+    "ucr": {
+        "hidden": Rule(
+            {"hidden_size": 32}, f"{SRNN_UCR} (n_h = 32 for every model)",
+            when=_not("BasicMotions")),
+        "svdrnn": Rule(
+            {"arch_options": {**M16, "r": 0.01}},
+            f"{SRNN_UCR}: the parameter counts (1,011 for ArrowHead = oRNN's 587 + 424) "
+            f"are those of 16 reflectors in each of U and V (2 x 392 + 32 singular values "
+            f"= 816), as r_size 16 in {SRNN_CODE}; the text's 'm1 = m2 = 8' would give 488",
+            ("svdrnn",), _not("BasicMotions")),
+        "training": Rule(
+            {"optimizer": "adam", "lr": 3e-3, "batch_size": 16, "steps": 2000},
+            f"{OURS} measurement ({SRNN} sec. 7: Adam; the paper gives no UCR budget and "
+            f"{SRNN_CODE}'s batch 128 exceeds every bundled training split)"),
+        "select": Rule(
+            {"select": "auto"},
+            f"{OURS}: {SRNN_UCR} keeps the checkpoint of smallest validation error on the "
+            f"20% split; on 7-13 validation series that is noise, so auto keeps the last "
+            f"one there (--select best is the paper's rule)"),
         # UEA BasicMotions stands in for the SGORNN paper's HAR-2 (both: human motion
         # from body sensors, few channels, short fixed-length series).
-        Rule({"hidden_size": 128, "optimizer": "rmsprop", "lr": 1e-3, "batch_size": 100,
-              "epochs": 300, "schedule": "step", "point_by_point": True},
-             f"{SGORNN} sec. 3.2, HAR-2 (n = 128, RMSprop 1e-3, batch 100, 300 epochs, "
-             f"x0.1 late, one reading per step; orthornn's step schedule decays at 1/2 "
-             f"and 3/4)",
-             when=_is("BasicMotions")),
-        Rule({"arch_options": {"rotations": K14}}, f"{SGORNN} sec. 3.2 (k = 14)", GATED,
-             _is("BasicMotions")),
-        Rule({"hidden_size": 64}, f"{SGORNN} sec. 3.2 (LSTM n = 64)", ("lstm",),
-             _is("BasicMotions")),
-    ],
-    "lm": [
-        Rule({"hidden_size": 256, "embedding_size": 256, "bptt": 300, "optimizer": "rmsprop",
-              "lr": 1e-3, "epochs": 300, "schedule": "step"},
-             f"{SGORNN} sec. 3.3 (n = 256, embeddings as wide, sequences of 300, RMSprop "
-             f"1e-3 and the HAR-2 epochs and decay)"),
-        Rule({"vocab_size": 10000}, f"{SGORNN} sec. 3.3 (PTB's 10,000 words; PTB is not "
-             f"bundled, the Wikipedia + news corpus stands in)"),
-        Rule({"batch_size": 32}, f"{OURS} (the papers do not give the LM batch size)"),
-        Rule({"arch_options": {"rotations": K16}}, f"{SGORNN} sec. 3.3 (k = 16)", GATED),
-        Rule({"arch_options": {**M16}}, f"{SRNN_CODE} (r_size 16)", ("svdrnn",)),
-    ],
-    "classify": [
-        Rule({"hidden_size": 128, "optimizer": "adam", "lr": 1e-3, "batch_size": 64,
-              "epochs": 50}, f"{OURS} (a user's data set: no paper)"),
-    ],
+        "har2": Rule(
+            {"hidden_size": 128, "optimizer": "rmsprop", "lr": 1e-3, "batch_size": 100,
+             "epochs": 300, "schedule": "step", "point_by_point": True},
+            f"{SGORNN} sec. 3.2, HAR-2 (n = 128, RMSprop 1e-3, batch 100, 300 epochs, "
+            f"x0.1 late, one reading per step; orthornn's step schedule decays at 1/2 "
+            f"and 3/4)",
+            when=_is("BasicMotions")),
+        "har2_gated": Rule(
+            {"arch_options": {"rotations": K14}}, f"{SGORNN} sec. 3.2 (k = 14)", GATED,
+            _is("BasicMotions")),
+        "har2_lstm": Rule(
+            {"hidden_size": 64}, f"{SGORNN} sec. 3.2 (LSTM n = 64)", ("lstm",),
+            _is("BasicMotions")),
+    },
+    "lm": {
+        "shared": Rule(
+            {"hidden_size": 256, "embedding_size": 256, "bptt": 300, "optimizer": "rmsprop",
+             "lr": 1e-3, "epochs": 300, "schedule": "step"},
+            f"{SGORNN} sec. 3.3 (n = 256, embeddings as wide, sequences of 300, RMSprop "
+            f"1e-3 and the HAR-2 epochs and decay)"),
+        "vocab": Rule(
+            {"vocab_size": 10000}, f"{SGORNN} sec. 3.3 (PTB's 10,000 words; PTB is not "
+            f"bundled, the Wikipedia + news corpus stands in)"),
+        "batch": Rule({"batch_size": 32}, f"{OURS} (the papers do not give the LM batch size)"),
+        "gated": Rule({"arch_options": {"rotations": K16}}, f"{SGORNN} sec. 3.3 (k = 16)", GATED),
+        "svdrnn": Rule({"arch_options": {**M16}}, f"{SRNN_CODE} (r_size 16)", ("svdrnn",)),
+    },
+    "classify": {
+        "shared": Rule(
+            {"hidden_size": 128, "optimizer": "adam", "lr": 1e-3, "batch_size": 64,
+             "epochs": 50}, f"{OURS} (a user's data set: no paper)"),
+    },
 }
-PRESETS["permuted-digits"] = [
-    *PRESETS["digits"][:3],
-    Rule({"hidden_size": 170, "optimizer": "rmsprop", "lr": 1e-3, "orthogonal_lr": 1e-4,
-          "arch_options": {"rho": _rho(0.5)}},
-         f"{SCORNN} sec. 5.3 (n = 170, RMSprop 1e-3, A at 1e-4, rho = n/2 permuted)",
-         ("scornn",)),
-    *PRESETS["digits"][4:],
-]
-PRESETS["mnist1d"] = [
-    Rule({**r.values}, f"{r.source}; mnist1d was in no paper, the digits preset", r.archs,
-         r.when) for r in PRESETS["digits"] if "epochs" not in r.values
-] + [Rule({"epochs": 20}, f"{OURS} (3,500 training sequences: 20 epochs = 1,100 steps)")]
+def derive(parent: dict[str, Rule], replace: dict[str, Rule],
+           note: str = "") -> dict[str, Rule]:
+    """``parent``'s rules, in its order, with the rules named in ``replace`` replaced;
+    ``note`` is appended to the source of every rule kept from the parent."""
+    unknown = sorted(set(replace) - set(parent))
+    if unknown:  # a misspelt name would silently add a rule instead of replacing one
+        raise ValueError(f"replace must name rules of the parent preset ({', '.join(parent)});"
+                         f" got {', '.join(unknown)}")
+    return {name: replace[name] if name in replace
+            else dataclasses.replace(rule, source=rule.source + note)
+            for name, rule in parent.items()}
+
+
+PRESETS["permuted-digits"] = derive(PRESETS["digits"], {"scornn": Rule(
+    {"hidden_size": 170, "optimizer": "rmsprop", "lr": 1e-3, "orthogonal_lr": 1e-4,
+     "arch_options": {"rho": _rho(0.5)}},
+    f"{SCORNN} sec. 5.3 (n = 170, RMSprop 1e-3, A at 1e-4, rho = n/2 permuted)",
+    ("scornn",))})
+PRESETS["mnist1d"] = derive(
+    PRESETS["digits"],
+    {"budget": Rule({"epochs": 20},
+                    f"{OURS} (3,500 training sequences: 20 epochs = 1,100 steps)")},
+    note="; mnist1d was in no paper, the digits preset")
+
+
+class Kind(enum.Enum):
+    """Where a resolved value came from."""
+
+    DEFAULT = "default"  # TrainConfig's field default
+    PRESET = "preset"  # a rule of the task's preset
+    FLAG = "flag"  # the command line
+    CONFIG = "config file"  # --config FILE
+    RESUMED = "resumed run"  # --resume: the run's own configuration
+    PER_OPTION = "per option"  # arch_options as a whole: each option has its own source
+
+
+#: kinds whose values the user chose: the presets' batch cap leaves them as given (the
+#: trainer then rejects a batch larger than the training split, naming it)
+CHOSEN = frozenset({Kind.FLAG, Kind.CONFIG, Kind.RESUMED})
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a value came from: ``kind`` decides, ``str()`` is what --show-config prints,
+    e.g. 'preset: SOURCE (capped at the 54 training sequences)'."""
+
+    kind: Kind
+    detail: str = ""  # the preset rule's source, the config file, what a flag replaced
+    notes: tuple[str, ...] = ()  # what happened to the value since, in parentheses
+
+    def noted(self, note: str) -> Provenance:
+        return dataclasses.replace(self, notes=(*self.notes, note))
+
+    def __str__(self) -> str:
+        head = f"{self.kind.value}:" if self.kind in (Kind.PRESET, Kind.PER_OPTION) \
+            else self.kind.value
+        return " ".join([head, *([self.detail] if self.detail else []),
+                         *(f"({note})" for note in self.notes)])
+
+
+DEFAULT, FLAG = Provenance(Kind.DEFAULT), Provenance(Kind.FLAG)
 
 
 def _field_defaults() -> dict:
@@ -249,49 +332,52 @@ def _batch_fit(config: dict) -> int | None:
     return train_size(config["task"], **{k: config.get(k) for k in ("dataset", "data")})
 
 
-def resolve(given: dict, origin: dict | None = None) -> tuple[TrainConfig, dict]:
+def resolve(given: dict, origin: dict[str, Provenance] | None = None
+            ) -> tuple[TrainConfig, dict[str, Provenance]]:
     """TrainConfig from ``given`` (field -> value, from flags, a config file or a resumed
-    run; ``origin`` names where each came from, default 'flag') over the task preset over
+    run; ``origin`` says where each came from, default a flag) over the task preset over
     TrainConfig's defaults. Returns (config, sources): sources maps every field (and
-    ``arch_options.KEY``) to 'default', 'preset: SOURCE', or the given origin."""
+    ``arch_options.KEY``) to its Provenance: default, a preset rule, or the given origin."""
     origin = dict(origin or {})
     values = _field_defaults()
-    sources = {name: "default" for name in values}
+    sources = {name: DEFAULT for name in values}
     arch, task = given.get("arch", values["arch"]), given.get("task", values["task"])
     values.update(arch=arch, task=task)
     user_options = dict(given.get("arch_options") or {})
     merged = {**values, **{k: v for k, v in given.items() if k != "arch_options"}}
     preset_options: dict = {}
-    option_sources: dict = {}
+    option_sources: dict[str, Provenance] = {}
     if task in PRESETS:
         from orthornn.models import ARCHITECTURES
 
         name = ARCHITECTURES[arch].name if arch in ARCHITECTURES else arch
         allowed = set(ARCHITECTURES[arch].options) if arch in ARCHITECTURES else set()
-        for rule in PRESETS[task]:
+        for rule in PRESETS[task].values():
             if rule.archs is not None and name not in rule.archs:
                 continue
             if rule.when is not None and not rule.when(merged):
                 continue
+            preset = Provenance(Kind.PRESET, rule.source)
             for key, value in rule.values.items():
                 if key == "arch_options":
                     for option, v in value.items():
                         if option in allowed:
                             preset_options[option] = v
-                            option_sources[option] = f"preset: {rule.source}"
+                            option_sources[option] = preset
                     continue
                 other = {"steps": "epochs", "epochs": "steps"}.get(key)
                 if other is not None and other in given:
                     continue  # the user chose the other unit of the budget
                 if other is not None:
-                    values[other], sources[other] = None, "default (the preset gives " + key + ")"
-                values[key], sources[key] = value, f"preset: {rule.source}"
+                    values[other] = None
+                    sources[other] = DEFAULT.noted(f"the preset gives {key}")
+                values[key], sources[key] = value, preset
                 if key not in given:
                     merged[key] = value
     for key, value in given.items():
         if key == "arch_options":
             continue
-        values[key], sources[key] = value, origin.get(key, "flag")
+        values[key], sources[key] = value, origin.get(key, FLAG)
     # values that are functions of the resolved config (e.g. scoRNN's rho from n)
     for key, value in list(values.items()):
         if callable(value):
@@ -305,23 +391,24 @@ def resolve(given: dict, origin: dict | None = None) -> tuple[TrainConfig, dict]
             if callable(value) else value
     for option, value in user_options.items():
         options[option] = value
-        option_sources[option] = origin.get("arch_options", "flag")
+        option_sources[option] = origin.get("arch_options", FLAG)
     values["arch_options"] = options
     for option, source in option_sources.items():
         sources[f"arch_options.{option}"] = source
     if options:
-        sources["arch_options"] = "per option: arch_options.KEY"
+        sources["arch_options"] = Provenance(Kind.PER_OPTION, "arch_options.KEY")
     # a preset's batch size never exceeds the training split (ItalyPowerDemand has 54
     # series after the validation split, GunPoint 40); a user's value is checked as given
-    if not sources["batch_size"].startswith(("flag", "config", "resumed")):
+    if sources["batch_size"].kind not in CHOSEN:
         size = _batch_fit(values)
         if size is not None and values["batch_size"] > size:
             values["batch_size"] = size
-            sources["batch_size"] += f" (capped at the {size} training sequences)"
+            sources["batch_size"] = sources["batch_size"].noted(
+                f"capped at the {size} training sequences")
     return TrainConfig(**values), sources
 
 
-def show(config: TrainConfig, sources: dict) -> str:
+def show(config: TrainConfig, sources: dict[str, Provenance]) -> str:
     """The resolved configuration, one option per line with its source."""
     lines = []
     for f in fields(TrainConfig):
@@ -329,11 +416,12 @@ def show(config: TrainConfig, sources: dict) -> str:
         if f.name == "arch_options":
             for option, v in value.items():
                 lines.append((f"arch_options.{option}", v,
-                              sources.get(f"arch_options.{option}", "default")))
+                              sources.get(f"arch_options.{option}", DEFAULT)))
             continue
-        lines.append((f.name, value, sources.get(f.name, "default")))
+        lines.append((f.name, value, sources.get(f.name, DEFAULT)))
     width = max(len(name) for name, _, _ in lines)
-    return "\n".join(f"{name:<{width}}  {value!r:<12}  {source}" for name, value, source in lines)
+    return "\n".join(f"{name:<{width}}  {value!r:<12}  {source}"
+                     for name, value, source in lines)
 
 
 def preset_tasks() -> tuple[str, ...]:

@@ -141,14 +141,46 @@ def _copy(seq_len: int = 100, copy_loss: str = "all", copy_symbols: int = COPY_D
 
 # -- fixed data sets ------------------------------------------------------------------
 
-def _split_fixed(x: torch.Tensor, y: torch.Tensor, fractions=(0.7, 0.15),
+# The splits are functions of the example count alone, so train_size (the presets' batch
+# cap) runs the very code that builds them on the count, without loading the data.
+DIGITS_COUNT = 1797  # scikit-learn's bundled 8x8 digits (load_digits)
+DIGITS_SPLIT = (0.7, 0.15)  # train, validation; the test set is the rest
+MNIST1D_COUNT = 4000  # training sequences of mnist1d's generator at its default arguments
+MNIST1D_VAL = 500  # of them held out for validation
+UCR_VAL = 0.2  # of the official training set held out (Spectral-RNN appendix)
+USER_SPLIT = (0.8, 0.1)  # a user's .npz: train, validation; the test set is the rest
+
+
+def _order(n: int) -> torch.Tensor:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED))
+
+
+def _three_way(n: int, fractions: tuple[float, float]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Indices of (train, validation, test) of n examples: a fixed seeded permutation cut
+    at the two fractions."""
+    order = _order(n)
+    n_train = int(n * fractions[0])
+    n_val = int(n * fractions[1])
+    return order[:n_train], order[n_train:n_train + n_val], order[n_train + n_val:]
+
+
+def _holdout(n: int, n_val: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of (train, validation) of n examples: a fixed seeded permutation's first
+    n_val validate."""
+    order = _order(n)
+    return order[n_val:], order[:n_val]
+
+
+def _ucr_holdout(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _holdout(n, max(1, round(UCR_VAL * n)))  # one series at least, however small
+
+
+def _split_fixed(x: torch.Tensor, y: torch.Tensor, fractions: tuple[float, float],
                  lengths: torch.Tensor | None = None) -> tuple[Split, Split, Split]:
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(SPLIT_SEED))
-    n_train = int(len(y) * fractions[0])
-    n_val = int(len(y) * fractions[1])
     whole = Split(x, y, lengths)
-    return (whole.take(order[:n_train]), whole.take(order[n_train:n_train + n_val]),
-            whole.take(order[n_train + n_val:]))
+    train, val, test = (whole.take(i) for i in _three_way(len(y), fractions))
+    return train, val, test
 
 
 def _classification(name, train, val, test, labels, options) -> Task:
@@ -166,7 +198,7 @@ def _digits(permuted: bool) -> Task:
     x = torch.tensor(bunch.data, dtype=torch.float32) / 16
     if permuted:
         x = x[:, torch.randperm(64, generator=torch.Generator().manual_seed(SPLIT_SEED))]
-    splits = _split_fixed(x.unsqueeze(-1), torch.tensor(bunch.target))
+    splits = _split_fixed(x.unsqueeze(-1), torch.tensor(bunch.target), DIGITS_SPLIT)
     name = "permuted-digits" if permuted else "digits"
     task = _classification(name, *splits, [str(i) for i in range(10)], {})
     task.transform = {"kind": "affine", "offset": [0.0], "scale": [16.0],
@@ -185,11 +217,11 @@ def _mnist1d() -> Task:
     data = make_dataset(get_dataset_args())  # generation only, never its download
     x = torch.tensor(data["x"], dtype=torch.float32).unsqueeze(-1)
     y = torch.tensor(data["y"], dtype=torch.long)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(SPLIT_SEED))
     whole = Split(x, y)
+    train, val = _holdout(len(y), MNIST1D_VAL)
     test = Split(torch.tensor(data["x_test"], dtype=torch.float32).unsqueeze(-1),
                  torch.tensor(data["y_test"], dtype=torch.long))
-    return _classification("mnist1d", whole.take(order[500:]), whole.take(order[:500]), test,
+    return _classification("mnist1d", whole.take(train), whole.take(val), test,
                            [str(i) for i in range(10)], {})
 
 
@@ -251,9 +283,8 @@ def _ucr(dataset: str | None = None, point_by_point: bool = False) -> Task:
         return Split(torch.tensor(fold_series(x, point_by_point)),
                      torch.tensor([index[v] for v in y]))
     train_all, test = split("TRAIN"), split("TEST")
-    order = torch.randperm(len(train_all), generator=torch.Generator().manual_seed(SPLIT_SEED))
-    n_val = max(1, round(0.2 * len(train_all)))
-    return _classification("ucr", train_all.take(order[n_val:]), train_all.take(order[:n_val]),
+    train, val = _ucr_holdout(len(train_all))
+    return _classification("ucr", train_all.take(train), train_all.take(val),
                            test, labels, {"dataset": dataset, "point_by_point": point_by_point})
 
 
@@ -266,19 +297,19 @@ def _series_count(path: Path) -> int:
 
 def train_size(name: str, dataset: str | None = None, data: str | None = None) -> int | None:
     """Sequences in a fixed-data task's training split, without building the task (the
-    presets cap their batch size with it); None for generated tasks, lm and bad input
-    (which make_task then reports)."""
+    presets cap their batch size with it): the task's own split run on its example count.
+    None for generated tasks, lm and bad input (which make_task then reports)."""
     if name in ("digits", "permuted-digits"):
-        return int(1797 * 0.7)  # scikit-learn's 1,797 digits, _split_fixed's 70%
+        return len(_three_way(DIGITS_COUNT, DIGITS_SPLIT)[0])
     if name == "mnist1d":
-        return 3500
+        return len(_holdout(MNIST1D_COUNT, MNIST1D_VAL)[0])
     if name == "ucr" and dataset in ucr_datasets():
-        n = _series_count(_sktime_data() / dataset / f"{dataset}_TRAIN.ts")
-        return n - max(1, round(0.2 * n))
+        series = _series_count(_sktime_data() / dataset / f"{dataset}_TRAIN.ts")
+        return len(_ucr_holdout(series)[0])
     if name == "classify" and data is not None and Path(data).is_file():
         try:
             with np.load(data, allow_pickle=False) as f:
-                return int(len(f["y"]) * 0.8)
+                return len(_three_way(len(f["y"]), USER_SPLIT)[0])
         except (OSError, ValueError, KeyError):
             return None
     return None
@@ -352,7 +383,7 @@ def _user_classify(data: str | None = None) -> Task:
     if data is None:
         raise ValueError("task 'classify' needs --data FILE (an .npz with x and y)")
     x, y, lengths, labels = load_npz(data)
-    train, val, test = _split_fixed(x, y, (0.8, 0.1), lengths)
+    train, val, test = _split_fixed(x, y, USER_SPLIT, lengths)
     return _classification("classify", train, val, test, labels, {"data": str(data)})
 
 
