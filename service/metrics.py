@@ -53,6 +53,16 @@ class Metrics:
         self.session_expiries = Counter("orthornn_session_expiries",
                                         "sessions ended after their idle timeout", ["model"],
                                         registry=r)
+        self.session_store_duration = Histogram(
+            "orthornn_session_store_duration_seconds",
+            "time of one session store call, by store (memory, redis) and operation (create, "
+            "get, advance, delete, count, versions_in_use, ping)", ["store", "operation"],
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.session_store_errors = Counter(
+            "orthornn_session_store_errors",
+            "session store calls that failed for want of the store (timeout, connection "
+            "or Redis error; answered 503), by store and operation", ["store", "operation"],
+            registry=r)
         self.loaded = Gauge(
             "orthornn_model_loaded", "1 for every loaded (served) model version",
             ["model", "version", "arch", "mode"], registry=r)

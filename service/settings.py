@@ -69,6 +69,21 @@ class Settings(BaseSettings):
     session_idle_timeout_s: float = Field(
         300.0, gt=0, le=86_400,
         description="a session unused this long is ended (its state dropped)")
+    session_store: str = Field(
+        "memory",
+        description="where server-side sessions live: memory (this process; a session is "
+                    "tied to its replica) or redis://[:PASSWORD@]HOST[:PORT][/DB] (rediss:// "
+                    "for TLS), a Redis that replicas share so a session outlives the replica "
+                    "that started it; give a password through the environment variable, "
+                    "not the flag")
+    session_key_prefix: str = Field(
+        "orthornn:", max_length=64, pattern=r"^[A-Za-z0-9_.:{}-]*$",
+        description="prefix of the session store's Redis keys: deployments sharing one Redis "
+                    "use different prefixes")
+    session_store_timeout_s: float = Field(
+        0.5, gt=0, le=60,
+        description="longest wait for the session store (connect and each call); beyond it "
+                    "the request gets 503 with Retry-After")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 31,
                                 description="request body limit (413 beyond it)")
     inference_threads: int = Field(
@@ -119,6 +134,14 @@ class Settings(BaseSettings):
                 f"to anyone reaching port {self.port}; set ORTHORNN_ADMIN_TOKEN, listen on "
                 f"127.0.0.1, or pass --allow-open-repository-api "
                 f"(ORTHORNN_ALLOW_OPEN_REPOSITORY_API=true) to allow it")
+
+    @field_validator("session_store")
+    @classmethod
+    def _session_store(cls, value: str) -> str:
+        from .session_store import check_store_url
+
+        check_store_url(value)
+        return value
 
     @field_validator("admin_token", mode="before")
     @classmethod

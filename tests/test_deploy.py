@@ -35,6 +35,21 @@ RELEASE = "rel"
 FULL = ["gpu.enabled=true", "autoscaling.enabled=true", "autoscaling.queueTime.enabled=true",
         "metrics.serviceMonitor.enabled=true", "retraining.enabled=true",
         "retraining.gpu.enabled=true"]
+# Each way of keeping server-side sessions (values "sessions.*"), and the Ingress with
+# session affinity: every combination is linted and validated like the defaults.
+SESSIONS = {
+    "external": ("sessions.store=external", "sessions.external.url=redis://cache.ml:6379/2",
+                 "sessions.external.existingSecret=cache",
+                 "sessions.external.existingSecretKey=password"),
+    "external-no-password": ("sessions.store=external",
+                             "sessions.external.url=rediss://cache.example.com:6380"),
+    "bundled": ("sessions.store=bundled",),
+    "bundled-full": ("sessions.store=bundled", "sessions.keyPrefix=blue:",
+                     "sessions.timeoutMs=250", "ingress.enabled=true",
+                     "ingress.sessionAffinity.enabled=true", *FULL),
+    "memory-ingress-affinity": ("ingress.enabled=true", "ingress.sessionAffinity.enabled=true",
+                                "ingress.host=api.example.com", "ingress.className=nginx"),
+}
 # The packages of the train extra: the serving image has none of them.
 TRAIN_ONLY = ["torch", "yaml", "safetensors", "tqdm", "matplotlib", "sklearn", "sktime",
               "mnist1d", "gensim", "triton"]
@@ -512,6 +527,16 @@ def test_existing_secret_replaces_the_chart_secret():
     (["retraining.gate.tolerance=-1"], "tolerance"),
     (["retraining.gate.minMetric=high"], "minMetric"),
     (["retraining.gate.enable=false"], "enable"),       # misspelt switch
+    (["sessions.store=redis"], "store"),
+    (["sessions.store=external"], "sessions.external.url"),
+    (["sessions.store=external", "sessions.external.url=redis://:pw@cache:6379"], "url"),
+    (["sessions.store=external", "sessions.external.url=http://cache:6379"], "url"),
+    (["sessions.timeoutMs=0"], "timeoutMs"),
+    (["sessions.keyPrefix=a b"], "keyPrefix"),
+    (["sessions.bundled.password=p@ss/word"], "password"),
+    (["sessions.bundled.image.tag="], "tag"),
+    (["ingress.sessionAffinity.enabled=true"], "ingress.enabled"),
+    (["ingress.pathType=Regex"], "pathType"),
 ])
 def test_bad_values_fail_at_render_time(sets, message):
     args = [tool("helm"), "template", RELEASE, str(CHART)]
@@ -554,3 +579,207 @@ def test_notes_render_for_an_install():
     assert "rollout status deployment/rel-orthornn" in notes
     assert "create job --from=cronjob/rel-orthornn-retrain" in notes
     assert "orthornn:0.1.0-gpu" in notes
+
+
+# ------------------------------------------------------------------------------ sessions
+
+@pytest.mark.parametrize("name", list(SESSIONS))
+def test_helm_lint_strict_sessions(name):
+    args = [tool("helm"), "lint", "--strict", str(CHART)]
+    for item in SESSIONS[name]:
+        args += ["--set", item]
+    result = run(args)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_sessions_manifests_pass_kubernetes_validate(tmp_path):
+    validate = tool("kubernetes-validate")
+    files, count = [], 0
+    for name, sets in SESSIONS.items():
+        docs = [d for d in render(*sets) if d["kind"] != "ServiceMonitor"]
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump_all(docs))
+        files.append(str(path))
+        count += len(docs)
+    result = run([validate, "--strict", "--kubernetes-version", KUBERNETES_VERSION, *files])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("passed") == count
+
+
+def _server(docs) -> dict:
+    """The serving container (the Deployment rel-orthornn, not the bundled Redis's)."""
+    (c,) = one(docs, "Deployment", f"{RELEASE}-orthornn")["spec"]["template"]["spec"][
+        "containers"]
+    return c
+
+
+def _store_url(container: dict, password: str | None = None) -> str | None:
+    """ORTHORNN_SESSION_STORE as the pod sees it: $(REDIS_PASSWORD) expanded by Kubernetes
+    from the variable defined before it (None when not set)."""
+    names = [e["name"] for e in container["env"]]
+    if "ORTHORNN_SESSION_STORE" not in names:
+        return None
+    value = container["env"][names.index("ORTHORNN_SESSION_STORE")]["value"]
+    if "$(REDIS_PASSWORD)" in value:
+        assert names.index("REDIS_PASSWORD") < names.index("ORTHORNN_SESSION_STORE")
+        value = value.replace("$(REDIS_PASSWORD)", password or "")
+    return value
+
+
+def _session_settings(docs, password: str | None = None):
+    """The service's Settings from the rendered ConfigMap and the pod's session env."""
+    from orthornn.service.settings import Settings
+
+    data = one(docs, "ConfigMap", f"{RELEASE}-orthornn")["data"]
+    values = {k.removeprefix("ORTHORNN_").lower(): v for k, v in data.items()
+              if k.startswith("ORTHORNN_SESSION")}
+    url = _store_url(_server(docs), password)
+    if url is not None:
+        values["session_store"] = url
+    return Settings(repo="/models", **values)
+
+
+def test_memory_sessions_are_the_default():
+    docs = render()
+    c = _server(docs)
+    assert not {"ORTHORNN_SESSION_STORE", "REDIS_PASSWORD"} & {e["name"] for e in c["env"]}
+    assert not [d for d in docs if d["metadata"]["name"].endswith("-redis")]
+    assert "Ingress" not in kinds(docs)
+    assert _session_settings(docs).session_store == "memory"
+
+
+def test_external_redis_sessions_take_the_password_from_the_secret():
+    from orthornn.service.session_store import RedisStore, check_store_url, open_store
+
+    docs = render(*SESSIONS["external"])
+    c = _server(docs)
+    (password,) = [e for e in c["env"] if e["name"] == "REDIS_PASSWORD"]
+    assert password["valueFrom"]["secretKeyRef"] == {"name": "cache", "key": "password"}
+    raw = _store_url(c)
+    assert raw == "redis://:@cache.ml:6379/2"  # unexpanded: no password in the manifest
+    assert not [d for d in docs if d["metadata"]["name"].endswith("-redis")]
+    settings = _session_settings(docs, password="s3cret")
+    assert settings.session_store == "redis://:s3cret@cache.ml:6379/2"
+    assert (settings.session_key_prefix, settings.session_store_timeout_s) == ("orthornn:", 0.5)
+    parts = check_store_url(settings.session_store)
+    assert (parts.hostname, parts.port, parts.password, parts.path) == \
+        ("cache.ml", 6379, "s3cret", "/2")
+    assert isinstance(open_store(settings), RedisStore)  # the client connects lazily
+
+    docs = render(*SESSIONS["external-no-password"])
+    c = _server(docs)
+    assert "REDIS_PASSWORD" not in {e["name"] for e in c["env"]}
+    assert _store_url(c) == "rediss://cache.example.com:6380"
+    assert _session_settings(docs).session_store == "rediss://cache.example.com:6380"
+
+
+def test_bundled_redis_sessions():
+    import base64
+
+    docs = render(*SESSIONS["bundled"])
+    redis = one(docs, "Deployment", "-redis")
+    service = one(docs, "Service", "-redis")
+    secret = one(docs, "Secret", "-redis")
+    assert redis["spec"]["replicas"] == 1 and redis["spec"]["strategy"] == {"type": "Recreate"}
+    pod = redis["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["sessions"]["bundled"]
+    assert c["image"] == f"redis:{values['image']['tag']}"
+    assert re.fullmatch(r"[0-9]+\.[0-9]+\.[0-9]+-alpine", values["image"]["tag"])  # pinned
+    args = c["args"]
+    assert args[0] == "redis-server"
+    options = dict(zip(args[1::2], args[2::2], strict=True))
+    assert options == {"--save": "", "--appendonly": "no", "--requirepass": "$(REDIS_PASSWORD)",
+                       "--maxmemory": "256mb", "--maxmemory-policy": "noeviction"}
+    assert c["env"] == [{"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
+        "name": secret["metadata"]["name"], "key": "redis-password"}}}]
+    password = base64.b64decode(secret["data"]["redis-password"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", password)  # generated, URL-safe
+    # the same hardening as the server's pod; the only writable paths are volumes
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["automountServiceAccountToken"] is False
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/data", "/tmp"}
+    assert c["readinessProbe"]["tcpSocket"] == {"port": "redis"}
+    # its Service selects the Redis pod only; the server's Service and PDB never select it
+    redis_labels = redis["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= redis_labels.items()
+    assert redis["spec"]["selector"]["matchLabels"].items() <= redis_labels.items()
+    assert service["spec"]["ports"] == [{"name": "redis", "port": 6379, "targetPort": "redis",
+                                         "protocol": "TCP"}]
+    for kind in ("Service", "PodDisruptionBudget"):
+        server = one(docs, kind, f"{RELEASE}-orthornn")
+        selector = server["spec"].get("selector", {})
+        selector = selector.get("matchLabels", selector)
+        assert not selector.items() <= redis_labels.items(), kind
+    # the server reaches it by the Service's name, with the Secret's password
+    c = _server(docs)
+    (env,) = [e for e in c["env"] if e["name"] == "REDIS_PASSWORD"]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"],
+                                                "key": "redis-password"}
+    settings = _session_settings(docs, password)
+    assert settings.session_store == \
+        f"redis://:{password}@{service['metadata']['name']}:6379/0"
+
+    # a given password, prefix and timeout
+    docs = render("sessions.store=bundled", "sessions.bundled.password=pass-word_1",
+                  "sessions.keyPrefix=blue:", "sessions.timeoutMs=250")
+    secret = one(docs, "Secret", "-redis")
+    assert base64.b64decode(secret["data"]["redis-password"]).decode() == "pass-word_1"
+    settings = _session_settings(docs, "pass-word_1")
+    assert (settings.session_key_prefix, settings.session_store_timeout_s) == ("blue:", 0.25)
+    assert one(docs, "Deployment", "-redis")["spec"]["template"]["spec"]["containers"][0][
+        "image"] == f"redis:{values['image']['tag']}"
+
+
+def test_bundled_redis_with_everything_on():
+    docs = render(*SESSIONS["bundled-full"])
+    assert kinds(docs) == ["ConfigMap", "ConfigMap", "CronJob", "Deployment", "Deployment",
+                           "HorizontalPodAutoscaler", "Ingress", "Job", "PersistentVolumeClaim",
+                           "PodDisruptionBudget", "Secret", "Secret", "Service", "Service",
+                           "ServiceAccount", "ServiceMonitor"]
+    # the HPA, the ServiceMonitor and the GPU settings are the server's alone
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == f"{RELEASE}-orthornn"
+    monitor = one(docs, "ServiceMonitor")["spec"]["selector"]["matchLabels"]
+    assert monitor.items() <= one(docs, "Service", f"{RELEASE}-orthornn")["metadata"][
+        "labels"].items()
+    assert not monitor.items() <= one(docs, "Service", "-redis")["metadata"]["labels"].items()
+    (redis,) = one(docs, "Deployment", "-redis")["spec"]["template"]["spec"]["containers"]
+    assert "nvidia.com/gpu" not in redis["resources"].get("limits", {})
+    assert _session_settings(docs, "x").session_key_prefix == "blue:"
+
+
+@pytest.mark.parametrize(("header", "variable"), [
+    ("Orthornn-Session", "$http_orthornn_session"), ("X-Session-ID", "$http_x_session_id")])
+def test_ingress_session_affinity_hashes_the_session_header(header, variable):
+    docs = render(*SESSIONS["memory-ingress-affinity"],
+                  f"ingress.sessionAffinity.header={header}")
+    ingress = one(docs, "Ingress")
+    assert ingress["metadata"]["annotations"] == {
+        "nginx.ingress.kubernetes.io/upstream-hash-by": variable}
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    (rule,) = ingress["spec"]["rules"]
+    assert rule["host"] == "api.example.com"
+    (path,) = rule["http"]["paths"]
+    service = one(docs, "Service")
+    assert path["backend"]["service"] == {"name": service["metadata"]["name"],
+                                          "port": {"name": service["spec"]["ports"][0]["name"]}}
+    # without affinity the Ingress carries no annotation of it
+    plain = one(render("ingress.enabled=true"), "Ingress")
+    assert "annotations" not in plain["metadata"]
+    assert "host" not in plain["spec"]["rules"][0]
+
+
+def test_notes_name_where_sessions_live():
+    def notes(*sets):
+        result = run([tool("helm"), "install", RELEASE, str(CHART), "--dry-run=client",
+                      *[a for item in sets for a in ("--set", item)]])
+        assert result.returncode == 0, result.stderr
+        return result.stdout.split("NOTES:", 1)[1]
+
+    assert "sessions.store=external or bundled" in notes()
+    assert "service/rel-orthornn-redis" in notes("sessions.store=bundled")
+    text = notes(*SESSIONS["external"])
+    assert "redis://cache.ml:6379/2" in text and "with several replicas" not in text.lower()

@@ -117,6 +117,12 @@ random one (so upgrades keep it). */}}
 {{- if and .Values.podDisruptionBudget.enabled (not (kindIs "invalid" .Values.podDisruptionBudget.minAvailable)) (not (kindIs "invalid" .Values.podDisruptionBudget.maxUnavailable)) }}
 {{- fail "podDisruptionBudget: set minAvailable or maxUnavailable, not both (set the other to null)" }}
 {{- end }}
+{{- if and (eq .Values.sessions.store "external") (not .Values.sessions.external.url) }}
+{{- fail "sessions.store=external needs sessions.external.url (redis://HOST[:PORT][/DB]; the password comes from sessions.external.existingSecret)" }}
+{{- end }}
+{{- if and .Values.ingress.sessionAffinity.enabled (not .Values.ingress.enabled) }}
+{{- fail "ingress.sessionAffinity.enabled needs ingress.enabled: the affinity is an annotation of the chart's Ingress (ingress-nginx)" }}
+{{- end }}
 {{- end }}
 
 {{/* Pod template of the retraining CronJob and Job. */}}
@@ -231,4 +237,67 @@ spec:
     - name: tmp
       emptyDir:
         sizeLimit: {{ .Values.tmpVolume.sizeLimit }}
+{{- end }}
+
+{{/* The bundled Redis of the sessions (sessions.store=bundled): its Deployment, Service
+and Secret. */}}
+{{- define "orthornn.redisName" -}}
+{{- printf "%s-redis" (include "orthornn.fullname" . | trunc 57 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "orthornn.redisImage" -}}
+{{- include "orthornn.imageRef" (list .Values.sessions.bundled.image "" .) }}
+{{- end }}
+
+{{/* The bundled Redis's password: the given one, else the one already in its Secret, else a
+new random one (so upgrades keep it, and the sessions with it). */}}
+{{- define "orthornn.redisPassword" -}}
+{{- if .Values.sessions.bundled.password }}
+{{- .Values.sessions.bundled.password }}
+{{- else }}
+{{- $secret := lookup "v1" "Secret" .Release.Namespace (include "orthornn.redisName" .) }}
+{{- if and $secret $secret.data (hasKey $secret.data "redis-password") }}
+{{- index $secret.data "redis-password" | b64dec }}
+{{- else }}
+{{- randAlphaNum 32 }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The server's session store environment: ORTHORNN_SESSION_STORE, a redis:// URL into
+which Kubernetes expands $(REDIS_PASSWORD) from the Secret (the password never appears
+in the pod spec or the ConfigMap). Nothing for sessions.store=memory. */}}
+{{- define "orthornn.sessionEnv" -}}
+{{- $s := .Values.sessions }}
+{{- if ne $s.store "memory" }}
+{{- $secret := "" }}
+{{- $key := "" }}
+{{- $url := "" }}
+{{- if eq $s.store "bundled" }}
+{{- $secret = include "orthornn.redisName" . }}
+{{- $key = "redis-password" }}
+{{- $url = printf "redis://%s:6379/0" (include "orthornn.redisName" .) }}
+{{- else }}
+{{- $secret = $s.external.existingSecret }}
+{{- $key = $s.external.existingSecretKey }}
+{{- $url = $s.external.url }}
+{{- end }}
+{{- if $secret }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ $key }}
+{{- $scheme := ternary "rediss" "redis" (hasPrefix "rediss://" $url) }}
+{{- $url = printf "%s://:$(REDIS_PASSWORD)@%s" $scheme (trimPrefix (printf "%s://" $scheme) $url) }}
+{{- end }}
+- name: ORTHORNN_SESSION_STORE
+  value: {{ $url | quote }}
+{{- end }}
+{{- end }}
+
+{{/* ingress-nginx's variable of a request header: $http_ and the name in lower case with
+dashes as underscores. */}}
+{{- define "orthornn.nginxHeaderVariable" -}}
+{{- printf "$http_%s" (.Values.ingress.sessionAffinity.header | lower | replace "-" "_") }}
 {{- end }}
