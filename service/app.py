@@ -68,6 +68,7 @@ from .routing import (
 )
 from .runtime import select_providers
 from .settings import Settings
+from .streaming import POSITION_HEADER
 
 log = logging.getLogger("orthornn.service")
 WARNING_HEADER = "Orthornn-Input-Warning"
@@ -101,7 +102,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI):
         log.info("serving %s with %s", settings.repo, providers)
         registry.start(asyncio.get_running_loop())
-        dataplane.sessions.start_sweeper()
+        dataplane.sessions.start()  # keeps the versions open sessions use loaded
         yield
         await dataplane.sessions.close()
         await registry.close()
@@ -145,8 +146,11 @@ def create_app(settings: Settings) -> FastAPI:
         req = predict_json.decode(body)
         with counted(scope, req.model):
             result = await dataplane.predict(req)
+        headers = done(scope, result.served) or {}
+        if result.position is not None:
+            headers[POSITION_HEADER] = str(result.position)
         return Response(predict_json.encode(result), media_type="application/json",
-                        headers=done(scope, result.served))
+                        headers=headers)
 
     async def generate_text(body: bytes, scope: dict) -> Response:
         req = parse(GenerateRequest, body)
@@ -162,6 +166,8 @@ def create_app(settings: Settings) -> FastAPI:
             result = await dataplane.infer(req, name, version)
         head, blobs = oip_binary.encode(req, result)
         headers = done(scope, result.served) or {}
+        if result.position is not None:
+            headers[POSITION_HEADER] = str(result.position)
         if not blobs:
             return Response(head, media_type="application/json", headers=headers)
         return Response(head + b"".join(blobs), media_type="application/octet-stream",

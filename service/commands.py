@@ -106,7 +106,9 @@ def add_serve_parsers(sub) -> None:
                               "chunk) instead of a line per sequence")
     predict.add_argument("--stream", action="store_true",
                          help="send each sequence in chunks through a server-side session and "
-                              "print a line per chunk (the answer after it)")
+                              "print a line per chunk (the answer after it); each chunk names "
+                              "the session's position, and one whose connection broke is sent "
+                              "once more (the service applies it exactly once)")
     predict.add_argument("--chunk-size", type=int, default=8,
                          help="with --stream: time steps (or words of a text) per chunk "
                               "(default 8)")
@@ -209,7 +211,18 @@ class _HTTPFailure(Exception):
         self.code = code
 
 
-def _post_predict(url: str, body: dict, timeout: float) -> dict:
+class _Unreachable(ValueError):
+    """No answer: the connection failed, broke or timed out (the request may or may not
+    have been applied)."""
+
+
+#: the response header naming a session's position after the chunk (service.streaming)
+POSITION_HEADER = "Orthornn-Session-Position"
+
+
+def _post(url: str, body: dict, timeout: float) -> tuple[dict, dict[str, str]]:
+    """POST BODY to URL/predict: (the JSON answer, its headers, lower-case names)."""
+    import http.client
     import urllib.error
     import urllib.request
 
@@ -218,16 +231,21 @@ def _post_predict(url: str, body: dict, timeout: float) -> dict:
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
+            answer = json.loads(response.read())
+            return answer, {k.lower(): v for k, v in response.headers.items()}
     except urllib.error.HTTPError as e:
         try:
             message = json.loads(e.read()).get("error", "")
         except ValueError:
             message = ""
         raise _HTTPFailure(e.code, message or str(e.reason)) from None
-    except (urllib.error.URLError, OSError) as e:
-        raise ValueError(f"cannot reach {url!r}: {getattr(e, 'reason', e)} (is orthornn "
-                         f"serve running there? --url names another address)") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        raise _Unreachable(f"cannot reach {url!r}: {getattr(e, 'reason', e)} (is orthornn "
+                           f"serve running there? --url names another address)") from None
+
+
+def _post_predict(url: str, body: dict, timeout: float) -> dict:
+    return _post(url, body, timeout)[0]
 
 
 def _p(probability: float) -> str:
@@ -262,7 +280,11 @@ def summary(output: dict) -> str:
 
 def _stream(args: argparse.Namespace, body: dict) -> None:
     """Each sequence of the body through its own session, --chunk-size steps (or words)
-    a request; a line per chunk (--verbose: a JSON line)."""
+    a request; a line per chunk (--verbose: a JSON line). Each chunk names the session's
+    position (the time steps before it, as the previous answer's Orthornn-Session-Position
+    header gave it), so a chunk whose answer was lost to a broken connection is sent once
+    more, at the same position: the service applies it exactly once (a retry of a chunk it
+    applied is answered again)."""
     import uuid
 
     if args.chunk_size < 1:
@@ -276,11 +298,22 @@ def _stream(args: argparse.Namespace, body: dict) -> None:
     for i, seq in enumerate(items):
         session = f"predict-{run}-{i}"
         starts = list(range(0, len(seq), args.chunk_size)) or [0]
+        position: int | None = 0
         for k, start in enumerate(starts):
             part = seq[start:start + args.chunk_size]
             chunk = {**body, field: [" ".join(part) if texts is not None else part],
                      "session": session, "start": k == 0, "end": k == len(starts) - 1}
-            answer = _post_predict(args.url, chunk, args.timeout)
+            if position is not None:
+                chunk["position"] = position
+            try:
+                answer, headers = _post(args.url, chunk, args.timeout)
+            except _Unreachable:
+                if position is None:  # without a position a second try could apply twice
+                    raise
+                answer, headers = _post(args.url, chunk, args.timeout)  # once more
+            after = headers.get(POSITION_HEADER.lower(), "")
+            position = int(after) if after.isdigit() else \
+                None if position is None or texts is not None else position + len(part)
             steps, output = [start, start + len(part)], answer["outputs"][0]
             if args.verbose:
                 print(json.dumps({"sequence": i, "chunk": k, "steps": steps,

@@ -9,12 +9,10 @@ is here. An error raised while a version is held carries that version
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
-from typing import TypeVar
 
 import numpy as np
 
@@ -25,21 +23,18 @@ from .metrics import UNKNOWN
 from .protocol import GenerateRequest, PredictRequest, RepositoryIndexRequest, RollbackRequest
 from .registry import ModelVersion, Registry, RollbackRefused
 from .runtime import Chunk
+from .session_store import open_store
 from .settings import Settings
 from .streaming import (
-    Session,
     Sessions,
     StateConflict,
-    UnknownSession,
     decode_state,
     encode_state,
+    served_by,
     state_version,
 )
 
-SEQUENCE_KEYS = ("sequence_id", "sequence_start", "sequence_end")
-R = TypeVar("R")
-# one chunk of a session: (model version, the state it continues from) -> (answer, state)
-ChunkRun = Callable[[ModelVersion, np.ndarray | None], Awaitable[tuple[R, np.ndarray]]]
+SEQUENCE_KEYS = ("sequence_id", "sequence_start", "sequence_end", "sequence_position")
 
 
 def server_version() -> str:
@@ -63,10 +58,8 @@ def version_param(value) -> int | None:
 class DataPlane:
     def __init__(self, settings: Settings, registry: Registry, metrics=None):
         self.settings, self.registry, self.metrics = settings, registry, metrics
-        self.sessions = Sessions(
-            max_sessions=settings.max_sessions, idle_timeout_s=settings.session_idle_timeout_s,
-            hold=lambda name, version: registry.acquire(name, version, session=True),
-            release=lambda mv: registry.release(mv, session=True), metrics=metrics)
+        # server-side sessions: in this process or in a Redis the replicas share
+        self.sessions = Sessions(open_store(settings, metrics), registry, metrics=metrics)
 
     def labels(self, name: str, version: int | None = None) -> tuple[str, str]:
         """The metric labels of a request naming model NAME (and VERSION) that holds no
@@ -203,8 +196,9 @@ class DataPlane:
     async def predict(self, req: PredictRequest) -> PredictResult:
         if req.session is not None:
             return await self._predict_session(req)
-        for flag in ("start", "end"):
-            if getattr(req, flag):
+        for flag, given in (("start", req.start), ("end", req.end),
+                            ("position", req.position is not None)):
+            if given:
                 raise ClientError(f"{flag}: only with 'session'")
         version = version_param(req.version)
         from_states = False
@@ -238,25 +232,20 @@ class DataPlane:
         assert req.session is not None
         if req.states is not None:
             raise ClientError("states: not with 'session' (the session keeps its state)")
-        if req.start:
-            session = self.sessions.start(req.session, req.model, version_param(req.version))
-        else:
-            session = self.sessions.get(req.session, req.model)
-            version = version_param(req.version)
-            if version is not None and version != session.mv.version:
-                raise StateConflict(f"session {req.session!r} runs on version "
-                                    f"{session.mv.version}, not {version}")
 
         async def chunk(mv: ModelVersion, state: np.ndarray | None
-                        ) -> tuple[tuple[list[dict], str | None], np.ndarray]:
+                        ) -> tuple[tuple[list[dict], str | None], np.ndarray, int]:
+            self._check_streaming(mv)
             seq = self._session_sequence(self._sequences(mv, req))
             warning = self._range_warning(mv, [seq], "inputs")
             outputs, states = await self._run(mv, [Chunk(seq, state)], req)
-            return (outputs, warning), states[0]
-        outputs, warning = await self._session_chunk(session, chunk, started=req.start,
-                                                     end=req.end)
-        return PredictResult(Served(session.mv.name, session.mv.version, warning), outputs,
-                             session=session.id)
+            return (outputs, warning), states[0], len(seq)
+        applied = await self.sessions.chunk(
+            req.session, req.model, chunk, version=version_param(req.version),
+            start=req.start, end=req.end, position=req.position)
+        outputs, warning = applied.answer
+        return PredictResult(Served(applied.model, applied.version, warning), outputs,
+                             session=req.session, position=applied.position)
 
     def _sequences(self, mv: ModelVersion, req: PredictRequest) -> list[np.ndarray]:
         return inputs.predict_sequences(mv.spec, req, self.settings.max_request_sequences)
@@ -284,29 +273,7 @@ class DataPlane:
             return out, [row["state"] for row in rows]
         return await batcher.submit(seqs, post)
 
-    # -- sessions (server-side state, /predict and OIP sequences alike) ---------------------
-
-    async def _session_chunk(self, session: Session, run: ChunkRun[R], *, started: bool,
-                             end: bool) -> R:
-        """Apply one chunk to a session, after the chunks that arrived before it: ``run``
-        answers it from the session's state and gives the state after it."""
-        mv = session.mv
-        ok = False
-        try:
-            with served_by(mv):
-                async with session.lock:  # one chunk at a time, in arrival order
-                    if session.closed:
-                        raise UnknownSession(f"session {session.id!r} ended while this "
-                                             f"request waited")
-                    self._check_streaming(mv)
-                    answer, state = await run(mv, session.state)
-                    session.state = np.array(state, dtype=np.float32)
-                    session.last_used = time.monotonic()
-                    ok = True
-        finally:
-            if end or (started and not ok):  # a failed first chunk opens nothing
-                self.sessions.end(session)
-        return answer
+    # -- sessions (server-side state, /predict and OIP sequences alike: service.streaming) --
 
     @staticmethod
     def _session_sequence(seqs: list) -> np.ndarray:
@@ -338,53 +305,61 @@ class DataPlane:
     async def infer(self, req: Inference, name: str, version: str | None) -> InferenceResult:
         """An OIP inference request on model NAME (VERSION: the URL's). The request
         parameters ``sequence_id``, ``sequence_start`` and ``sequence_end`` (as tritonclient
-        sends them) run it on a session."""
+        sends them) run it on a session; ``sequence_position`` makes the chunk exactly-once
+        (as /predict's ``position``)."""
+        position = None
         if any(k in req.parameters for k in SEQUENCE_KEYS):
-            session, start, end = self._sequence(req.parameters, name, version_param(version))
+            sid, start, end, position_param = self._sequence(req.parameters)
 
             async def chunk(mv: ModelVersion, state: np.ndarray | None
-                            ) -> tuple[tuple[list[OutputTensor], str | None], np.ndarray]:
+                            ) -> tuple[tuple[list[OutputTensor], str | None], np.ndarray, int]:
+                self._check_streaming(mv)
                 seqs, steps = self._infer_sequences(mv, req)
                 seq = self._session_sequence(seqs)
                 warning = self._range_warning(mv, [seq], "inputs[x]")
                 tensors = await self._infer_run(mv, req, [Chunk(seq, state)], steps)
-                return (tensors, warning), self._state_of(tensors, mv)
-            tensors, warning = await self._session_chunk(session, chunk, started=start,
-                                                         end=end)
-            mv = session.mv
+                return (tensors, warning), self._state_of(tensors, mv), len(seq)
+            applied = await self.sessions.chunk(
+                sid, name, chunk, version=version_param(version), start=start, end=end,
+                position=position_param, what="sequence")
+            tensors, warning = applied.answer
+            served = Served(applied.model, applied.version, warning)
+            position = applied.position
         else:
             with self.hold(name, version_param(version)) as mv:
                 seqs, steps = self._infer_sequences(mv, req)
                 warning = self._range_warning(mv, seqs, "inputs[x]")
                 tensors = await self._infer_run(mv, req, seqs, steps)
+            served = Served(mv.name, mv.version, warning)
         wanted = [o.name for o in req.outputs] if req.outputs else None
         outputs = [t for t in tensors if wanted is None or t.name in wanted]
         if wanted is not None:
             outputs.sort(key=lambda t: wanted.index(t.name))
-        return InferenceResult(Served(mv.name, mv.version, warning), outputs, req.id)
+        return InferenceResult(served, outputs, req.id, position=position)
 
     @staticmethod
     def _state_of(tensors: list[OutputTensor], mv: ModelVersion) -> np.ndarray:
         (state,) = [t.data for t in tensors if t.name == "state"]
         return state[0]
 
-    def _sequence(self, params: dict, name: str, version: int | None
-                  ) -> tuple[Session, bool, bool]:
-        sid, start, end = (params.get(k) for k in SEQUENCE_KEYS)
+    @staticmethod
+    def _sequence(params: dict) -> tuple[str, bool, bool, int | None]:
+        """(sequence_id, sequence_start, sequence_end, sequence_position) of an inference
+        request's parameters, checked."""
+        sid, start, end, position = (params.get(k) for k in SEQUENCE_KEYS)
         if isinstance(sid, bool) or not isinstance(sid, int | str) or sid in ("", 0):
-            raise ClientError("parameters.sequence_id: required with sequence_start or "
-                              "sequence_end, a non-zero integer or a non-empty string")
+            raise ClientError("parameters.sequence_id: required with sequence_start, "
+                              "sequence_end or sequence_position, a non-zero integer or a "
+                              "non-empty string")
         for key, flag in (("sequence_start", start), ("sequence_end", end)):
             if flag is not None and not isinstance(flag, bool):
                 raise ClientError(f"parameters.{key}: must be true or false")
-        sid = str(sid)
-        if start:
-            return self.sessions.start(sid, name, version), True, bool(end)
-        session = self.sessions.get(sid, name)
-        if version is not None and version != session.mv.version:
-            raise StateConflict(f"sequence {sid!r} runs on version {session.mv.version}, not "
-                                f"{version}")
-        return session, False, bool(end)
+        if position is not None and (isinstance(position, bool) or
+                                     not isinstance(position, int) or
+                                     not 0 <= position < 2**62):
+            raise ClientError("parameters.sequence_position: must be an integer >= 0 (the "
+                              "time steps the sequence has consumed)")
+        return str(sid), bool(start), bool(end), position
 
     def _infer_sequences(self, mv: ModelVersion, req: Inference) -> tuple[list, int]:
         return inputs.infer_sequences(mv.spec, req, mv.spec.io["model"],
@@ -403,14 +378,3 @@ class DataPlane:
             seqs, lambda rows: answers.outputs_to_tensors(rows, names, steps,
                                                           runtime.per_step["model"]))
         return [OutputTensor(n, datatypes[n], tensors[n]) for n in names]
-
-
-@contextmanager
-def served_by(mv: ModelVersion) -> Iterator[None]:
-    """An error raised inside is counted under MV (its ``served``; a bug's 500 too)."""
-    try:
-        yield
-    except Exception as error:
-        if getattr(error, "served", None) is None:
-            error.served = (mv.name, mv.version)  # type: ignore[attr-defined]
-        raise

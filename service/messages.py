@@ -61,6 +61,7 @@ class InferenceResult:
     served: Served
     outputs: list[OutputTensor]
     id: str | None = None
+    position: int | None = None  # a sequence's position after this chunk (time steps)
 
 
 # -- /predict ----------------------------------------------------------------------------
@@ -70,6 +71,7 @@ class PredictResult:
     served: Served
     outputs: list[dict]  # one per sequence, as protocol.SequenceOutput
     session: str | None = None
+    position: int | None = None  # the session's position after this chunk (time steps)
 
 
 @dataclass(frozen=True)

@@ -56,12 +56,23 @@ class Metrics:
         self.session_store_duration = Histogram(
             "orthornn_session_store_duration_seconds",
             "time of one session store call, by store (memory, redis) and operation (create, "
-            "get, advance, delete, count, versions_in_use, ping)", ["store", "operation"],
+            "get, advance, finish, delete, count, versions_in_use, ping)", ["store", "operation"],
             buckets=LATENCY_BUCKETS, registry=r)
         self.session_store_errors = Counter(
             "orthornn_session_store_errors",
             "session store calls that failed for want of the store (timeout, connection "
             "or Redis error; answered 503), by store and operation", ["store", "operation"],
+            registry=r)
+        self.session_store_up = Gauge(
+            "orthornn_session_store_up",
+            "1 while the session store answered its last call from the reconcile task "
+            "(every second), 0 while it does not (session requests then get 503)",
+            registry=r)
+        self.session_version_loads = Counter(
+            "orthornn_session_version_loads",
+            "session versions this replica did not have and loaded from the repository "
+            "on demand, by result: loaded, refused (did not verify), missing (gone from "
+            "the repository; those two end the session with 409)", ["model", "result"],
             registry=r)
         self.loaded = Gauge(
             "orthornn_model_loaded", "1 for every loaded (served) model version",

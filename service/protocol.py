@@ -79,6 +79,15 @@ class PredictRequest(_Model):
     start: bool = Field(False, description="with session: open it (on the requested or the "
                                            "default version, which it keeps until it ends)")
     end: bool = Field(False, description="with session: close it after this chunk")
+    position: Annotated[int, Strict()] | None = Field(
+        None, ge=0, le=2**62,
+        description="with session: the time steps the client believes the session has "
+                    "consumed (0 for the first chunk; the answer's Orthornn-Session-Position "
+                    "header gives the next). Makes the chunk exactly-once: at the session's "
+                    "position it is applied; at the position before the last applied chunk "
+                    "it is a retry of that chunk, answered again without advancing; at any "
+                    "other, 409 naming the session's position. Without it, chunks apply in "
+                    "arrival order")
     per_step: bool = Field(False, description="classify / regress: an output after every "
                                               "time step, in 'steps'")
     allow_unk: bool = Field(
@@ -117,6 +126,9 @@ class PredictResponse(BaseModel):
     version: int
     outputs: list[SequenceOutput]
     session: str | None = None
+    position: int | None = Field(None, description="with session: the time steps the "
+                                                   "session has consumed after this chunk "
+                                                   "(the next chunk's position)")
 
 
 class GenerateRequest(_Model):

@@ -9,9 +9,17 @@ keeps serving. A change of promotion.json (a promotion, a rollback) is found by 
 scan as a new version, and swaps the same way.
 
 A request holds its version (``acquire``/``release``): a version swapped out keeps
-running what it holds and is released (sessions dropped, batcher stopped) when the last
-of those requests finishes. A version that fails verification is never served, the
-failure is logged and counted, and it is not retried until its files change.
+running what it holds and is released (batcher stopped) when the last of those requests
+finishes. A version that fails verification is never served, the failure is logged and
+counted, and it is not retried until its files change.
+
+Server-side sessions are pinned to a version and may continue on any replica sharing the
+session store, so a version is also *kept* for sessions (``session_version``, ``keep``):
+a kept version stays loaded across hot swaps until ``retain`` (the dataplane's reconcile
+task, from the store's ``versions_in_use``) finds no open session on it. A replica that
+lacks a session's version loads it on demand (``load_session_version``), verified like any
+load, outside the version policy (it serves only sessions), and counted; a version that is
+gone from the repository or no longer verifies is ``VersionGone`` (409 naming it).
 """
 
 from __future__ import annotations
@@ -54,6 +62,11 @@ class RollbackRefused(Conflict):
     """A rollback that cannot be done (409); the message names the usable versions."""
 
 
+class VersionGone(Conflict):
+    """A session's pinned version that this replica cannot load: gone from the repository,
+    no longer verifying, or its model unloaded (409 naming the version)."""
+
+
 def promotion_changes(before: dict, after: dict) -> list[str]:
     """The actions (publish, promote, rollback; "unknown" for an entry without one) of the
     changes of the promoted version between two readings of promotion.json: the history
@@ -83,7 +96,7 @@ class ModelVersion:
     loaded_at: float = field(default_factory=time.time)
     inflight: int = 0  # requests and sessions holding this version (acquire() .. release())
     generating: int = 0  # of those, /generate calls (they never reach the batcher)
-    sessions: int = 0  # of those, open sessions (pinned here until they end)
+    sessions: int = 0  # of those, the hold that keeps it loaded for sessions (0 or 1)
     steps_batcher: Batcher | None = None  # classify / regress: the per-step graph
     retired: bool = False
     released: bool = False
@@ -122,6 +135,10 @@ class Registry:
         self._rollback_lock = threading.Lock()
         self._failed: dict[tuple[str, int], tuple[tuple, str]] = {}
         self._unloaded: set[str] = set()
+        # versions kept loaded for sessions, each held once (inflight and sessions + 1)
+        # until retain() finds no session on it; the time each was last kept
+        self._kept: dict[tuple[str, int], ModelVersion] = {}
+        self._kept_at: dict[tuple[str, int], float] = {}
         self._configured: set[str] = set(settings.models)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
@@ -130,11 +147,9 @@ class Registry:
 
     # -- lookups (event loop) ---------------------------------------------------------
 
-    def acquire(self, name: str, version: int | None = None, *,
-                session: bool = False) -> ModelVersion:
+    def acquire(self, name: str, version: int | None = None) -> ModelVersion:
         """The requested (default: the promoted, else the newest) serving version, held
-        until release(); a session's hold keeps a retired version loaded until the session
-        ends."""
+        until release() (a retired version is released when its last hold is)."""
         with self._lock:
             loaded = self._serving.get(name)
             if not loaded:
@@ -148,13 +163,11 @@ class Registry:
                 raise NotFound(f"model {name!r} has no loaded version {version} "
                                f"(loaded: {sorted(loaded)})")
             mv.inflight += 1
-            mv.sessions += session
             return mv
 
-    def release(self, mv: ModelVersion, *, session: bool = False) -> None:
+    def release(self, mv: ModelVersion) -> None:
         with self._lock:
             mv.inflight -= 1
-            mv.sessions -= session
             done = mv.retired and mv.inflight == 0 and not mv.released
             if done:
                 mv.released = True
@@ -171,6 +184,129 @@ class Registry:
         with self._lock:
             mv.inflight -= 1
         return mv
+
+    # -- versions kept for sessions (event loop; load_session_version in a thread) ------
+
+    def session_version(self, name: str, version: int) -> ModelVersion | None:
+        """VERSION of NAME held for one session chunk (release() it), and kept for
+        sessions from now on: a serving version or one kept for sessions; None when this
+        replica has not loaded it."""
+        with self._lock:
+            mv = (self._serving.get(name) or {}).get(version) or \
+                self._kept.get((name, version))
+            if mv is None or mv.released:
+                return None
+            mv.inflight += 1
+            self._keep(mv)
+            return mv
+
+    def keep(self, mv: ModelVersion) -> None:
+        """Keep MV loaded for sessions (until retain() finds none on it)."""
+        with self._lock:
+            if not mv.released:
+                self._keep(mv)
+
+    def _keep(self, mv: ModelVersion) -> None:  # under self._lock
+        key = (mv.name, mv.version)
+        if self._kept.get(key) is not mv:
+            old = self._kept.pop(key, None)
+            if old is not None and self._unkeep(old):  # (another copy: never in practice)
+                self._free(old)
+            mv.inflight += 1
+            mv.sessions += 1
+            self._kept[key] = mv
+        self._kept_at[key] = time.monotonic()
+
+    def _unkeep(self, mv: ModelVersion) -> bool:  # under self._lock; whether to free it
+        mv.inflight -= 1
+        mv.sessions -= 1
+        if mv.retired and mv.inflight == 0 and not mv.released:
+            mv.released = True
+            return True
+        return False
+
+    def kept(self) -> dict[str, list[int]]:
+        """The versions kept loaded for sessions, by model."""
+        with self._lock:
+            out: dict[str, list[int]] = {}
+            for name, version in sorted(self._kept):
+                out.setdefault(name, []).append(version)
+            return out
+
+    def retain(self, in_use: dict[str, set[int]], since: float) -> list[ModelVersion]:
+        """Keep the versions loaded here that open sessions use (IN_USE, as the store read
+        it no earlier than SINCE, a time.monotonic()); stop keeping the others not kept
+        since then, releasing those no longer served once nothing holds them. The
+        versions released."""
+        free = []
+        with self._lock:
+            for name, used in in_use.items():
+                for version in used:
+                    mv = (self._serving.get(name) or {}).get(version) or \
+                        self._kept.get((name, version))
+                    if mv is not None and not mv.released:
+                        self._keep(mv)
+            for key in [k for k, mv in self._kept.items()
+                        if k[1] not in in_use.get(k[0], ()) and self._kept_at[k] < since]:
+                mv = self._kept.pop(key)
+                del self._kept_at[key]
+                if self._unkeep(mv):
+                    free.append(mv)
+        for mv in free:
+            self._free(mv)
+        return free
+
+    def load_session_version(self, name: str, version: int) -> ModelVersion:
+        """VERSION of NAME held for one session chunk (release() it), loaded now if this
+        replica has not loaded it: verified like any load, kept for sessions, outside the
+        version policy (requests without a session never get it). VersionGone (409) when
+        it is not in the repository, does not verify, or NAME was unloaded here. Blocking:
+        run it in a thread."""
+        mv = self.session_version(name, version)
+        if mv is not None:
+            return mv
+        with self._load_lock:  # one loader at a time (this, the poller or the API)
+            mv = self.session_version(name, version)
+            if mv is not None:
+                return mv
+            where = f"model {name!r} version {version}"
+            if name in self._unloaded:
+                raise VersionGone(f"{where}, whose model was unloaded from this replica "
+                                  f"(repository API)")
+            try:
+                path = self.repo / check_name(name) / str(version)
+            except ValueError:
+                raise VersionGone(f"{where}, which is not a model of the repository") \
+                    from None
+            if not (path / "manifest.json").is_file():
+                self.metrics.session_version_loads.labels(name, "missing").inc()
+                raise VersionGone(f"{where}, which is no longer in the repository")
+            sig = _signature(path)
+            failed = self._failed.get((name, version))
+            reason = failed[1] if failed is not None and failed[0] == sig else None
+            if reason is None:
+                start = time.perf_counter()
+                try:
+                    mv = self.load_version(name, version)
+                except (PackageError, OSError) as error:
+                    reason = str(error)
+                    self._failed[(name, version)] = (sig, reason)
+                    self.metrics.load_failures.labels(name).inc()
+                    log.error("refused %s version %d (for a session): %s", name, version,
+                              error)
+                else:
+                    log.info("loaded %s version %d for its sessions in %.2f s", name,
+                             version, time.perf_counter() - start)
+            if mv is None:
+                self.metrics.session_version_loads.labels(name, "refused").inc()
+                raise VersionGone(f"{where}, which no longer verifies ({reason})")
+            with self._lock:
+                mv.retired = True  # not served: released once no session keeps it
+                mv.inflight += 1  # this chunk's hold
+                self._keep(mv)
+            self.metrics.session_version_loads.labels(name, "loaded").inc()
+            self.metrics.model_loaded(mv.manifest)
+            return mv
 
     def promoted(self, name: str) -> int | None:
         """The version promotion.json promotes (as the last scan read it), or None (no
@@ -313,6 +449,12 @@ class Registry:
                 if v in current:
                     keep[v] = current[v]
                     return
+                with self._lock:  # kept for sessions (retired or loaded for them): serve it
+                    kept = self._kept.get((name, v))
+                    if kept is not None and not kept.released:
+                        kept.retired = False
+                        keep[v] = kept
+                        return
                 sig = _signature(self.repo / name / str(v))
                 failed = self._failed.get((name, v))
                 if failed is not None and failed[0] == sig:
@@ -515,9 +657,12 @@ class Registry:
     async def close(self) -> None:
         self.stop()
         with self._lock:
-            everything = [mv for vs in self._serving.values() for mv in vs.values()]
+            everything = {id(mv): mv for vs in self._serving.values() for mv in vs.values()}
+            everything.update((id(mv), mv) for mv in self._kept.values() if not mv.released)
             self._serving.clear()
-        for mv in everything:
+            self._kept.clear()
+            self._kept_at.clear()
+        for mv in everything.values():
             for batcher in mv.batchers:
                 await batcher.close()
             self.metrics.model_released(mv.manifest)

@@ -15,8 +15,15 @@ is still ``expected_position`` (in Redis one Lua script, so two replicas racing 
 session cannot both apply), and otherwise raises ``PositionConflict`` naming the current
 position.
 
+``finish`` is ``advance`` that also ends the session: the ended record stays readable
+(``get``, with ``ended``) until its idle timeout, so that a retried final chunk is answered
+again, but it is no longer open: it counts against no limit, pins no version, and its id
+may start again.
+
 Idle sessions expire by themselves (Redis's own key TTL; lazily in memory): no replica
-sweeps. The maximum number of sessions and ``versions_in_use`` count only live sessions.
+sweeps. The maximum number of sessions and ``versions_in_use`` count only live sessions
+(not ended ones); the memory store counts its expiries (``orthornn_session_expiries``),
+Redis expires keys without telling anyone.
 
 Redis data layout, under ``session_key_prefix`` P (default "orthornn:"):
 
@@ -24,10 +31,12 @@ Redis data layout, under ``session_key_prefix`` P (default "orthornn:"):
   ``state`` (float32 little-endian bytes; absent before the first chunk),
   ``previous_position`` (int; absent before the first chunk), ``previous_state`` (bytes;
   absent when the state before the last chunk was the initial one), ``last_used`` (ms since
-  the epoch, Redis TIME). Its TTL is the idle timeout, renewed by ``create``/``advance``.
-* ``P sessions``: a sorted set of the session ids, scored by their expiry time (ms, Redis
-  TIME), the same instant as the hash's PEXPIREAT. Every script first removes the members
-  whose score has passed, so ZCARD is the number of live sessions across replicas.
+  the epoch, Redis TIME), ``ended`` ("1" once ``finish`` ended it; absent while open). Its
+  TTL is the idle timeout, renewed by ``create``/``advance``/``finish``.
+* ``P sessions``: a sorted set of the open session ids, scored by their expiry time (ms,
+  Redis TIME), the same instant as the hash's PEXPIREAT. Every script first removes the
+  members whose score has passed, so ZCARD is the number of live sessions across replicas;
+  ``finish`` removes the id at once (the ended hash lives on until its TTL).
 
 A Redis that is down, unreachable or slow answers no call later than
 ``session_store_timeout_s``: the call raises ``StoreUnavailable`` (503, Retry-After).
@@ -81,7 +90,8 @@ class SessionRecord:
     ``previous_state``/``previous_position`` are the state and position before the last
     applied chunk (``previous_position`` None before the first chunk, ``previous_state``
     None when that chunk started from the initial state). ``last_used``: seconds since the
-    epoch of the last create or advance."""
+    epoch of the last create or advance. ``ended``: ``finish`` ended it (readable until its
+    idle timeout, open no more)."""
 
     id: str
     model: str
@@ -91,6 +101,7 @@ class SessionRecord:
     previous_state: np.ndarray | None
     previous_position: int | None
     last_used: float
+    ended: bool = False
 
 
 class SessionStore(Protocol):
@@ -100,13 +111,15 @@ class SessionStore(Protocol):
     kind: str  # "memory" or "redis"
 
     async def create(self, sid: str, model: str, version: int) -> SessionRecord:
-        """Open a session at position 0 with no state. SessionExists (409) when SID is
-        open, SessionLimit (429) when the store holds max_sessions live sessions."""
+        """Open a session at position 0 with no state (replacing an ended record of SID).
+        SessionExists (409) when SID is open, SessionLimit (429) when the store holds
+        max_sessions live sessions."""
         ...
 
     async def get(self, sid: str) -> SessionRecord:
-        """The record; UnknownSession (404) when not open (never started, deleted or
-        expired). Does not renew the idle expiry."""
+        """The record, an ended one too (``ended``) until its idle timeout; UnknownSession
+        (404) when there is none (never started, deleted or expired). Does not renew the
+        idle expiry."""
         ...
 
     async def advance(self, sid: str, expected_position: int, state: np.ndarray,
@@ -114,11 +127,18 @@ class SessionStore(Protocol):
         """Compare-and-set: when the session is at EXPECTED_POSITION, previous_* := the
         current state and position, state := STATE, position += STEPS, idle expiry
         renewed; the new record. Otherwise PositionConflict (409) carrying the current
-        position; UnknownSession (404) when not open."""
+        position; UnknownSession (404) when not open (an ended session included)."""
+        ...
+
+    async def finish(self, sid: str, expected_position: int, state: np.ndarray,
+                     steps: int) -> SessionRecord:
+        """``advance``, and the session ends: the record (``ended``) stays readable by
+        ``get`` until its idle timeout, but counts no more, pins no version, and SID may
+        be created again."""
         ...
 
     async def delete(self, sid: str) -> bool:
-        """End a session; whether it was open."""
+        """End a session (an ended record goes too); whether it was open."""
         ...
 
     async def count(self) -> int:
@@ -257,20 +277,25 @@ class MemoryStore(_Timed):
         self.idle_timeout_s = idle_timeout_s
         self.metrics = metrics
         self._clock = clock
-        # id -> (record, expiry on the clock); oldest use first
+        # id -> (record, expiry on the clock); oldest use first; open and ended records
         self._open: OrderedDict[str, tuple[SessionRecord, float]] = OrderedDict()
+        self._ended: OrderedDict[str, tuple[SessionRecord, float]] = OrderedDict()
 
     def _prune(self) -> None:
         now = self._clock()
-        while self._open:
-            sid, (_, expires) = next(iter(self._open.items()))
-            if expires > now:
-                break
-            del self._open[sid]
+        for table in (self._open, self._ended):
+            while table:
+                sid, (record, expires) = next(iter(table.items()))
+                if expires > now:
+                    break
+                del table[sid]
+                if table is self._open and self.metrics is not None:
+                    self.metrics.session_expiries.labels(record.model).inc()
 
     def _put(self, record: SessionRecord) -> SessionRecord:
         self._open.pop(record.id, None)
-        self._open[record.id] = (record, self._clock() + self.idle_timeout_s)
+        table = self._ended if record.ended else self._open
+        table[record.id] = (record, self._clock() + self.idle_timeout_s)
         return self._copy(record)
 
     @staticmethod
@@ -281,9 +306,10 @@ class MemoryStore(_Timed):
                        previous_state=None if record.previous_state is None
                        else record.previous_state.copy())
 
-    def _record(self, sid: str) -> SessionRecord:
+    def _record(self, sid: str, ended: bool = False) -> SessionRecord:
+        """SID's open record (or its ended one, when ENDED); UnknownSession otherwise."""
         self._prune()
-        found = self._open.get(sid)
+        found = self._open.get(sid) or (self._ended.get(sid) if ended else None)
         if found is None:
             raise _unknown(sid, self.idle_timeout_s)
         return found[0]
@@ -295,29 +321,39 @@ class MemoryStore(_Timed):
                 raise _exists(sid)
             if len(self._open) >= self.max_sessions:
                 raise _limit(sid, self.max_sessions)
+            self._ended.pop(sid, None)
             return self._put(SessionRecord(sid, model, int(version), None, 0, None, None,
                                            time.time()))
 
     async def get(self, sid: str) -> SessionRecord:
         with self._timed("get"):
-            return self._copy(self._record(sid))
+            return self._copy(self._record(sid, ended=True))
 
     async def advance(self, sid: str, expected_position: int, state: np.ndarray,
                       steps: int) -> SessionRecord:
+        return self._advance("advance", sid, expected_position, state, steps)
+
+    async def finish(self, sid: str, expected_position: int, state: np.ndarray,
+                     steps: int) -> SessionRecord:
+        return self._advance("finish", sid, expected_position, state, steps, ended=True)
+
+    def _advance(self, operation: str, sid: str, expected_position: int, state: np.ndarray,
+                 steps: int, ended: bool = False) -> SessionRecord:
         _check_counts(expected_position, steps)
         new_state = _state(_state_bytes(state))
-        with self._timed("advance"):
+        with self._timed(operation):
             current = self._record(sid)
             if current.position != expected_position:
                 raise _position_conflict(sid, expected_position, current.position)
             return self._put(replace(
                 current, state=new_state, position=current.position + int(steps),
                 previous_state=current.state, previous_position=current.position,
-                last_used=time.time()))
+                last_used=time.time(), ended=ended))
 
     async def delete(self, sid: str) -> bool:
         with self._timed("delete"):
             self._prune()
+            self._ended.pop(sid, None)
             return self._open.pop(sid, None) is not None
 
     async def count(self) -> int:
@@ -338,6 +374,7 @@ class MemoryStore(_Timed):
 
     async def close(self) -> None:
         self._open.clear()
+        self._ended.clear()
 
 
 # -- in Redis ------------------------------------------------------------------------------
@@ -351,10 +388,12 @@ redis.call('ZREMRANGEBYSCORE', KEYS[#KEYS], '-inf', now)
 """
 
 # create: KEYS = {hash, index}; ARGV = {id, model, version, max_sessions, ttl_ms}
-# -> {'open'} | {'full'} | {'ok', now_ms}
+# -> {'open'} | {'full'} | {'ok', now_ms}; an ended session's hash is replaced
 CREATE_LUA = _NOW_AND_PRUNE + """
-if redis.call('EXISTS', KEYS[1]) == 1 then return {'open'} end
+local exists = redis.call('EXISTS', KEYS[1]) == 1
+if exists and redis.call('HEXISTS', KEYS[1], 'ended') == 0 then return {'open'} end
 if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[4]) then return {'full'} end
+if exists then redis.call('DEL', KEYS[1]) end
 local expires = now + tonumber(ARGV[5])
 redis.call('HSET', KEYS[1], 'model', ARGV[2], 'version', ARGV[3], 'position', 0,
            'last_used', now)
@@ -363,12 +402,12 @@ redis.call('ZADD', KEYS[2], expires, ARGV[1])
 return {'ok', now}
 """
 
-# advance (compare-and-set): KEYS = {hash, index};
-# ARGV = {id, expected_position, state bytes, steps, ttl_ms}
+# advance (compare-and-set), and finish (ARGV[6] = 1: the session ends, out of the index):
+# KEYS = {hash, index}; ARGV = {id, expected_position, state bytes, steps, ttl_ms, finish}
 # -> {'gone'} | {'conflict', position} | {'ok', HGETALL of the updated hash}
 ADVANCE_LUA = _NOW_AND_PRUNE + """
 local position = redis.call('HGET', KEYS[1], 'position')
-if not position then return {'gone'} end
+if not position or redis.call('HEXISTS', KEYS[1], 'ended') == 1 then return {'gone'} end
 position = tonumber(position)
 if position ~= tonumber(ARGV[2]) then return {'conflict', position} end
 local state = redis.call('HGET', KEYS[1], 'state')
@@ -381,7 +420,12 @@ local expires = now + tonumber(ARGV[5])
 redis.call('HSET', KEYS[1], 'previous_position', position, 'state', ARGV[3],
            'position', position + tonumber(ARGV[4]), 'last_used', now)
 redis.call('PEXPIREAT', KEYS[1], expires)
-redis.call('ZADD', KEYS[2], expires, ARGV[1])
+if ARGV[6] == '1' then
+  redis.call('HSET', KEYS[1], 'ended', 1)
+  redis.call('ZREM', KEYS[2], ARGV[1])
+else
+  redis.call('ZADD', KEYS[2], expires, ARGV[1])
+end
 return {'ok', redis.call('HGETALL', KEYS[1])}
 """
 
@@ -431,6 +475,7 @@ class RedisStore(_Timed):
         self.timeout_s = timeout_s
         self.metrics = metrics
         self._ttl_ms = max(1, round(idle_timeout_s * 1000))
+        self._down = False  # the last call failed (failures are logged once per outage)
         self._index = f"{prefix}sessions"
         # one immediate reconnect (a pooled connection to a Redis that restarted), no
         # backoff: the whole call stays within timeout_s
@@ -458,11 +503,21 @@ class RedisStore(_Timed):
                 self._failed(operation)
                 why = "no answer" if isinstance(e, TimeoutError | RedisTimeout) \
                     else f"{type(e).__name__}: {e}"
-                log.warning("session store %s: %s failed (%s)", self.url, operation, why)
+                # once per outage (the reconcile task calls every second): then debug
+                log.log(logging.DEBUG if self._down else logging.WARNING,
+                        "session store %s: %s failed (%s)%s", self.url, operation, why,
+                        "" if self._down else "; until it answers again, further failures "
+                        "are logged at debug level (counted in "
+                        "orthornn_session_store_errors_total)")
+                self._down = True
                 # the client's message names no host (the log does)
                 raise StoreUnavailable(
                     f"the session store is unavailable ({why} within {self.timeout_s:g} s); "
                     f"retry shortly") from None
+            else:
+                if self._down:
+                    self._down = False
+                    log.warning("session store %s answers again", self.url)
 
     def _from_hash(self, sid: str, fields: Mapping) -> SessionRecord:
         previous = fields.get(b"previous_position")
@@ -471,7 +526,7 @@ class RedisStore(_Timed):
             state=_state(fields.get(b"state")), position=int(fields[b"position"]),
             previous_state=_state(fields.get(b"previous_state")),
             previous_position=None if previous is None else int(previous),
-            last_used=int(fields[b"last_used"]) / 1000)
+            last_used=int(fields[b"last_used"]) / 1000, ended=b"ended" in fields)
 
     async def create(self, sid: str, model: str, version: int) -> SessionRecord:
         async with self._call("create"):
@@ -494,12 +549,20 @@ class RedisStore(_Timed):
 
     async def advance(self, sid: str, expected_position: int, state: np.ndarray,
                       steps: int) -> SessionRecord:
+        return await self._step("advance", sid, expected_position, state, steps)
+
+    async def finish(self, sid: str, expected_position: int, state: np.ndarray,
+                     steps: int) -> SessionRecord:
+        return await self._step("finish", sid, expected_position, state, steps)
+
+    async def _step(self, operation: str, sid: str, expected_position: int,
+                    state: np.ndarray, steps: int) -> SessionRecord:
         _check_counts(expected_position, steps)
         data = _state_bytes(state)
-        async with self._call("advance"):
+        async with self._call(operation):
             reply = await self._advance(keys=[self._key(sid), self._index],
                                         args=[sid, int(expected_position), data, int(steps),
-                                              self._ttl_ms])
+                                              self._ttl_ms, int(operation == "finish")])
         if reply[0] == b"gone":
             raise _unknown(sid, self.idle_timeout_s)
         if reply[0] == b"conflict":

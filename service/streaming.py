@@ -7,10 +7,18 @@ as an opaque JSON value that names the model version that made it, and continues
 another model or version, of the wrong size or with non-finite numbers is refused: a
 state is never applied to weights it was not made by.
 
-Sessions keep the state in the service instead (``session``: ID). A session is pinned to
-the version it started on: it holds that version (the registry keeps it loaded across hot
-swaps) until it ends, or idles out, and requests on one session are applied one at a time
-in arrival order (an asyncio lock, whose waiters are woken first come, first served).
+Sessions keep the state in the service instead (``session``: ID), in the session store
+(``service.session_store``: this process's memory, or a Redis the replicas share). A
+session is pinned to the version it started on, on whichever replica continues it (the
+registry keeps that version loaded while sessions use it, and a replica that lacks it
+loads it on demand). A chunk is applied exactly once: the store's compare-and-set
+advances the session's position (time steps consumed) only from the position the chunk
+was computed at. A chunk may name that position (``position``): at the session's position
+it is applied; at the position before the last applied chunk it is a retry of that chunk,
+answered again from the state before it without advancing; at any other, 409 naming the
+session's position. Without a position, chunks apply in arrival order: one at a time per
+session within a replica (an asyncio lock, first come, first served), re-run on a
+compare-and-set conflict with another replica.
 """
 
 from __future__ import annotations
@@ -18,16 +26,29 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
+import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
 
-from .errors import ClientError, Conflict, NotFound, Overloaded
+from .errors import ClientError, Conflict, NotFound, Overloaded, ServiceError, StoreUnavailable
 
 if TYPE_CHECKING:
-    from .registry import ModelVersion
+    from .metrics import Metrics
+    from .registry import ModelVersion, Registry
+    from .session_store import SessionRecord, SessionStore
+
+log = logging.getLogger("orthornn.service")
+R = TypeVar("R")
+#: one chunk of a session: (model version, the state it continues from) -> (answer, the
+#: state after the chunk, its time steps)
+ChunkRun = Callable[["ModelVersion", "np.ndarray | None"],
+                    Awaitable[tuple[R, np.ndarray, int]]]
+POSITION_HEADER = "Orthornn-Session-Position"
 
 
 class StateConflict(Conflict):
@@ -120,94 +141,267 @@ class UnknownSession(NotFound):
     """A session that is not open (404)."""
 
 
-@dataclass(eq=False)
-class Session:
-    id: str
+@contextlib.contextmanager
+def served_by(mv: ModelVersion) -> Iterator[None]:
+    """An error raised inside is counted under MV (its ``served``; a bug's 500 too)."""
+    try:
+        yield
+    except Exception as error:
+        if getattr(error, "served", None) is None:
+            error.served = (mv.name, mv.version)  # type: ignore[attr-defined]
+        raise
+
+
+@dataclass(frozen=True)
+class Applied(Generic[R]):
+    """A chunk's answer, the version that answered it and the session's position after
+    it (time steps consumed)."""
+
+    answer: R
     model: str
-    mv: ModelVersion  # held while the session lives
-    state: np.ndarray | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    last_used: float = field(default_factory=time.monotonic)
-    closed: bool = False
+    version: int
+    position: int
 
 
 class Sessions:
-    """The open sessions of a service. ``hold(mv)`` / ``release(mv)`` pin a model version
-    (the registry's session hold); ``metrics`` counts starts, ends and expiries."""
+    """The server-side sessions of a service, kept in STORE (``service.session_store``);
+    REGISTRY loads and keeps the versions they are pinned to. ``reconcile`` (every
+    ``reconcile_interval_s``, from ``start``) tells the registry which versions open
+    sessions use (``versions_in_use``), so the others are released, and updates the
+    ``orthornn_sessions_active`` and ``orthornn_session_store_up`` gauges."""
 
-    def __init__(self, *, max_sessions: int, idle_timeout_s: float, hold, release,
-                 metrics=None):
-        self.max_sessions = max_sessions
-        self.idle_timeout_s = idle_timeout_s
-        self._hold, self._release = hold, release
-        self.metrics = metrics
-        self._open: dict[str, Session] = {}
-        self._sweeper: asyncio.Task | None = None
+    #: compare-and-set conflicts (another replica applied a chunk first) a chunk without a
+    #: position is re-run for before it gets 409
+    CAS_ATTEMPTS = 4
 
-    def __len__(self) -> int:
-        return len(self._open)
+    def __init__(self, store: SessionStore, registry: Registry, *,
+                 metrics: Metrics | None = None, reconcile_interval_s: float = 1.0):
+        self.store, self.registry, self.metrics = store, registry, metrics
+        self.reconcile_interval_s = reconcile_interval_s
+        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        self._task: asyncio.Task | None = None
 
-    def start(self, session_id: str, model: str, version: int | None) -> Session:
-        """Open a session on a model's version (default: the promoted, else the newest)."""
-        if session_id in self._open:
-            raise Conflict(f"session {session_id!r} is already open; end it first or use "
-                           f"another id")
-        if len(self._open) >= self.max_sessions:
-            raise SessionLimit(f"session {session_id!r}: the service holds the maximum of "
-                               f"{self.max_sessions} open sessions; retry later")
-        mv = self._hold(model, version)
-        session = self._open[session_id] = Session(session_id, model, mv)
-        self._count("session_starts", model)
-        self._gauge()
-        return session
+    # -- one chunk ------------------------------------------------------------------------
 
-    def get(self, session_id: str, model: str) -> Session:
-        session = self._open.get(session_id)
-        if session is None:
-            raise UnknownSession(f"session {session_id!r} is not open (never started, "
-                                 f"ended, or idle for over {self.idle_timeout_s:g} s); start "
-                                 f"it with \"start\": true")
-        if session.model != model:
-            raise ClientError(f"session {session_id!r} belongs to model {session.model!r}, "
-                              f"not {model!r}")
-        return session
+    async def chunk(self, sid: str, model: str, run: ChunkRun[R], *,
+                    version: int | None = None, start: bool = False, end: bool = False,
+                    position: int | None = None, what: str = "session") -> Applied[R]:
+        """Apply one chunk to session SID of MODEL: ``run`` answers it from the session's
+        state (on the session's version) and gives the state after it. START opens the
+        session (on VERSION, default: the model's default version), END ends it after
+        this chunk; POSITION (time steps the client believes the session has consumed)
+        makes the chunk exactly-once (see the module's docstring). WHAT names the session
+        in messages ("session", or "sequence" on the inference route)."""
+        if position is not None and start and position != 0:
+            raise ClientError(f"position: a {what} starts at position 0; got {position} with "
+                              f"its start")
+        async with self._locked(sid):  # one chunk at a time per session on this replica
+            if start:
+                started = await self._start(sid, model, version, run, end, position, what)
+                if started is not None:
+                    return started
+                # a retried start (the session is open, the chunk names position 0):
+                # answered like any chunk at that position
+            for attempt in range(self.CAS_ATTEMPTS):
+                record = await self.store.get(sid)
+                self._check(record, model, version, position, what)
+                mv = await self._version(record, what)
+                try:
+                    with served_by(mv):
+                        try:
+                            applied = await self._apply(record, mv, run, end, position,
+                                                        what)
+                        except _Conflict as conflict:
+                            if position is not None or attempt == self.CAS_ATTEMPTS - 1:
+                                raise _positioned(conflict.error) from None
+                            continue  # another replica applied a chunk first: read again
+                    break
+                finally:
+                    self._release(mv)
+        if end and mv.retired:  # a version no longer served: released now if unused
+            await self.reconcile()
+        return applied
 
-    def end(self, session: Session, reason: str = "session_ends") -> None:
-        if session.closed:
-            return
-        session.closed = True
-        if self._open.get(session.id) is session:
-            del self._open[session.id]
-        self._release(session.mv)
-        self._count(reason, session.model)
-        self._gauge()
+    async def _start(self, sid: str, model: str, version: int | None, run: ChunkRun[R],
+                     end: bool, position: int | None, what: str) -> Applied[R] | None:
+        """Open SID and apply its first chunk; None when it is open already and the chunk
+        names position 0 (a retried start). A failed first chunk opens nothing."""
+        from .session_store import SessionExists
 
-    def expire(self, now: float | None = None) -> int:
-        """End the sessions idle for longer than the timeout (not those in a request)."""
-        now = time.monotonic() if now is None else now
-        idle = [s for s in self._open.values()
-                if now - s.last_used > self.idle_timeout_s and not s.lock.locked()]
-        for session in idle:
-            self.end(session, "session_expiries")
-        return len(idle)
+        mv = self.registry.acquire(model, version)
+        try:
+            with served_by(mv):
+                try:
+                    record = await self.store.create(sid, model, mv.version)
+                except SessionExists:
+                    if position is None:
+                        raise
+                    return None
+                self.registry.keep(mv)  # pinned from now on, wherever it continues
+                self._count("session_starts", model)
+                ok = False
+                try:
+                    applied = await self._apply(record, mv, run, end, position, what)
+                    ok = True
+                except _Conflict as conflict:  # another replica took it at once
+                    raise _positioned(conflict.error) from None
+                finally:
+                    if not ok:  # a failed first chunk opens nothing
+                        await self._forget(sid, model)
+                    await self._refresh_count()
+        finally:
+            self._release(mv)
+        if end and mv.retired:
+            await self.reconcile()
+        return applied
 
-    def start_sweeper(self) -> None:
-        async def sweep():
-            while True:
-                await asyncio.sleep(min(1.0, self.idle_timeout_s / 4))
-                self.expire()
-        self._sweeper = asyncio.get_running_loop().create_task(sweep())
+    def _check(self, record: SessionRecord, model: str, version: int | None,
+               position: int | None, what: str) -> None:
+        sid = record.id
+        retry = position is not None and position == record.previous_position
+        if record.ended and not retry:  # ended: only its last chunk is answered again
+            raise UnknownSession(f"session {sid!r} is not open (ended); start it with "
+                                 f"\"start\": true")  # as the store says it
+        if record.model != model:
+            raise ClientError(f"{what} {sid!r} belongs to model {record.model!r}, not "
+                              f"{model!r}")
+        if version is not None and version != record.version:
+            raise StateConflict(f"{what} {sid!r} runs on version {record.version}, not "
+                                f"{version}")
 
-    async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        for session in list(self._open.values()):
-            self.end(session, "session_ends")
+    async def _version(self, record: SessionRecord, what: str) -> ModelVersion:
+        """The session's pinned version, held for one chunk: loaded here if this replica
+        has not loaded it (in a thread); VersionGone (409 naming it) ends the session."""
+        from .registry import VersionGone
+
+        mv = self.registry.session_version(record.model, record.version)
+        if mv is not None:
+            return mv
+        try:
+            return await asyncio.to_thread(self.registry.load_session_version,
+                                           record.model, record.version)
+        except VersionGone as gone:
+            await self._forget(record.id, record.model)
+            await self._refresh_count()
+            raise VersionGone(f"{what} {record.id!r} runs on {gone}; the {what} has ended: "
+                              f"start a new one") from None
+
+    async def _apply(self, record: SessionRecord, mv: ModelVersion, run: ChunkRun[R],
+                     end: bool, position: int | None, what: str) -> Applied[R]:
+        from .session_store import PositionConflict
+
+        sid = record.id
+        if position is None or position == record.position:
+            answer, state, steps = await run(mv, record.state)
+            try:
+                if end:
+                    new = await self.store.finish(sid, record.position, state, steps)
+                else:
+                    new = await self.store.advance(sid, record.position, state, steps)
+            except PositionConflict as error:
+                raise _Conflict(error) from None
+            except UnknownSession:  # ended or expired while this chunk ran
+                raise UnknownSession(f"session {sid!r} ended while this request ran") \
+                    from None
+            if end:
+                self._count("session_ends", record.model)
+                await self._refresh_count()
+            return Applied(answer, mv.name, mv.version, new.position)
+        if position == record.previous_position:  # a retry of the last applied chunk
+            answer, _, steps = await run(mv, record.previous_state)
+            applied = record.position - record.previous_position
+            if steps != applied:
+                raise _positioned(PositionConflict(
+                    f"{what} {sid!r} is at position {record.position}; the chunk applied at "
+                    f"position {position} had {applied} steps, this one has {steps}: not a "
+                    f"retry of it", record.position))
+            return Applied(answer, mv.name, mv.version, record.position)
+        raise _positioned(PositionConflict(
+            f"{what} {sid!r} is at position {record.position}, not {position}; continue from "
+            f"position {record.position}", record.position))
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, sid: str) -> AsyncIterator[None]:
+        lock, waiting = self._locks.setdefault(sid, (asyncio.Lock(), [0]))
+        waiting[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            waiting[0] -= 1
+            if not waiting[0]:
+                del self._locks[sid]
+
+    def _release(self, mv: ModelVersion) -> None:
+        self.registry.release(mv)
+
+    async def _forget(self, sid: str, model: str) -> None:
+        """End SID after a failure (best effort: a store that is down keeps it until its
+        idle timeout)."""
+        with contextlib.suppress(ServiceError):
+            if await self.store.delete(sid):
+                self._count("session_ends", model)
 
     def _count(self, name: str, model: str) -> None:
         if self.metrics is not None:
             getattr(self.metrics, name).labels(model).inc()
 
-    def _gauge(self) -> None:
+    async def _refresh_count(self) -> None:
+        """The sessions gauge now, where counting costs nothing (in memory); with Redis the
+        reconcile task updates it every second."""
+        if self.metrics is not None and self.store.kind == "memory":
+            with contextlib.suppress(ServiceError):
+                self.metrics.sessions_active.set(await self.store.count())
+
+    # -- the versions sessions use ---------------------------------------------------------
+
+    async def reconcile(self) -> None:
+        """Tell the registry which versions open sessions use (all replicas' sessions, as
+        the store counts them), so the others are released; a store that does not answer
+        changes nothing (the versions the last answer named stay kept)."""
+        since = time.monotonic()
+        try:
+            in_use = await self.store.versions_in_use()
+            count = await self.store.count()
+        except StoreUnavailable:
+            if self.metrics is not None:
+                self.metrics.session_store_up.set(0)
+            return
+        self.registry.retain(in_use, since)
         if self.metrics is not None:
-            self.metrics.sessions_active.set(len(self._open))
+            self.metrics.session_store_up.set(1)
+            self.metrics.sessions_active.set(count)
+
+    def start(self) -> None:
+        """Start the reconcile task (on the running event loop)."""
+        async def loop():
+            while True:
+                try:
+                    await self.reconcile()
+                except Exception:  # never let the task die silently
+                    log.exception("session reconcile failed")
+                await asyncio.sleep(self.reconcile_interval_s)
+        self._task = asyncio.get_running_loop().create_task(loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.store.close()
+
+
+class _Conflict(Exception):
+    """The store's compare-and-set refused a chunk (another one was applied first)."""
+
+    def __init__(self, error):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _positioned(error):
+    """A PositionConflict answered with the session's position in a header too."""
+    error.headers = {POSITION_HEADER: str(error.position)}
+    return error

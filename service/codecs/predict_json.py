@@ -27,6 +27,7 @@ def encode(result: PredictResult) -> bytes:
                               "outputs": result.outputs}
     if result.session is not None:
         answer["session"] = result.session
+        answer["position"] = result.position
     return orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
