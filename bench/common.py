@@ -29,3 +29,13 @@ def chosen_rows(parser, text: str, allowed) -> list[str]:
     if not rows or any(r not in allowed for r in rows):
         parser.error(f"--rows must name some of {', '.join(allowed)}; got {text!r}")
     return rows
+
+
+def percentile_ms(seconds_list, q: float) -> float:
+    """The Q-th percentile of latencies given in seconds, in milliseconds (2 decimals;
+    NaN for none)."""
+    import numpy as np
+
+    if not len(seconds_list):
+        return float("nan")
+    return round(1000 * float(np.percentile(np.asarray(seconds_list), q)), 2)
