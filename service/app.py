@@ -265,7 +265,8 @@ def create_app(settings: Settings) -> FastAPI:
               "configuration (for tritonclient)"),
         Route("POST", "/v2/models/{name}/infer", infer, "inference (the promoted version, "
               "else the newest loaded; "
-              "sequence_id / sequence_start / sequence_end parameters for sequences)",
+              "sequence_id / sequence_start / sequence_end parameters for sequences, "
+              "sequence_position to make a chunk exactly-once)",
               InferenceResponse, InferenceRequest, errors=INFER_ERRORS),
         Route("POST", "/v2/models/{name}/versions/{version}/infer", infer,
               "inference on one version", InferenceResponse, InferenceRequest,

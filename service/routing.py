@@ -28,7 +28,15 @@ ERRORS = {400: {"model": ErrorResponse, "description": "bad input (the message n
                                                       "ready"}}
 INFER_ERRORS = {**ERRORS,
                 409: {"model": ErrorResponse, "description": "a state or session of another "
-                                                            "model version"},
+                                                            "model version, a session "
+                                                            "chunk at a position the session "
+                                                            "is not at (the message and the "
+                                                            "Orthornn-Session-Position "
+                                                            "header name it), or a session "
+                                                            "whose version is gone"},
+                503: {"model": ErrorResponse, "description": "overloaded, not ready, or the "
+                                                            "session store unavailable "
+                                                            "(Retry-After)"},
                 429: {"model": ErrorResponse, "description": "queue full or too many "
                                                             "sessions (Retry-After)"}}
 ADMIN_ERRORS = {**ERRORS, 401: {"model": ErrorResponse, "description": "missing or wrong "
