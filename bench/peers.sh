@@ -5,12 +5,17 @@
 #   1. the peers: a naive FastAPI + onnxruntime server and MLServer (run_peers.sh);
 #   2. orthornn serve (svdrnn classifier, n=128, 6 classes, dense export): POST /predict,
 #      the OIP infer route with JSON data and with a binary tensor, at concurrency 1, 8, 32;
-#   3. overload: /predict at concurrency 256 and 1024 (the excess refused at once with
-#      503 + Retry-After), and at 1024 once more with bench/answered.py beside wrk: the
-#      latency of answered and refused requests apart.
+#   3. overload: /predict at concurrency 256 and 1024 (the excess refused with 503 +
+#      Retry-After), and at 1024 once more with bench/answered.py beside wrk: the latency
+#      of answered and refused requests apart, and of health GETs (/v2/health/ready, one
+#      every 10 ms on a connection of their own); then the goodput line: served (200)
+#      requests a second at c=1024 as a share of c=32's (goodput.json).
 # Prints the harness's tables; JSON and logs go to OUT (default bench/results/peers).
-#   PEERS_DIR=DIR bash bench/peers.sh [OUT] [--duration S]
-# DIR is a checkout of the load harness (setup.sh, run_peers.sh, load.py, make_model.py).
+#   PEERS_DIR=DIR [DURATION=S] [LEVELS=1,8,32] [SKIP_PEERS=1] bash bench/peers.sh [OUT]
+# DIR is a checkout of the load harness (setup.sh, run_peers.sh, load.py, make_model.py);
+# DURATION: seconds per level (default 10); LEVELS: the levels of the three normal rows
+# (32 must be among them for the goodput line); SKIP_PEERS=1 leaves out the peers (quicker,
+# to compare orthornn with itself).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PEERS="${PEERS_DIR:-}"
@@ -21,6 +26,7 @@ fi
 PEERS="$(cd "$PEERS" && pwd)"
 OUT="$(realpath -m "${1:-$ROOT/bench/results/peers}")"
 DURATION="${DURATION:-10}"
+LEVELS="${LEVELS:-1,8,32}"
 PY="${XDG_CACHE_HOME:-$HOME/.cache}/orthornn-peers/base/bin/python"
 ORTHORNN_PY="$ROOT/.venv/bin/python"
 mkdir -p "$OUT"
@@ -56,7 +62,11 @@ head = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": 
 (out / "oip_binary.header").write_text(str(len(head)))
 EOF
 
-bash "$PEERS/run_peers.sh" --peers naive,mlserver --duration "$DURATION" --out "$OUT/peers"
+PEER_TABLE=()
+if [ "${SKIP_PEERS:-0}" != 1 ]; then
+  bash "$PEERS/run_peers.sh" --peers naive,mlserver --duration "$DURATION" --out "$OUT/peers"
+  PEER_TABLE=("$OUT"/peers/naive.json "$OUT"/peers/mlserver.json)
+fi
 
 PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 setsid taskset -c 1 "$ORTHORNN_PY" -m orthornn serve --repo "$OUT/repo" --port "$PORT" \
@@ -74,9 +84,9 @@ load() {  # LABEL PATH BODY CONCURRENCY [extra load.py args]
     --label "$label" --concurrency "$levels" --duration "$DURATION" --warmup 3 \
     --client-cpus 0 --json "$OUT/$label.json" "$@"
 }
-load orthornn /predict "$OUT/orthornn_predict.json" 1,8,32
-load orthornn-oip-json /v2/models/bench/infer "$OUT/oip_body.json" 1,8,32
-load orthornn-oip-binary /v2/models/bench/infer "$OUT/oip_binary.bin" 1,8,32 \
+load orthornn /predict "$OUT/orthornn_predict.json" "$LEVELS"
+load orthornn-oip-json /v2/models/bench/infer "$OUT/oip_body.json" "$LEVELS"
+load orthornn-oip-binary /v2/models/bench/infer "$OUT/oip_binary.bin" "$LEVELS" \
   -H "Inference-Header-Content-Length: $(cat "$OUT/oip_binary.header")"
 load orthornn-overload /predict "$OUT/orthornn_predict.json" 256,1024 --ceiling-concurrency 256
 # wrk's histogram mixes answers and refusals: once more at c=1024, with a probe of 64
@@ -87,12 +97,23 @@ load orthornn-overload /predict "$OUT/orthornn_predict.json" 256,1024 --ceiling-
 LOAD=$!
 trap 'kill $LOAD 2>/dev/null || true; kill -TERM -- -$PID 2>/dev/null || true; wait $PID 2>/dev/null || true' EXIT
 sleep 4  # load.py's 3 s warm-up, then the probe inside the timed run
-# the probe shares CPU 0 with wrk (the client core), so client-side delays count in both
+# the probes share CPU 0 with wrk (the client core), so client-side delays count in all;
+# health GETs from a process of their own, so that the POST probe's work does not delay them
+SECONDS_PROBED="$(python3 -c "print(max(1.0, float('$DURATION') - 2))")"
+taskset -c 0 "$ORTHORNN_PY" "$ROOT/bench/answered.py" --connections 0 \
+  --health "$URL/v2/health/ready" --json "$OUT/health.json" --seconds "$SECONDS_PROBED" \
+  > "$OUT/health.log" 2>&1 &
+HEALTH=$!
 taskset -c 0 "$ORTHORNN_PY" "$ROOT/bench/answered.py" "$URL/predict" \
   --body "$OUT/orthornn_predict.json" --connections 64 --json "$OUT/answered.json" \
-  --seconds "$(python3 -c "print(max(1.0, float('$DURATION') - 2))")"
+  --seconds "$SECONDS_PROBED"
+wait $HEALTH
+cat "$OUT/health.log"
 wait $LOAD
 echo "rss_mib $(ps -o rss= -p "$PID" | awk '{printf "%.0f", $1/1024}')"
-"$PY" "$PEERS/load.py" --table "$OUT"/peers/naive.json "$OUT"/peers/mlserver.json \
+"$PY" "$PEERS/load.py" --table "${PEER_TABLE[@]}" \
   "$OUT"/orthornn.json "$OUT"/orthornn-oip-json.json "$OUT"/orthornn-oip-binary.json \
-  "$OUT"/orthornn-overload.json | tee "$OUT/table.md"
+  "$OUT"/orthornn-overload.json "$OUT"/orthornn-overload-probed.json | tee "$OUT/table.md"
+echo
+"$ORTHORNN_PY" "$ROOT/bench/answered.py" --goodput "$OUT" --json "$OUT/goodput.json" \
+  | tee -a "$OUT/table.md"

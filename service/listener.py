@@ -5,10 +5,22 @@ uvicorn's public surface is ``Config``, ``Server(config).run(sockets=...)`` and
 this module also uses what uvicorn builds inside ``Server.startup``: the protocol class
 (``Config.http_protocol_class``, constructed with ``config``, ``server_state``,
 ``app_state`` and ``_loop``), ``Server.server_state``, ``Server.lifespan.state`` and the
-``Server.servers`` list that its shutdown closes. uvicorn has changed this surface about
+``Server.servers`` list that its shutdown closes; and, for holding refused connections,
+the protocol's ``on_response_complete`` (called when a response is sent; it resumes
+reading and starts the next pipelined request), ``connection_lost``, and its ``flow``
+(uvicorn's FlowControl), ``transport`` and ``loop``. uvicorn has changed this surface about
 once a year, so ``surface_problems`` names whatever of it is missing: the service
 refuses to start with that list (``--listener uvicorn`` runs uvicorn's own listener
 instead), and tests/test_service_live.py checks it against the pinned uvicorn.
+
+Holding: admission (``service.observe``) refuses a request over the in-flight limit with
+503 and Retry-After. A client that retries at once (wrk, most load generators, many
+clients' retry loops) would be refused again and again, each refusal costing nearly what
+an answer costs, and the event loop would spend its time refusing. So each connection
+offers admission an ``observe.Connection`` under ``scope["state"][CONNECTION]``, whose
+``hold(seconds)`` is its protocol's: once that response is sent, the connection is not
+read until Retry-After has passed (the next request, even one already pipelined, waits in
+the kernel's buffers: TCP holds the client back at no cost); then it is read as usual.
 """
 
 from __future__ import annotations
@@ -23,10 +35,15 @@ import ssl as ssl_module
 
 import uvicorn
 
+from .observe import CONNECTION, Connection
+
 log = logging.getLogger("orthornn.service")
 
 #: the protocol class's constructor parameters this module passes
 PROTOCOL_PARAMETERS = ("config", "server_state", "app_state", "_loop")
+#: what holding uses of a protocol: methods it overrides, attributes its instances have
+PROTOCOL_METHODS = ("on_response_complete", "connection_lost")
+PROTOCOL_ATTRIBUTES = ("flow", "transport", "loop")
 
 
 def surface_problems(server: uvicorn.Server) -> list[str]:
@@ -42,32 +59,101 @@ def surface_problems(server: uvicorn.Server) -> list[str]:
         given = inspect.signature(protocol.__init__).parameters
         problems += [f"{protocol.__name__}.__init__({name}=...)"
                      for name in PROTOCOL_PARAMETERS if name not in given]
+        problems += [f"{protocol.__name__}.{name}()" for name in PROTOCOL_METHODS
+                     if not callable(getattr(protocol, name, None))]
     if not hasattr(server, "server_state"):
         problems.append("uvicorn.Server.server_state")
     if not hasattr(getattr(server, "lifespan", None), "state"):
         problems.append("uvicorn.Server.lifespan.state")
     if not isinstance(getattr(server, "servers", None), list):
         problems.append("uvicorn.Server.servers (a list its shutdown closes)")
+    if not problems and protocol is not None:  # instance attributes: on one protocol,
+        problems += _instance_problems(server, protocol)  # built as for a connection
     return problems
 
 
-def listen_eagerly(server: uvicorn.Server, sockets: list[socket.socket]) -> list:
+def _instance_problems(server: uvicorn.Server, protocol: type) -> list[str]:
+    try:
+        loop, own = asyncio.get_running_loop(), None
+    except RuntimeError:  # called outside the server's loop (a test): a loop of its own
+        loop = own = asyncio.new_event_loop()
+    try:
+        instance = protocol(config=server.config, server_state=server.server_state,
+                            app_state={}, _loop=loop)
+    except Exception as error:  # named, not raised
+        return [f"{protocol.__name__}(...): {error!r}"]
+    finally:
+        if own is not None:
+            own.close()
+    return [f"{protocol.__name__}().{name}" for name in PROTOCOL_ATTRIBUTES
+            if not hasattr(instance, name)]
+
+
+def listen_eagerly(server: uvicorn.Server, sockets: list[socket.socket],
+                   hold: bool = True) -> list:
     """EagerListeners on ``sockets`` serving uvicorn's protocol, as uvicorn's own
-    startup would build its servers (TLS included: ``config.ssl``); RuntimeError naming
-    what of uvicorn is missing."""
+    startup would build its servers (TLS included: ``config.ssl``), with ``hold`` each
+    connection's protocol able to hold a refused connection (``holding``); RuntimeError
+    naming what of uvicorn is missing."""
     problems = surface_problems(server)
     if problems:
         raise RuntimeError(f"uvicorn {uvicorn.__version__} lacks what the eager listener "
                            f"uses: {', '.join(problems)}; start with --listener uvicorn "
                            f"(ORTHORNN_LISTENER=uvicorn)")
     config = server.config
+    protocol_class = holding(config.http_protocol_class) if hold \
+        else config.http_protocol_class
 
     def create_protocol(_loop=None):  # as uvicorn's own startup builds it
-        return config.http_protocol_class(config=config, server_state=server.server_state,
-                                          app_state=server.lifespan.state, _loop=_loop)
+        if not hold:
+            return protocol_class(config=config, server_state=server.server_state,
+                                  app_state=server.lifespan.state, _loop=_loop)
+        # the connection's own copy of the lifespan state (complete before any connection),
+        # which uvicorn copies into each request's scope["state"]: admission finds the
+        # request's connection there, at no cost per request
+        state = dict(server.lifespan.state)
+        protocol = protocol_class(config=config, server_state=server.server_state,
+                                  app_state=state, _loop=_loop)
+        state[CONNECTION] = Connection(protocol.hold)
+        return protocol
 
     return [EagerListener(sock, create_protocol, config.backlog, ssl=config.ssl)
             for sock in sockets]
+
+
+def holding(protocol_class: type) -> type:
+    """PROTOCOL_CLASS (uvicorn's httptools or h11 protocol) with ``hold(seconds)``: when the
+    response being sent completes, the connection is not read for SECONDS; uvicorn's own
+    end of the response (resume reading, start a pipelined request, arm keep-alive) runs
+    after them. A connection closed meanwhile (by the server's shutdown) drops the wait."""
+
+    class Holding(protocol_class):
+        _hold_s = 0.0
+        _held: asyncio.TimerHandle | None = None
+
+        def hold(self, seconds: float) -> None:
+            """Hold the connection for SECONDS once the current response is sent."""
+            self._hold_s = seconds
+
+        def on_response_complete(self) -> None:
+            seconds, self._hold_s = self._hold_s, 0.0
+            if seconds <= 0 or self.transport.is_closing():
+                return super().on_response_complete()
+            self.flow.pause_reading()  # uvicorn's own resume_reading ends it
+            self._held = self.loop.call_later(seconds, self._release)
+
+        def _release(self) -> None:
+            self._held = None
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._held is not None:
+                self._held.cancel()
+                self._held = None
+            super().connection_lost(exc)
+
+    Holding.__name__ = Holding.__qualname__ = f"Holding{protocol_class.__name__}"
+    return Holding
 
 
 class EagerListener:

@@ -1,13 +1,31 @@
 """Admission and request metrics: the outermost of the service's ASGI middleware.
 
 Over ``max_inflight_requests`` in flight, a request gets 503 with Retry-After at once (so
-answered requests keep a bounded latency); a body over the limit gets 413; every request is
-counted under its route template and the model/version the dataplane chose.
+answered requests keep a bounded latency). Where the server offers a ``Connection`` (the
+eager listener does, under ``scope["state"][CONNECTION]``):
+
+- the refused connection is held: not read again until Retry-After has passed (and a
+  random fraction of ``RETRY_JITTER_S`` more, so that connections refused together do
+  not all come back together, in the same order), so a client that retries at once
+  waits in TCP instead of costing another refusal;
+- its next request, the retry, is not refused again when it finds every slot taken: it
+  waits (at most ``max_inflight_requests`` such retries) for the next slot to come free,
+  ahead of any new request. Without this, the connections being served would keep the
+  slots for ever (each sends its next request the moment its answer arrives, before a
+  retry can take the slot) and the others would be refused at every retry.
+
+Nothing is refused while a slot is free; health and metrics take no slot. A body over the
+limit gets 413; every request is counted under its route template and the model/version
+the dataplane chose.
 """
 
 from __future__ import annotations
 
+import asyncio
+import random
 import time
+from collections import deque
+from collections.abc import Callable
 
 from prometheus_client import Counter, Histogram
 
@@ -15,6 +33,23 @@ from .errors import BodyTooLarge
 from .http import JSON, error, header
 from .metrics import UNKNOWN, Metrics
 from .routing import RouteTable
+
+#: scope["state"] key of the request's Connection, where the server offers one
+CONNECTION = "orthornn.connection"
+_NO_STATE: dict = {}
+
+
+class Connection:
+    """What admission keeps of one client connection, offered by the server (one object
+    per connection, under scope["state"][CONNECTION]): ``hold(seconds)``, the server's
+    way to read nothing more from the connection for SECONDS once the response being sent
+    is complete; ``refused``, set by admission: its next request is a retry."""
+
+    __slots__ = ("hold", "refused")
+
+    def __init__(self, hold: Callable[[float], None]):
+        self.hold = hold
+        self.refused = False
 
 
 class Observe:
@@ -24,31 +59,26 @@ class Observe:
     the dataplane set). Label children are cached."""
 
     EXEMPT = ("/v2/health/", "/metrics")  # answered even when overloaded
+    RETRY_AFTER_S = 1  # whole seconds, as the header takes them
+    RETRY_JITTER_S = 0.25
 
     def __init__(self, app, table: RouteTable, metrics: Metrics, max_body: int,
                  max_inflight: int):
         self.app, self.table, self.metrics = app, table, metrics
         self.max_body, self.max_inflight = max_body, max_inflight
         self.inflight = 0
+        self._retries: deque[asyncio.Future] = deque()  # retries waiting for a slot
         self._counters: dict[tuple, Counter] = {}
         self._durations: dict[str, Histogram] = {}
         # rendered once: the same error() every other refusal uses
         self._overloaded = error(503, f"overloaded: {max_inflight} requests in flight; "
-                                      "retry later", headers={"Retry-After": "1"})
+                                      "retry later",
+                                 headers={"Retry-After": str(self.RETRY_AFTER_S)})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = time.perf_counter()
-        if self.inflight >= self.max_inflight and not scope["path"].startswith(self.EXEMPT):
-            # Overloaded: the cheapest answer there is (prebuilt bytes, no routing),
-            # because under overload the event loop spends most of its time here, and
-            # every microsecond saved shortens the wait of the requests it does admit.
-            # Fresh messages: a middleware outside this one (CORS, GZip) may edit them.
-            await send({"type": "http.response.start", "status": 503,
-                        "headers": list(self._overloaded.raw_headers)})
-            await send({"type": "http.response.body", "body": self._overloaded.body})
-            return self.record(scope, self.table.match(scope), 503, start)
         status = 500
         found = scope["orthornn.route"] = self.table.match(scope)
 
@@ -69,7 +99,30 @@ class Observe:
                     raise BodyTooLarge(self.max_body)
             return message
 
-        self.inflight += 1
+        # health and metrics neither wait for a slot nor take one: they cost next to
+        # nothing, and a probe must not turn a request away while a slot is free
+        limited = not scope["path"].startswith(self.EXEMPT)
+        if limited:
+            connection = (scope.get("state") or _NO_STATE).get(CONNECTION)
+            if self.inflight < self.max_inflight:
+                self.inflight += 1
+                if connection is not None:
+                    connection.refused = False
+            elif connection is not None and connection.refused \
+                    and len(self._retries) < self.max_inflight:
+                connection.refused = False
+                await self._wait_for_slot()  # handed over by a finishing request
+            else:
+                # Overloaded: the cheapest answer there is (prebuilt bytes, no routing).
+                # Fresh messages: a middleware outside this one (CORS, GZip) may edit them.
+                if connection is not None:  # not read again until Retry-After
+                    connection.refused = True
+                    connection.hold(self.RETRY_AFTER_S + self.RETRY_JITTER_S * random.random())
+                await send({"type": "http.response.start", "status": 503,
+                            "headers": list(self._overloaded.raw_headers)})
+                await send({"type": "http.response.body", "body": self._overloaded.body})
+                return self.record(scope, found, 503, start)
+        # a slot is held from here: the finally below passes it on
         self.metrics.inflight.inc()
         try:
             refused = self.refuse(scope)
@@ -78,9 +131,29 @@ class Observe:
             else:
                 await self.app(scope, limited_receive, send_wrapper)
         finally:
-            self.inflight -= 1
+            if limited:
+                self._free_slot()
             self.metrics.inflight.dec()
             self.record(scope, found, status, start)
+
+    async def _wait_for_slot(self) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._retries.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # handed a slot, then cancelled
+                self._free_slot()
+            raise
+
+    def _free_slot(self) -> None:
+        """A finishing request's slot: to the longest-waiting retry, else free."""
+        while self._retries:
+            waiter = self._retries.popleft()
+            if not waiter.done():  # (a cancelled one is skipped)
+                waiter.set_result(None)
+                return
+        self.inflight -= 1
 
     def refuse(self, scope) -> JSON | None:
         """413 at once when Content-Length says the body is too large."""

@@ -39,8 +39,11 @@ class DrainingServer(uvicorn.Server):
         if sockets is not None and self.eager and sys.platform != "win32":
             await super().startup(sockets=[])  # lifespan and state, no server of its own
             # an EagerListener has what uvicorn's shutdown calls of a server (close,
-            # wait_closed), though uvicorn types the list as asyncio.Server
-            self.servers = listen_eagerly(self, sockets)
+            # wait_closed), though uvicorn types the list as asyncio.Server; a connection
+            # refused for overload is held until its Retry-After unless hold_refused is off
+            settings = getattr(self.service_app.state, "settings", None)
+            self.servers = listen_eagerly(self, sockets,
+                                          hold=getattr(settings, "hold_refused", True))
         else:
             await super().startup(sockets)
             if sockets is None:  # uvicorn bound host and port itself

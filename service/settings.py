@@ -63,6 +63,14 @@ class Settings(BaseSettings):
         description="requests being answered at once; beyond it 503 with Retry-After at once "
                     "(health and metrics excepted), so answered requests keep a bounded "
                     "latency under overload")
+    hold_refused: bool = Field(
+        True, description="after such a 503, read nothing more from its connection until "
+                          "Retry-After (1 s, plus up to 0.25 s at random) has passed: a client "
+                          "that retries at once waits in TCP at no cost to the server instead "
+                          "of being refused again; its retry then waits for the next free "
+                          "slot, ahead of new requests (eager listener only); turn off behind "
+                          "a proxy that sends many clients' requests over one pooled "
+                          "connection")
     max_sessions: int = Field(10_000, ge=1, le=10_000_000,
                               description="open server-side sessions; beyond it a new one "
                                           "gets 429")
