@@ -478,9 +478,12 @@ class RedisStore(_Timed):
         self._down = False  # the last call failed (failures are logged once per outage)
         self._index = f"{prefix}sessions"
         # one immediate reconnect (a pooled connection to a Redis that restarted), no
-        # backoff: the whole call stays within timeout_s
+        # backoff: the whole call stays within timeout_s. No socket timeout: _call bounds
+        # every call, and with one redis-py sends through asyncio.wait_for, which on Python
+        # 3.11 loses a cancellation that arrives as the send completes (CPython gh-86296):
+        # the reconcile task then never ended and shutdown hung.
         self._client = aioredis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            url, socket_timeout=None, socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 1), decode_responses=False)
         self._create = self._client.register_script(CREATE_LUA)
         self._advance = self._client.register_script(ADVANCE_LUA)

@@ -180,6 +180,7 @@ class Sessions:
         self.reconcile_interval_s = reconcile_interval_s
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._task: asyncio.Task | None = None
+        self._closing = False
 
     # -- one chunk ------------------------------------------------------------------------
 
@@ -377,7 +378,7 @@ class Sessions:
     def start(self) -> None:
         """Start the reconcile task (on the running event loop)."""
         async def loop():
-            while True:
+            while not self._closing:  # as well as the cancel: a library may swallow one
                 try:
                     await self.reconcile()
                 except Exception:  # never let the task die silently
@@ -386,6 +387,7 @@ class Sessions:
         self._task = asyncio.get_running_loop().create_task(loop())
 
     async def close(self) -> None:
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
