@@ -9,7 +9,9 @@
 #      Retry-After), and at 1024 once more with bench/answered.py beside wrk: the latency
 #      of answered and refused requests apart, and of health GETs (/v2/health/ready, one
 #      every 10 ms on a connection of their own); then the goodput line: served (200)
-#      requests a second at c=1024 as a share of c=32's (goodput.json).
+#      requests a second at c=1024 as a share of c=32's (goodput.json);
+#   4. sessions: 8-step chunks of 128 open sessions at concurrency 32, with the in-process
+#      session store and with Redis (bench/streaming.py --parts stores; sessions.json).
 # Prints the harness's tables; JSON and logs go to OUT (default bench/results/peers).
 #   PEERS_DIR=DIR [DURATION=S] [LEVELS=1,8,32] [SKIP_PEERS=1] bash bench/peers.sh [OUT]
 # DIR is a checkout of the load harness (setup.sh, run_peers.sh, load.py, make_model.py);
@@ -117,3 +119,7 @@ echo "rss_mib $(ps -o rss= -p "$PID" | awk '{printf "%.0f", $1/1024}')"
 echo
 "$ORTHORNN_PY" "$ROOT/bench/answered.py" --goodput "$OUT" --json "$OUT/goodput.json" \
   | tee -a "$OUT/table.md"
+echo
+# the session row: the same chunks with sessions in this process and in Redis
+"$ORTHORNN_PY" "$ROOT/bench/streaming.py" --parts stores --sessions 128 \
+  --out "$OUT/sessions.json" | tee -a "$OUT/table.md"
