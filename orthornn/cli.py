@@ -9,6 +9,7 @@ installed ends with one line naming the extra (exit 2), never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -98,7 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # here, not at exit: a reader that went away is met below
+        return code
+    except BrokenPipeError:  # `orthornn predict ... | head`: the reader has what it wanted
+        # stop quietly; Python's own flush at exit would fail again, so it gets /dev/null
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE: what a shell reports for a writer its pipe ended
     except ValueError as error:  # bad input: one line, no traceback
         print(f"orthornn {args.command}: error: {error}", file=sys.stderr)
         return 2

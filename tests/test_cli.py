@@ -94,3 +94,19 @@ def test_serve_flags_are_generated_from_every_setting():
     defaults = settings_from_args(parser.parse_args(["serve", "--repo", "r"]))
     assert defaults.batching is True and defaults.max_new_tokens == \
         Settings.model_fields["max_new_tokens"].default
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`orthornn ... | head`: the pipe's reader is gone before the command writes. The
+    command stops with 141 (128 + SIGPIPE, as a shell reports it) and says nothing, where
+    Python would print "Exception ignored ... BrokenPipeError" and exit 120."""
+    import os
+
+    read, write = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "orthornn", "architectures"],
+                            stdout=write, stderr=subprocess.PIPE)
+    os.close(write)
+    os.close(read)  # long before the child has imported anything and written
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141, err.decode()
+    assert err == b""
