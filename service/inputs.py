@@ -19,12 +19,16 @@ F32_MAX = float(np.finfo(np.float32).max)
 
 def _float_sequence(spec: ModelSpec, seq: list | np.ndarray, field: str) -> np.ndarray:
     d = spec.feature_size
-    trusted = isinstance(seq, np.ndarray)  # from fast_predict_request: float32, finite
-    try:
-        with np.errstate(over="ignore"):  # out-of-range numbers become inf: refused below
-            arr = np.asarray(seq, dtype=np.float32)
-    except (ValueError, TypeError):  # ragged steps or a mixture of numbers and lists
-        arr = None
+    arr: np.ndarray | None
+    trusted = isinstance(seq, np.ndarray) and seq.dtype == np.float32
+    if trusted:  # from fast_predict_request: float32 and finite, used as it is
+        arr = np.asarray(seq)
+    else:
+        try:
+            with np.errstate(over="ignore"):  # out-of-range numbers become inf: refused below
+                arr = np.asarray(seq, dtype=np.float32)
+        except (ValueError, TypeError):  # ragged steps or a mixture of numbers and lists
+            arr = None
     if arr is not None and arr.ndim == 1 and d == 1:
         arr = arr.reshape(-1, 1)
     if arr is None or arr.ndim != 2 or arr.shape[1] != d:

@@ -115,6 +115,8 @@ def test_fast_path_takes_well_formed_bodies(body):
     b'{"model": "m", "inputs": [[[[7], 1], [2, 3]]]}',
     b'{"model": "m", "inputs": [[1, [2], 3]]}',
     b'{"model": "m", "inputs": [[[1, 2], [3, 4, 5], 6], [[[7], 1], [2, 3]]]}',
+    # one sequence's extra number and another's missing one: the total count is right
+    b'{"model": "m", "inputs": [[1, [2, 3]], [[[], 5]]]}',
     b'{"model": "m[", "inputs": [[[0.5]]]}',
     b'{"model": "m", "inputs": [[[0.5]]], "inputs": [[[1.5]]]}',
     b'{"model": "m", "inputs": [[[18446744073709551616]]]}',  # beyond 64-bit integers

@@ -34,6 +34,7 @@ def encode(result: PredictResult) -> bytes:
 # the keys of the common body; any other (streaming ones, allow_unk) takes pydantic's path
 _PREDICT_KEYS = frozenset({"model", "version", "inputs", "text", "top_k"})
 _NUMBER_ERRORS = (TypeError, ValueError, RuntimeError)  # what simdjson raises on non-numbers
+_OPEN = ord("[")
 
 
 def fast_predict_request(body: bytes) -> PredictRequest | None:
@@ -57,18 +58,24 @@ def fast_predict_request(body: bytes) -> PredictRequest | None:
     if type(data) is not simdjson.Object:
         return None
     keys = set(data.keys())
-    if len(keys) != len(data) or not keys <= _PREDICT_KEYS or "allow_unk" in keys:
+    if len(keys) != len(data) or not keys <= _PREDICT_KEYS:
         return None  # a duplicate key (pydantic keeps the last), an unknown or a rare one
-    model, version, top_k = data.get("model"), data.get("version"), data.get("top_k")
-    seqs = data.get("inputs")
+    get = data.get  # only for keys that are there: an absent key's get costs 3 us
+    model, seqs = get("model"), get("inputs")
+    version, top_k = (get(k) if k in keys else None for k in ("version", "top_k"))
     if type(model) is not str or not 1 <= len(model) <= 128 or "[" in model \
-            or data.get("text") is not None or type(seqs) is not simdjson.Array:
+            or ("text" in keys and get("text") is not None) or type(seqs) is not simdjson.Array:
         return None
     if version is not None and not (type(version) is int and 1 <= version <= 2**62):
         return None  # strings ("2") and mistakes: pydantic
     if top_k is not None and not (type(top_k) is int and 1 <= top_k <= 1_000_000):
         return None
-    arrays, brackets = [], 1 + len(seqs)  # '[' of inputs and of each sequence
+    try:  # every number of every sequence, flattened; strings, booleans, nulls, objects raise
+        flat = np.frombuffer(seqs.as_buffer(of_type="d"), dtype=np.float64)
+    except _NUMBER_ERRORS:
+        return None
+    shapes: list[tuple[int, ...]] = []
+    brackets = 1 + len(seqs)  # '[' of inputs and of each sequence
     seq: Any
     for seq in seqs:
         if type(seq) is not simdjson.Array:
@@ -83,18 +90,20 @@ def fast_predict_request(body: bytes) -> PredictRequest | None:
             if widths.count(width) != shape[0]:
                 return None
             shape, brackets = (shape[0], width), brackets + shape[0]
-        try:  # strings, booleans, nulls and objects raise
-            flat = np.frombuffer(seq.as_buffer(of_type="d"), dtype=np.float64)
-        except _NUMBER_ERRORS:
-            return None
-        if flat.size != math.prod(shape) or (flat.size and not
-                                             -F32_MAX <= flat.min() <= flat.max() <= F32_MAX):
-            return None  # nested deeper, or beyond float32: the checks below name it
-        arrays.append(flat.astype(np.float32).reshape(shape))
+        shapes.append(shape)
     # as_buffer flattens any nesting: a '[' beyond the expected ones is a deeper array (the
-    # keys and the model name hold none)
-    if body.count(b"[") != brackets:
+    # keys and the model name hold none); numpy counts them 3x faster than bytes.count
+    if np.count_nonzero(np.frombuffer(body, dtype=np.uint8) == _OPEN) != brackets:
         return None
+    sizes = [math.prod(shape) for shape in shapes]
+    if flat.size != sum(sizes) or (flat.size and not
+                                   -F32_MAX <= flat.min() <= flat.max() <= F32_MAX):
+        return None  # beyond float32: the checks below name it
+    values = flat.astype(np.float32)
+    arrays, at = [], 0
+    for shape, size in zip(shapes, sizes, strict=True):  # views of the one float32 array
+        arrays.append(values[at:at + size].reshape(shape))
+        at += size
     # a copy of a request of defaults: pydantic's public way around validation, and the
     # cheapest (model_construct fills every default again)
     return _DEFAULTS.model_copy(update={"model": model, "version": version, "inputs": arrays,
