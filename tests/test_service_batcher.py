@@ -4,7 +4,7 @@ every request gets its own answer or its own error."""
 import asyncio
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -65,6 +65,65 @@ def test_requests_that_arrive_while_a_batch_runs_form_the_next_batch():
             answers = await asyncio.gather(first, *rest)
         assert answers == [[2.0 * v] for v in range(1, 7)]
         assert model.calls == [1, 5]
+    asyncio.run(main())
+
+
+class Immediate(Executor):
+    """Runs a job at once in the caller's thread: an inference thread that wakes the
+    moment a job is handed to it (the worst case for batching)."""
+
+    def __init__(self):
+        self.jobs = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.jobs += 1
+        future: Future = Future()
+        future.set_result(fn(*args, **kwargs))
+        return future
+
+
+def test_the_requests_of_one_event_loop_turn_form_one_batch():
+    """A job starts at the end of the turn, not at the first submit: even an inference
+    thread that wakes at once finds every request queued in the turn."""
+    async def main():
+        model = Model()
+        b = batcher(model, Immediate())
+        answers = await asyncio.gather(*(b.submit([seq(v)], own) for v in range(8)))
+        assert answers == [[2.0 * v] for v in range(8)]
+        assert model.calls == [8]
+        # the next turn's requests: the next batch
+        assert await asyncio.gather(b.submit([seq(1)], own), b.submit([seq(2)], own)) \
+            == [[2.0], [4.0]] and model.calls == [8, 2]
+    asyncio.run(main())
+
+
+def test_a_turns_burst_starts_a_job_per_batch_on_free_workers():
+    async def main():
+        model = Model(hold_first=True)
+        with ThreadPoolExecutor(3) as pool:
+            b = batcher(model, pool, max_batch_size=4, workers=3)
+            jobs = []
+            submit = pool.submit
+            pool.submit = lambda *a, **k: jobs.append(1) or submit(*a, **k)
+            burst = [asyncio.ensure_future(b.submit([seq(v)], own)) for v in range(9)]
+            await _started(model)
+            assert len(jobs) == 3  # three batches of at most 4: three workers
+            model.release.set()
+            answers = await asyncio.gather(*burst)
+        assert answers == [[2.0 * v] for v in range(9)]
+        assert sorted(model.calls) == [1, 4, 4]
+    asyncio.run(main())
+
+
+def test_close_starts_what_is_queued_in_this_turn_and_waits_for_it():
+    async def main():
+        model = Model()
+        with ThreadPoolExecutor(1) as pool:
+            b = batcher(model, pool)
+            request = asyncio.ensure_future(b.submit([seq(1)], own))
+            await asyncio.sleep(0)  # queued; its job starts at the end of the turn
+            await b.close()  # (not through wait_for: its task would start after the job)
+            assert request.done() and await request == [2.0]
     asyncio.run(main())
 
 
