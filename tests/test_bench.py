@@ -143,3 +143,25 @@ def test_recurrence_benchmark_runs(tmp_path):
     assert {r["arch"] for r in rows} >= {"rnn", "svdrnn", "vprnn"}  # the RNN-expressible cells
     assert "sgornn" not in {r["arch"] for r in rows}  # gated: Scan only
     assert all(r["rnn_ms"] > 0 and r["scan_ms"] > 0 for r in rows)
+
+
+def test_codecs_benchmark_runs(tmp_path):
+    out = tmp_path / "codecs.json"
+    assert _load("codecs").main(["--steps", "4", "--features", "3", "--reps", "2",
+                                 "--rounds", "1", "--out", str(out)]) == 0
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"predict_pydantic", "predict", "oip_json", "oip_binary"}
+    assert rows["predict_pydantic"]["baseline_over_row"] == 1.0
+    assert all(r["us_per_request"] > 0 for r in rows.values())
+
+
+def test_codecs_benchmark_bodies_decode_to_the_same_numbers():
+    """The three bodies carry one sequence: each protocol's codec reads the same floats."""
+    import numpy as np
+    from orthornn.service.codecs import oip_binary, predict_json
+
+    body = _load("codecs").bodies(5, 3)
+    predict = predict_json.decode(body["predict"][0]).inputs[0]
+    for name in ("oip_json", "oip_binary"):
+        tensor = oip_binary.decode(*body[name], "bench", None).inputs[0]
+        assert tensor.data.reshape(tensor.shape)[0].tobytes() == np.asarray(predict).tobytes()
