@@ -12,12 +12,15 @@
 #      requests a second at c=1024 as a share of c=32's (goodput.json);
 #   4. sessions: 8-step chunks of 128 open sessions at concurrency 32, with the in-process
 #      session store and with Redis (bench/streaming.py --parts stores; sessions.json).
+#   5. with ROUNDS=N: /predict and OIP JSON against the naive server in N alternated
+#      rounds at c=32 (rounds.json: each round's ratio and their median).
 # Prints the harness's tables; JSON and logs go to OUT (default bench/results/peers).
-#   PEERS_DIR=DIR [DURATION=S] [LEVELS=1,8,32] [SKIP_PEERS=1] bash bench/peers.sh [OUT]
+#   PEERS_DIR=DIR [DURATION=S] [LEVELS=1,8,32] [SKIP_PEERS=1] [ROUNDS=N] [ROUND_S=S] \
+#     bash bench/peers.sh [OUT]
 # DIR is a checkout of the load harness (setup.sh, run_peers.sh, load.py, make_model.py);
 # DURATION: seconds per level (default 10); LEVELS: the levels of the three normal rows
 # (32 must be among them for the goodput line); SKIP_PEERS=1 leaves out the peers (quicker,
-# to compare orthornn with itself).
+# to compare orthornn with itself); ROUND_S: seconds per server and round (default 5).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PEERS="${PEERS_DIR:-}"
@@ -123,3 +126,61 @@ echo
 # the session row: the same chunks with sessions in this process and in Redis
 "$ORTHORNN_PY" "$ROOT/bench/streaming.py" --parts stores --sessions 128 \
   --out "$OUT/sessions.json" | tee -a "$OUT/table.md"
+
+# ROUNDS=N: /predict against the naive server in N alternated rounds (naive /predict, then
+# orthornn's /predict and OIP JSON, ROUND_S seconds each at c=32, both servers up, pinned
+# to CPU 1): single runs move by up to 2x on a shared machine, the ratio within a round
+# much less; per-round ratios and their median go to the table and rounds.json
+if [ "${ROUNDS:-0}" -gt 0 ]; then
+  NPORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  setsid taskset -c 1 "$PY" "$PEERS/naive_fastapi.py" --model "$OUT/model.onnx" \
+    --port "$NPORT" --threads 1 > "$OUT/naive-rounds.log" 2>&1 &
+  NPID=$!
+  trap 'kill -TERM -- -$NPID 2>/dev/null || true; kill -TERM -- -$PID 2>/dev/null || true; wait $PID 2>/dev/null || true' EXIT
+  for _ in $(seq 300); do
+    curl -sf "http://127.0.0.1:$NPORT/health" >/dev/null 2>&1 && break
+    sleep 0.2
+  done
+  mkdir -p "$OUT/rounds"
+  for r in $(seq "$ROUNDS"); do
+    for row in naive predict oip_json; do
+      case $row in
+        naive) url="http://127.0.0.1:$NPORT/predict" body="$OUT/predict_body.json" ;;
+        predict) url="$URL/predict" body="$OUT/orthornn_predict.json" ;;
+        oip_json) url="$URL/v2/models/bench/infer" body="$OUT/oip_body.json" ;;
+      esac
+      "$PY" "$PEERS/load.py" "$url" --body "$body" --label "$row" --concurrency 32 \
+        --duration "${ROUND_S:-5}" --warmup 1 --client-cpus 0 --no-probe \
+        --json "$OUT/rounds/$row-$r.json" > /dev/null
+    done
+  done
+  kill -TERM -- -$NPID 2>/dev/null || true
+  echo
+  "$ORTHORNN_PY" - "$OUT" "$ROUNDS" <<'EOF2' | tee -a "$OUT/table.md"
+import json, statistics, sys
+from pathlib import Path
+
+out, rounds = Path(sys.argv[1]), int(sys.argv[2])
+rows = ("naive", "predict", "oip_json")
+rps = {row: [] for row in rows}
+for r in range(1, rounds + 1):
+    for row in rows:
+        level = json.loads((out / "rounds" / f"{row}-{r}.json").read_text())["levels"][0]
+        if level["error_total"]:
+            sys.exit(f"round {r}, {row}: {level['error_total']} errors")
+        rps[row].append(level["rps"])
+ratio = {row: [a / b for a, b in zip(rps[row], rps["naive"])] for row in ("predict", "oip_json")}
+print(f"/predict against the naive server, {rounds} alternated rounds at c=32 (req/s)")
+print("round   naive  /predict  OIP JSON  /predict/naive  OIP JSON/naive")
+for r in range(rounds):
+    print(f"{r + 1:>5} {rps['naive'][r]:>7.0f} {rps['predict'][r]:>9.0f} "
+          f"{rps['oip_json'][r]:>9.0f} {ratio['predict'][r]:>15.2f} {ratio['oip_json'][r]:>15.2f}")
+median = {row: statistics.median(v) for row, v in ratio.items()}
+print(f"median ratio: /predict {median['predict']:.2f}x the naive server "
+      f"(rounds {min(ratio['predict']):.2f}-{max(ratio['predict']):.2f}), "
+      f"OIP JSON {median['oip_json']:.2f}x")
+(out / "rounds.json").write_text(json.dumps({"rounds": rounds, "rps": rps, "ratio": ratio,
+                                             "median_ratio": median}, indent=2) + "\n")
+print(f"wrote {out / 'rounds.json'}")
+EOF2
+fi
