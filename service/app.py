@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import auth
 from .codecs import oip_binary, predict_json
 from .dataplane import DataPlane, server_version, version_param
+from .devices import ProviderChoice, select_providers
 from .docs import add_docs
 from .errors import ClientError, ServiceError
 from .http import JSON, answer, error, header
@@ -66,7 +67,6 @@ from .routing import (
     RouteTable,
     openapi_paths,
 )
-from .runtime import select_providers
 from .settings import Settings
 from .streaming import POSITION_HEADER
 
@@ -90,17 +90,20 @@ def _version_or_none(version: str | None) -> int | None:
         return None
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, providers: ProviderChoice | None = None) -> FastAPI:
+    """The service's app; PROVIDERS: the execution providers chosen for the settings
+    (chosen here when not given; ValueError when the settings' device cannot be had)."""
     metrics = Metrics()
-    providers = select_providers(settings.providers)
+    if providers is None:
+        providers = select_providers(settings.providers, settings.device)
     executor = ThreadPoolExecutor(settings.inference_workers, thread_name_prefix="orthornn-run")
-    registry = Registry(settings, metrics, executor, providers)
+    registry = Registry(settings, metrics, executor, providers.providers)
     dataplane = DataPlane(settings, registry, metrics)
     admin = auth.bearer(settings.admin_token)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        log.info("serving %s with %s", settings.repo, providers)
+        log.info("serving %s with %s", settings.repo, providers)  # the providers and why
         registry.start(asyncio.get_running_loop())
         dataplane.sessions.start()  # keeps the versions open sessions use loaded
         yield

@@ -1,6 +1,7 @@
-"""onnxruntime side of the service: execution providers, sessions of a model package,
-and running its graphs on padded batches. Torch-free; sessions come from
-``export.package.session_from_bytes`` so the service and the export verify the same way."""
+"""onnxruntime side of the service: sessions of a model package and running its graphs
+on padded batches (their execution providers: ``service.devices``). Torch-free; sessions
+come from ``export.package.session_from_bytes`` so the service and the export verify the
+same way."""
 
 from __future__ import annotations
 
@@ -11,29 +12,9 @@ import numpy as np
 from orthornn.export.package import INITIAL_STATE, Manifest, PackageError, session_from_bytes
 from orthornn.export.vocabulary import UNK, words
 
-CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 #: an input is far outside the training range when it lies beyond min - m (max - min) or
 #: max + m (max - min) of its feature (m (|max| or 1) for a feature constant in training)
 RANGE_MARGIN = 0.5
-
-
-def available_providers() -> list[str]:
-    import onnxruntime as ort
-
-    return list(ort.get_available_providers())
-
-
-def select_providers(requested: list[str] | None = None) -> list[str]:
-    """The requested providers (each must be available), else CUDA when onnxruntime
-    offers it (the onnxruntime-gpu package on a GPU machine), then CPU."""
-    available = available_providers()
-    if requested:
-        missing = [p for p in requested if p not in available]
-        if missing:
-            raise ValueError(f"providers {missing} are not available in this onnxruntime "
-                             f"(available: {available})")
-        return list(requested)
-    return [p for p in (CUDA, CPU) if p in available] or available
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ import threading
 import uvicorn
 
 from .app import create_app
+from .devices import select_providers
 from .listener import listen_eagerly
 from .settings import Settings
 
@@ -122,12 +123,14 @@ def serve(settings: Settings) -> int:
     refusal = settings.repository_api_exposure()
     if refusal is not None:
         raise ValueError(refusal)
+    # device cuda without CUDA ends here, one line and exit 2, before the port is bound
+    providers = select_providers(settings.providers, settings.device)
     sock = listen(settings.host, settings.port)  # a busy port fails before any model loads
     # The event loop thread is busy with HTTP most of the time; an inference thread whose
     # batch has finished needs the GIL for a moment to hand the answers over. CPython's
     # default switch interval (5 ms) would keep it waiting that long, idling the model.
     sys.setswitchinterval(0.0002)
-    app = create_app(settings)
+    app = create_app(settings, providers)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=False,
                             # uvicorn takes whole seconds here

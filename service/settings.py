@@ -7,8 +7,10 @@ import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from .devices import Device, device_conflict
 
 
 def is_loopback(host: str) -> bool:
@@ -103,7 +105,13 @@ class Settings(BaseSettings):
                     "machine one leaves the other cores to HTTP, more suit many cores")
     providers: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="onnxruntime execution providers (empty: CUDA when available, then CPU)")
+        description="onnxruntime execution providers, used as given (empty: chosen by "
+                    "device)")
+    device: Device = Field(
+        "auto", description="where models run: auto (CUDA when onnxruntime's CUDA provider "
+                            "can load here, else the CPU), cpu, or cuda (refuse to start "
+                            "without it); with providers set, cpu forbids GPU providers and "
+                            "cuda requires CUDAExecutionProvider")
     admin_token: SecretStr | None = Field(
         None, description="bearer token of the repository API (load, unload, index); unset: "
                           "the API is open, which the service allows only on a loopback "
@@ -142,6 +150,14 @@ class Settings(BaseSettings):
                 f"to anyone reaching port {self.port}; set ORTHORNN_ADMIN_TOKEN, listen on "
                 f"127.0.0.1, or pass --allow-open-repository-api "
                 f"(ORTHORNN_ALLOW_OPEN_REPOSITORY_API=true) to allow it")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str, info: ValidationInfo) -> str:
+        conflict = device_conflict(value, info.data.get("providers") or [])
+        if conflict:
+            raise ValueError(conflict)
+        return value
 
     @field_validator("session_store")
     @classmethod
