@@ -30,6 +30,21 @@ def _seed():
     torch.manual_seed(1234)
 
 
+# -- what users install: the wheel, built once per test session (tests/artifacts.py) -----
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory):
+    """The orthornn wheel of this checkout (built from a copy of a clone's files with pip,
+    the way a user builds it). pip without an index skips, or fails under
+    CI_TOOLS_STRICT=1."""
+    from .artifacts import Unavailable, build_wheel, skip_or_fail
+
+    try:
+        return build_wheel(tmp_path_factory.mktemp("wheel"))
+    except Unavailable as error:
+        skip_or_fail(str(error))
+
+
 # -- the inference service: model packages made once per test session ------------------
 
 @pytest.fixture(scope="session")
