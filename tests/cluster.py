@@ -5,7 +5,7 @@ machine is touched: each program runs with a configuration written into the test
 temporary folder, without persistence, and is killed when its fixture ends.
 
 redis-server and haproxy come from the Debian packages (`make test` installs them with
-scripts/ci-services.sh); where a program is missing, the tests that need it skip with the
+scripts/ci-debian.sh); where a program is missing, the tests that need it skip with the
 reason. A test module takes a fixture by name: ``redis_server = cluster.redis_server``.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-INSTALL_HINT = "run `make test` (scripts/ci-services.sh installs it from Debian's packages)"
+INSTALL_HINT = "run `make test` (scripts/ci-debian.sh installs it from Debian's packages)"
 
 
 def program(name: str) -> str | None:

@@ -23,6 +23,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+    # The container images build beside the other tests (tests/containers.py): the build
+    # starts now, and the tests that run the images go last, stably ordered.
+    images = [item for item in items if "containers" in item.keywords]
+    if any(item.name != "test_run_flags_follow_the_rendered_pod" for item in images):
+        from .containers import start_build
+
+        start_build()
+        items[:] = [item for item in items if "containers" not in item.keywords] + images
 
 
 @pytest.fixture(autouse=True)

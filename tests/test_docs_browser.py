@@ -3,7 +3,7 @@ the service, and real headless Chromium, with every host name but 127.0.0.1 made
 unresolvable (as in a cluster without internet), renders every operation.
 
 Chromium comes from the system packages (`make test` installs them when missing:
-scripts/ci-browser.sh); without it the test is skipped with that reason."""
+scripts/ci-debian.sh); without it the test is skipped with that reason."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def browser() -> str:
         if path:
             return path
     pytest.skip("no headless Chromium: install the Debian packages chromium and "
-                "chromium-driver (make test runs scripts/ci-browser.sh, which needs root and "
+                "chromium-driver (make test runs scripts/ci-debian.sh, which needs root and "
                 "apt-get)")
 
 

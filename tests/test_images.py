@@ -1,0 +1,288 @@
+"""The container images, built by scripts/images.sh (`make images`) and run the way the Helm
+chart runs them (tests/containers.py turns the rendered pod spec into run flags):
+
+- the serving image runs as UID 10001 on a read-only root with the chart's args and env,
+  its probes and HEALTHCHECK answer, /predict equals the checkout's service, a version
+  published into the mounted repository is swapped in under load without a failed
+  request, and SIGTERM drains (exit 0, in-flight requests answered);
+- the training image runs the retraining CronJob's command on mounted volumes: it trains,
+  exports through the gate, and the serving container swaps the new version in.
+
+The images are built in the background from the start of the session (conftest.py), so
+these tests run last; they skip with the reason where no container engine can run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import yaml
+
+from . import containers as c
+from .service_helpers import LiveServer, free_port, make_repo, publish_copy
+
+pytestmark = pytest.mark.containers
+CHART = c.ROOT / "helm" / "orthornn"
+MAX_SERVE_MIB = 400
+
+
+def helm_template(*sets: str) -> c.Rendered:
+    from .test_deploy import tool
+
+    args = [tool("helm"), "template", "rel", str(CHART)]
+    for item in sets:
+        args += ["--set", item]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return c.Rendered([d for d in yaml.safe_load_all(out.stdout) if d])
+
+
+# ------------------------------------------------------------ the translation, no engine
+
+def test_run_flags_follow_the_rendered_pod(tmp_path):
+    rendered = helm_template("containerPort=18123")
+    (tmp_path / "repo").mkdir()
+    deployment = rendered.one("Deployment", "server")
+    flags = c.run_flags(deployment, rendered, {"models": tmp_path / "repo"}, tmp_path)
+    container = c.pod_spec(deployment)["containers"][0]
+    image_at = flags.index(container["image"])
+    assert flags[image_at + 1:] == ["serve", "--repo", "/models", "--host", "0.0.0.0",
+                                    "--port", "18123"]
+    options = flags[:image_at]
+    pairs = {(options[i], options[i + 1]) for i in range(len(options) - 1)}
+    assert ("--user", "10001:10001") in pairs and "--read-only" in options
+    assert ("--cap-drop", "ALL") in pairs
+    assert ("--security-opt", "no-new-privileges") in pairs
+    assert ("--volume", f"{tmp_path / 'repo'}:/models:ro") in pairs
+    assert ("--volume", f"{tmp_path / 'emptyDir' / 'tmp'}:/tmp:rw") in pairs
+    assert ("--group-add", "10001") in pairs
+    # the kubelet's fsGroup: the group owns the volumes and may write them
+    for volume in (tmp_path / "repo", tmp_path / "emptyDir" / "tmp"):
+        assert volume.stat().st_gid == 10001 and volume.stat().st_mode & 0o2070 == 0o2070
+    env = dict(v.split("=", 1) for k, v in pairs if k == "--env")
+    assert env["ORTHORNN_PORT"] == "18123" and env["ORTHORNN_REPO"] == "/models"
+    assert env["HOME"] == "/tmp" and len(env["ORTHORNN_ADMIN_TOKEN"]) >= 16
+    assert c.probes(deployment) == {"startupProbe": ("/v2/health/live", 18123),
+                                    "readinessProbe": ("/v2/health/ready", 18123),
+                                    "livenessProbe": ("/v2/health/live", 18123)}
+    job = rendered_training(tmp_path, 18123).one("CronJob", "retraining")
+    flags = c.run_flags(job, rendered_training(tmp_path, 18123),
+                        {"models": tmp_path / "repo"}, tmp_path)
+    assert flags[flags.index("--entrypoint") + 1] == '["/bin/sh", "-ec"]'
+    assert (tmp_path / "train-config" / "train.yaml").is_file()
+    assert f"{tmp_path / 'repo'}:/models:rw" in flags
+
+
+def rendered_training(tmp_path: Path, port: int) -> c.Rendered:
+    """The chart with retraining on: a small digits run whose gate always passes (its
+    tolerance spans the whole accuracy range: this checks the wiring, not the model)."""
+    return helm_template(f"containerPort={port}", "retraining.enabled=true",
+                         "retraining.trainConfig.hidden_size=16",
+                         "retraining.trainConfig.steps=20",
+                         "retraining.trainConfig.batch_size=32",
+                         "retraining.trainConfig.device=cpu",
+                         "retraining.gate.tolerance=1",
+                         "lifecycle.shutdownDelaySeconds=1")
+
+
+# ------------------------------------------------------------ the images themselves
+
+@pytest.fixture(scope="module")
+def engine():
+    name, _ = c.images()
+    return name
+
+
+def test_image_sizes_users_and_contents(engine):
+    for image, user in ((c.SERVE_IMAGE, "10001:10001"), (c.TRAIN_IMAGE, "10001:10001")):
+        info = json.loads(c.sh(engine, "image", "inspect", image).stdout)[0]
+        assert info["Config"]["User"] == user
+    size = int(c.sh(engine, "image", "inspect", "--format", "{{.Size}}", c.SERVE_IMAGE)
+               .stdout.strip())
+    assert size <= MAX_SERVE_MIB * 2**20, f"serving image {size / 2**20:.0f} MiB"
+    # no torch and no pip in the serving image; the training image has torch
+    probe = ("import importlib.util as u; print(u.find_spec('torch') is not None, "
+             "u.find_spec('pip') is not None)")
+    out = c.sh(engine, "run", "--rm", "--network", "none", "--entrypoint", "python",
+               c.SERVE_IMAGE, "-c", probe).stdout.split()
+    assert out == ["False", "False"]
+    out = c.sh(engine, "run", "--rm", "--network", "none", "--entrypoint", "python",
+               c.TRAIN_IMAGE, "-c", probe).stdout.split()
+    assert out == ["True", "False"]
+
+
+class Server:
+    """The serving image run as the chart's Deployment runs it."""
+
+    def __init__(self, engine: str, rendered: c.Rendered, repo: Path, scratch: Path,
+                 port: int):
+        self.engine, self.port = engine, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.name = c.container_name("serve")
+        self.deployment = rendered.one("Deployment", "server")
+        self.flags = c.run_flags(self.deployment, rendered, {"models": repo}, scratch)
+        self.token = next(f.split("=", 1)[1] for f in self.flags
+                          if f.startswith("ORTHORNN_ADMIN_TOKEN="))
+
+    def start(self) -> float:
+        started = time.monotonic()
+        c.sh(self.engine, "run", "--detach", "--name", self.name, *self.flags)
+        c.wait_http(self.url + "/v2/health/ready", 60, self.name)
+        return time.monotonic() - started
+
+    def logs(self) -> str:
+        out = c.sh(self.engine, "logs", self.name, check=False)
+        return out.stdout + out.stderr
+
+    def remove(self) -> None:
+        c.sh(self.engine, "rm", "--force", "--time", "1", self.name, check=False)
+
+
+@pytest.fixture(scope="module")
+def served(engine, service_packages, tmp_path_factory):
+    """The serving container on a repository with adding v1 and digits v1 (exported by
+    the checkout), readable by UID 10001 and mounted read-only."""
+    root = tmp_path_factory.mktemp("container")
+    repo = make_repo(service_packages, root / "repo", {"adding": [1], "digits": [1]})
+    port = free_port()
+    rendered = rendered_training(root, port)
+    server = Server(engine, rendered, repo, root / "scratch", port)
+    server.ready_s = server.start()
+    server.repo, server.rendered, server.root = repo, rendered, root
+    yield server
+    server.remove()
+
+
+def test_container_ready_within_5s_as_uid_10001_on_a_read_only_root(served):
+    assert served.ready_s <= 5.0, f"start to ready {served.ready_s:.1f} s\n{served.logs()}"
+    out = c.sh(served.engine, "exec", served.name, "sh", "-c",
+               "id -u; id -g; touch /opt/x 2>&1; touch /models/x 2>&1; touch /tmp/x && "
+               "echo tmp-writable", check=False).stdout.splitlines()
+    assert out[:2] == ["10001", "10001"]
+    assert "Read-only file system" in out[2] and "Read-only file system" in out[3]
+    assert out[4] == "tmp-writable"
+    logs = served.logs()
+    assert "CPUExecutionProvider" in logs
+    assert "[E:onnxruntime" not in logs and "Traceback" not in logs
+
+
+def test_chart_probes_and_image_healthcheck_pass(served):
+    for kind, (path, port) in c.probes(served.deployment).items():
+        # the kubelet's httpGet: any status from 200 to 399 passes
+        answer = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=3)
+        assert 200 <= answer.status_code < 400, (kind, path, answer.status_code)
+    check = c.sh(served.engine, "healthcheck", "run", served.name, check=False)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def predict_body(count: int, length: int, width: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"model": "adding", "inputs": [
+        rng.uniform(0, 1, (length - i % 3, width)).round(4).tolist() for i in range(count)]}
+
+
+def test_predict_equals_the_checkout(served, service_packages, tmp_path):
+    body = predict_body(5, 6, 2, seed=1)
+    got = httpx.post(served.url + "/predict", json=body, timeout=10)
+    assert got.status_code == 200, got.text
+    repo = make_repo(service_packages, tmp_path / "repo", {"adding": [1]})
+    with LiveServer(repo=repo) as checkout:
+        want = httpx.post(checkout.url + "/predict", json=body, timeout=10).json()
+    got_outputs, want_outputs = got.json()["outputs"], want["outputs"]
+    assert len(got_outputs) == len(want_outputs) == 5
+    for g, w in zip(got_outputs, want_outputs, strict=True):
+        assert g.keys() == w.keys()
+        np.testing.assert_allclose(np.asarray(g["value"], float),
+                                   np.asarray(w["value"], float), atol=1e-6, rtol=0)
+    assert got.json()["version"] == want["version"] == 1
+
+
+def test_hot_swap_under_load_fails_no_request(served, service_packages):
+    versions, failures, stop = [], [], threading.Event()
+
+    def load(seed: int) -> None:
+        with httpx.Client(timeout=10) as client:
+            while not stop.is_set():
+                try:
+                    r = client.post(served.url + "/predict", json=predict_body(2, 6, 2, seed))
+                    if r.status_code != 200:
+                        failures.append(r.status_code)
+                    else:
+                        versions.append(r.json()["version"])
+                except httpx.HTTPError as error:
+                    failures.append(repr(error))
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.5)
+        publish_copy(service_packages / "adding" / "2", served.repo / "adding", 2)
+        deadline = time.monotonic() + 30
+        while 2 not in versions[-20:] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not failures, failures[:5]
+    assert 1 in versions and versions[-1] == 2, versions[-5:]
+
+
+def test_training_image_runs_the_cronjob_and_the_server_swaps_it_in(served):
+    cronjob = served.rendered.one("CronJob", "retraining")
+    name = c.container_name("retrain")
+    flags = c.run_flags(cronjob, served.rendered, {"models": served.repo},
+                        served.root / "train-scratch")
+    before = httpx.get(served.url + "/v2/models/digits", timeout=5).json()
+    assert before["versions"] == ["1"], before
+    try:
+        job = c.sh(served.engine, "run", "--name", name, *flags, timeout=600, check=False)
+    finally:
+        c.sh(served.engine, "rm", "--force", name, check=False)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert (served.repo / "digits" / "2" / "manifest.json").is_file(), job.stderr[-3000:]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        meta = httpx.get(served.url + "/v2/models/digits", timeout=5).json()
+        if "2" in meta["versions"]:
+            break
+        time.sleep(0.2)
+    body = {"model": "digits", "inputs": [np.zeros((64, 1)).tolist()]}
+    answer = httpx.post(served.url + "/predict", json=body, timeout=10)
+    assert answer.status_code == 200 and answer.json()["version"] == 2, answer.text
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(served):
+    answers, stop = [], threading.Event()
+
+    def load(seed: int) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not stop.is_set():
+                try:
+                    answers.append(client.post(served.url + "/predict",
+                                               json=predict_body(8, 6, 2, seed)).status_code)
+                except httpx.ConnectError:
+                    return  # the listener has closed: no request was in flight
+                except httpx.HTTPError as error:
+                    answers.append(repr(error))
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    stopped = c.sh(served.engine, "stop", "--time", "60", served.name, timeout=90)
+    stop.set()
+    for t in threads:
+        t.join()
+    code = c.sh(served.engine, "inspect", "--format", "{{.State.ExitCode}}", served.name)
+    assert stopped.returncode == 0 and code.stdout.strip() == "0", served.logs()[-3000:]
+    assert answers and all(a == 200 for a in answers), [a for a in answers if a != 200][:5]
