@@ -40,7 +40,10 @@ ENV PATH=/opt/venv/bin:$PATH \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_INDEX=1 \
+    ORT_DISABLE_TELEMETRY=1 \
     HOME=/tmp
+# (onnxruntime-gpu's telemetry is off: pods send nothing out, and its device-ID store warns
+# at every start where it cannot persist one)
 # Installing: pip, run from the wheel that the base's venv package ships
 # (/usr/share/python-wheels), installs into a venv made without it, so the images carry no
 # pip, and only from the wheelhouse (no index). The wheelhouse is bind-mounted from the build

@@ -236,6 +236,27 @@ def wait_http(url: str, timeout: float, container: str | None = None) -> float:
     raise AssertionError(f"{url} not ready after {time.monotonic() - start:.1f} s\n{logs}")
 
 
+def wait_status(url: str, status: int, timeout: float) -> None:
+    """Until URL answers STATUS (an HTTP error status counts as an answer)."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                got = r.status
+        except urllib.error.HTTPError as error:
+            got = error.code
+        except OSError:
+            got = None
+        if got == status:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{url} answered {got}, not {status}, for {timeout} s")
+        time.sleep(0.05)
+
+
 _NAME = re.compile(r"[^a-zA-Z0-9_.-]")
 
 
