@@ -122,7 +122,7 @@ else
     fill "$house/train-cpu" "torch==$torch_version" "$wheel[train]"
     fill "$house/serve-cpu" "$wheel[serve]"
 fi
-echo "images: wheelhouse $(du -sh "$house" | cut -f1) in $(( $(date +%s) - start )) s"
+echo "images: wheelhouse $(du -shc "$house/orthornn" "$house/serve-$VARIANT" "$house/train-$VARIANT" | tail -1 | cut -f1) in $(( $(date +%s) - start )) s"
 
 # ------------------------------------------------------------------ 3. the images
 format=()  # podman's default OCI format drops SHELL and HEALTHCHECK

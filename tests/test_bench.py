@@ -165,3 +165,14 @@ def test_codecs_benchmark_bodies_decode_to_the_same_numbers():
     for name in ("oip_json", "oip_binary"):
         tensor = oip_binary.decode(*body[name], "bench", None).inputs[0]
         assert tensor.data.reshape(tensor.shape)[0].tobytes() == np.asarray(predict).tobytes()
+
+
+def test_images_benchmark_refuses_a_bad_run_count(capsys):
+    """bench/images.py (it needs the images: tests/test_images.py runs them) names the
+    field and its range before it builds or starts anything."""
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_:
+        _load("images").main(["--runs", "0"])
+    assert exit_.value.code == 2
+    assert "--runs must be at least 1" in capsys.readouterr().err
