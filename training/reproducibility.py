@@ -3,7 +3,8 @@
 Two things made the same command with the same seed train different weights:
 - MKL (torch's BLAS on x86) picks its gemm blocking from the thread count, so 1 and 2
   threads summed dL/dW in different orders; its conditional numerical reproducibility
-  mode (``MKL_CBWR=AUTO,STRICT``) fixes the order whatever the thread count. MKL reads
+  mode (``MKL_CBWR=AUTO,STRICT``; ``COMPATIBLE,STRICT`` on other CPUs than Intel's,
+  where AUTO does not) fixes the order whatever the thread count. MKL reads
   the variable once, at its first call, so ``orthornn/__init__.py`` sets it (unless the
   user chose a mode) before anything of ours can run a matrix product.
 - oneDNN's LSTM kernel splits its weight gradients by thread; training turns oneDNN off
@@ -12,9 +13,11 @@ With both, measured on every architecture: identical bytes for 1 and 2 threads, 
 for the same command twice (tests/test_reproducibility.py).
 
 Across CPUs, MKL and ATen pick code paths by instruction set (AVX2, AVX-512), and
-training amplifies their last-bit differences. ``PORTABLE`` pins both to their AVX2
-paths, which every x86-64 CPU since 2013 runs, so a run is the same bytes on each of
-them; it costs up to 30% on gemm-heavy models (the word LM), so only the quickstart,
+training amplifies their last-bit differences. ``PORTABLE`` pins ATen to its AVX2
+paths, which every x86-64 CPU since 2013 runs, and MKL to its COMPATIBLE branch, so a run
+is the same bytes on each of them; it costs speed on gemm-heavy models (MKL's AVX2
+branch cost up to 30% on the word LM on an Intel CPU; COMPATIBLE cost nothing measurable
+on scornn on an AMD EPYC, and is unmeasured on Intel), so only the quickstart,
 whose answers the docs show, uses it. ATen reads its variable when torch is imported.
 
 Threads: with more threads than idle cores, every parallel region waits for a thread
@@ -29,8 +32,9 @@ import os
 import sys
 import time
 
-#: the quickstart's numerics: the same bytes on every x86-64 CPU with AVX2
-PORTABLE = {"MKL_CBWR": "AVX2,STRICT", "ATEN_CPU_CAPABILITY": "avx2"}
+#: the quickstart's numerics: the same bytes on every x86-64 CPU with AVX2, Intel's or
+#: another's (MKL's AVX2 branch is Intel's only: an AMD EPYC trained other bytes with it)
+PORTABLE = {"MKL_CBWR": "COMPATIBLE,STRICT", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
 def pin_portable() -> bool:
