@@ -1,8 +1,10 @@
 """The container images for the tests: built by scripts/images.sh (what `make images` runs),
 and run the way the Helm chart's pods run them.
 
-Kubernetes is not here, and podman's `kube play` needs a pause image from a registry, so a
-rendered pod's container becomes `podman run` flags in one place, `run_flags` (tested in
+Kubernetes is not here, and podman's `kube play` needs an infra (pause) container, which
+podman 4.3 builds only from catatonit (a package recommended, not required, by Debian's
+podman) or else pulls from a registry, and a pod network (CNI plugins); so a rendered pod's
+container becomes `podman run` flags in one place, `run_flags` (tested in
 tests/test_images.py against the rendered chart): its command and args, its env (literal,
 from the rendered ConfigMap and Secret), its user and group, a read-only root, dropped
 capabilities, no privilege escalation, emptyDir volumes as tmpfs and the other volumes bound
