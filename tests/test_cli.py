@@ -109,3 +109,14 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141, err.decode()
     assert err == b""
+
+
+def test_train_refuses_a_setting_given_as_an_architecture_option(capsys, tmp_path):
+    """--option embedding_size=32 reached build_model twice and ended in a TypeError
+    traceback; it is refused up front, naming the flag to use."""
+    code = main(["train", "--arch", "svdrnn", "--task", "lm", "--option", "embedding_size=32",
+                 "--steps", "1", "--out", str(tmp_path / "run"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "embedding_size" in err and "--embedding-size" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()

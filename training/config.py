@@ -117,6 +117,11 @@ def validate(config: TrainConfig) -> TrainConfig:
         check_int("copy_symbols", config.copy_symbols, 2, 1000)
     if not isinstance(config.arch_options, dict):
         raise ValueError("arch_options must be a mapping of option names to values")
+    own = sorted(set(config.arch_options) & {f.name for f in fields(TrainConfig)})
+    if own:  # build_model takes these as its own arguments (a TypeError there)
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in own)
+        raise ValueError(f"arch_options: {', '.join(own)} are settings of their own ({flags}), "
+                         f"not architecture options")
     if config.steps is not None and config.epochs is not None:
         raise ValueError("give steps or epochs, not both")
     if config.steps is not None:
