@@ -1,5 +1,3 @@
-# syntax=docker/dockerfile:1
-#
 # orthornn images (README "Deployment", docs/deployment.md). Build them with `make images`
 # (scripts/images.sh), which first fills build/wheelhouse/ with the orthornn wheel and every
 # wheel it needs, then runs this file with docker or podman:
@@ -27,13 +25,16 @@ ARG PYTHON
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # Distribution packages are left unpinned on purpose: the base tag fixes the release, and
 # the archives drop superseded patch versions, so pinned apt versions would break rebuilds.
-# A base that already has this Python with venv (the local Debian base) skips apt.
+# A base that already has this Python and the pip wheel of its venv package (the local
+# Debian base) skips apt; the installs below run that wheel.
 # hadolint ignore=DL3008
-RUN if ! "${PYTHON}" -c "import ensurepip" 2>/dev/null; then \
+RUN if ! "${PYTHON}" -c "import ensurepip" 2>/dev/null \
+        || ! ls /usr/share/python-wheels/pip-*.whl >/dev/null 2>&1; then \
         apt-get update \
         && apt-get install -y --no-install-recommends "${PYTHON}" "${PYTHON}-venv" ca-certificates \
         && rm -rf /var/lib/apt/lists/*; \
-    fi
+    fi \
+    && ls /usr/share/python-wheels/pip-*.whl > /dev/null
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,8 +38,14 @@ ENV = {**os.environ, "CONTAINERS_CONF": os.environ.get(
 
 
 def engine() -> str:
-    docker = subprocess.run(["docker", "info"], capture_output=True, env=ENV)
-    return "docker" if docker.returncode == 0 else "podman"
+    """ENGINE when set, else docker where its engine runs, else podman (as
+    scripts/images.sh picks)."""
+    if os.environ.get("ENGINE"):
+        return os.environ["ENGINE"]
+    if shutil.which("docker") and subprocess.run(["docker", "info"], capture_output=True,
+                                                 env=ENV).returncode == 0:
+        return "docker"
+    return "podman"
 
 
 def sh(*args: str, **kwargs) -> subprocess.CompletedProcess:

@@ -177,7 +177,7 @@ def measure_stores(repo: Path, args, x: np.ndarray) -> dict:
 
     if program("redis-server") is None:
         raise SystemExit("--parts stores needs redis-server on PATH or in /usr/sbin "
-                         "(scripts/ci-services.sh installs it)")
+                         "(scripts/ci-debian.sh installs it)")
     import redis
 
     inputs = [json.dumps([x[t:t + args.chunk].tolist()]).encode()

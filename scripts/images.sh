@@ -7,15 +7,16 @@
 #      build/wheelhouse/orthornn/, and every wheel it needs, resolved by this machine's pip
 #      under the project's pins, into build/wheelhouse/serve-VARIANT/ and train-VARIANT/;
 #      the Dockerfile installs from there only (no index);
-#   2. the base image: BASE_IMAGE and PYTHON when set (e.g. ubuntu:24.04 and python3.12,
-#      where a registry is reachable); else a local Debian base with python3.11, built once
+#   2. the base image: BASE_IMAGE and IMAGE_PYTHON when set (e.g. ubuntu:24.04 and
+#      python3.12, where a registry is reachable); else a local Debian base with python3.11, built once
 #      with mmdebstrap from this machine's apt sources and imported as
 #      localhost/orthornn-base:bookworm (no registry image is pulled);
 #   3. the two images (docker/podman build --target serve|train).
 #
-# `scripts/images.sh --or-skip` (make test): where no engine can run (no root, not Linux,
-# no podman), it says why and exits 0, and the container tests skip with that reason;
-# CI_TOOLS_STRICT=1 makes it a failure. Plain `make images` always fails loudly.
+# `scripts/images.sh --or-skip` (make test): where something is absent (no engine, no root,
+# not Linux, no mmdebstrap), it says why and exits 0, and the container tests skip with that
+# reason; CI_TOOLS_STRICT=1 makes it a failure. A tool that is there and fails (podman that
+# cannot start, mmdebstrap, a build) always fails, as does plain `make images`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,7 +33,8 @@ give_up() {
     fi
     exit 1
 }
-case "$VARIANT" in cpu|gpu) ;; *) give_up "VARIANT=$VARIANT: allowed values are cpu, gpu" ;; esac
+fail() { echo "images: $1" >&2; exit 1; }
+case "$VARIANT" in cpu|gpu) ;; *) fail "VARIANT=$VARIANT: allowed values are cpu, gpu" ;; esac
 [ -x "$py" ] || give_up "no virtual environment at $VENV (make test creates it)"
 version=$("$py" -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['version'])")
 torch_version=$(sed -n 's/^TORCH_VERSION := //p' Makefile)
@@ -51,7 +53,7 @@ if [ "$engine" = podman ]; then
     [ "$(uname -s)" = Linux ] || give_up "podman here needs Linux"
     [ "$(id -u)" = 0 ] || give_up "rootful podman needs root (the tests run the images as UID 10001 on a read-only root)"
     export CONTAINERS_CONF=${CONTAINERS_CONF:-$PWD/scripts/containers.conf}
-    podman info >/dev/null 2>&1 || give_up "podman cannot start: $(podman info 2>&1 | tail -1)"
+    podman info >/dev/null 2>&1 || fail "podman cannot start: $(podman info 2>&1 | tail -1)"
 fi
 
 start=$(date +%s)
@@ -63,31 +65,35 @@ trap 'rm -rf "$tmp"' EXIT
 # ------------------------------------------------------------------ 1. the wheelhouse
 house=build/wheelhouse
 rm -rf "$house/orthornn"
-if [ -n "${WHEEL:-}" ]; then  # the tests pass the wheel they built
-    mkdir -p "$tmp/dist" && cp "$WHEEL" "$tmp/dist/"
-else
-    # from a copy of the files a clone has: nothing an earlier in-tree build left in build/
-    # (a module deleted since) can reach the wheel
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    # from a copy of the files a clone has (tracked, and untracked but not ignored; not
+    # those deleted since): nothing an earlier in-tree build left in build/ reaches the wheel
     mkdir -p "$tmp/src"
     git ls-files -z --cached --others --exclude-standard \
-        | xargs -0 -I{} sh -c '[ -f "$1" ] && cp --parents "$1" "$2" || true' _ {} "$tmp/src"
+        | (cd "$tmp/src" && while IFS= read -r -d '' name; do
+               [ -f "$OLDPWD/$name" ] || continue
+               mkdir -p "$(dirname "$name")" && cp "$OLDPWD/$name" "$name"
+           done)
     # the last commit's time in the wheel: the same files make the same wheel, so the
     # images' orthornn layer is rebuilt only when the code changed
-    SOURCE_DATE_EPOCH=$(git log -1 --format=%ct 2>/dev/null || date +%s) \
+    SOURCE_DATE_EPOCH=$(git log -1 --format=%ct) \
         "$py" -m pip wheel --quiet --no-deps "$tmp/src" -w "$tmp/dist"
+else  # a source tree without git (an unpacked sdist)
+    "$py" -m pip wheel --quiet --no-deps . -w "$tmp/dist"
 fi
 wheel=$(ls "$tmp"/dist/orthornn-"$version"-*.whl)
 mkdir -p "$house/orthornn" "$house/serve-$VARIANT" "$house/train-$VARIANT"
 cp "$wheel" "$house/orthornn/"
 
 # ------------------------------------------------------------------ 2. the base image
+# (IMAGE_PYTHON, not PYTHON: the Makefile's PYTHON is this machine's, for the venv)
 if [ -z "${BASE_IMAGE:-}" ]; then
     BASE_IMAGE=localhost/orthornn-base:bookworm
-    PYTHON=python3.11
+    IMAGE_PYTHON=python3.11
 fi
-PYTHON=${PYTHON:-python3.12}
+IMAGE_PYTHON=${IMAGE_PYTHON:-python3.12}
 if [ "$BASE_IMAGE" = localhost/orthornn-base:bookworm ] && ! "$engine" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
-    command -v mmdebstrap >/dev/null 2>&1 || give_up "no mmdebstrap to build the Debian base (or set BASE_IMAGE and PYTHON)"
+    command -v mmdebstrap >/dev/null 2>&1 || give_up "no mmdebstrap to build the Debian base (or set BASE_IMAGE and IMAGE_PYTHON)"
     sources=/etc/apt/sources.list.d/debian.sources
     [ -f "$sources" ] || sources=/etc/apt/sources.list
     # minbase + Python; no documentation, manual pages or translations (copyright notices kept)
@@ -95,15 +101,15 @@ if [ "$BASE_IMAGE" = localhost/orthornn-base:bookworm ] && ! "$engine" image ins
         --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
         --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
         --dpkgopt='path-exclude=/usr/share/info/*' \
-        bookworm "$tmp/base.tar" "$sources" || give_up "mmdebstrap failed"
-    "$engine" import --quiet "$tmp/base.tar" "$BASE_IMAGE" >/dev/null
+        bookworm "$tmp/base.tar" "$sources" || fail "mmdebstrap failed"
+    "$engine" import "$tmp/base.tar" "$BASE_IMAGE" >/dev/null
     echo "images: $BASE_IMAGE from mmdebstrap in $(( $(date +%s) - start )) s"
 fi
 
 # The image's exact Python decides the set (scripts/wheelhouse.py: markers such as
 # python_full_version); a base without Python yet (ubuntu) gets PYTHON's minor version.
-image_py=$("$engine" run --rm --network none "$BASE_IMAGE" "$PYTHON" -c \
-    "import platform; print(platform.python_version())" 2>/dev/null || echo "${PYTHON#python}")
+image_py=$("$engine" run --rm --network none "$BASE_IMAGE" "$IMAGE_PYTHON" -c \
+    "import platform; print(platform.python_version())" 2>/dev/null || echo "${IMAGE_PYTHON#python}")
 fill() {  # fill DIR REQUIREMENT... [-- PIP_OPTION...]
     local dir=$1; shift
     # (this machine's pip configuration may name local indexes that lack some projects)
@@ -130,7 +136,7 @@ format=()  # podman's default OCI format drops SHELL and HEALTHCHECK
 digest() { cat "$@" | sha256sum | cut -c1-16; }
 build() {  # build TARGET TAG
     "$engine" build --quiet "${format[@]}" --target "$1" --tag "$2" \
-        --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg PYTHON="$PYTHON" \
+        --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg PYTHON="$IMAGE_PYTHON" \
         --build-arg VARIANT="$VARIANT" \
         --build-arg DEPS_DIGEST="$(digest "$house/$1-$VARIANT"/*.whl)" \
         --build-arg WHEEL_DIGEST="$(digest "$house"/orthornn/*.whl)" \

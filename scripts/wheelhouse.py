@@ -26,17 +26,33 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 
 
 def download(dest: Path, python: str, requirements: list[str], options: list[str]) -> None:
-    subprocess.run(
+    """pip download into DEST; a failure ends the script with pip's own message above."""
+    done = subprocess.run(
         [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
-         "--python-version", python, "--dest", str(dest), *options, *requirements],
-        check=True)
+         "--python-version", python, "--dest", str(dest), *options, *requirements])
+    if done.returncode != 0:
+        sys.exit(f"wheelhouse: pip download {' '.join(requirements)} failed "
+                 f"(exit {done.returncode}; pip says why above)")
+
+
+def pinned(folder: Path) -> Path:
+    """A constraints file of the wheels in FOLDER (name==version), so that a second pass
+    adds what is missing without a second version of anything already there."""
+    path = folder.parent / (folder.name + ".constraints.txt")
+    path.write_text("".join(f"{name}=={version}\n"
+                            for name, (_, version) in sorted(wheels(folder).items())))
+    return path
 
 
 def wheels(folder: Path) -> dict[str, tuple[Path, str]]:
-    """canonical name -> (wheel, version)"""
-    found = {}
-    for wheel in folder.glob("*.whl"):
+    """canonical name -> (wheel, version); two versions of one project are an error (the
+    image's `pip install DIR/*.whl` would refuse them)."""
+    found: dict[str, tuple[Path, str]] = {}
+    for wheel in sorted(folder.glob("*.whl")):
         name, version, _, _ = parse_wheel_filename(wheel.name)
+        if name in found and found[name][1] != str(version):
+            sys.exit(f"wheelhouse: two versions of {name} in {folder}: "
+                     f"{found[name][0].name} and {wheel.name}")
         found[name] = (wheel, str(version))
     return found
 
@@ -97,10 +113,11 @@ def main(argv: list[str]) -> int:
         if not lacking:
             break
         print(f"wheelhouse: for Python {python} also {', '.join(lacking)}", file=sys.stderr)
-        download(partial, python, lacking, options)
+        download(partial, python, lacking, [*options, "--constraint", str(pinned(partial))])
     else:
         sys.exit(f"wheelhouse: still missing for Python {python}: {', '.join(lacking)}")
     shutil.rmtree(folder, ignore_errors=True)
+    partial.with_name(partial.name + ".constraints.txt").unlink(missing_ok=True)
     partial.rename(folder)
     return 0
 

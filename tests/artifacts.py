@@ -1,6 +1,6 @@
 """What users install, built from the checkout for the tests: the wheel (tests/test_wheel.py
-installs and runs it in fresh virtual environments; the container-image tests reuse it)
-and those environments.
+installs and runs it in fresh virtual environments) and those environments. The container
+images are built by scripts/images.sh, from a copy of the same files.
 
 The wheel is built from a copy of the files a clone has (tracked files, and untracked
 ones git does not ignore), the way CI's clean clone builds it: the checkout gets no

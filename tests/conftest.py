@@ -23,14 +23,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
-    # The container images build beside the other tests (tests/containers.py): the build
-    # starts now, and the tests that run the images go last, stably ordered.
+    # The tests that run the container images go last (stably ordered): their build runs
+    # beside the other tests (pytest_collection_finish starts it).
     images = [item for item in items if "containers" in item.keywords]
-    if any(item.name != "test_run_flags_follow_the_rendered_pod" for item in images):
+    items[:] = [item for item in items if "containers" not in item.keywords] + images
+
+
+def pytest_collection_finish(session):
+    """Start the image build (tests/containers.py) when a test still selected after -m and
+    -k deselection runs an image (it uses the `engine` fixture)."""
+    if any("engine" in getattr(item, "fixturenames", ()) for item in session.items):
         from .containers import start_build
 
         start_build()
-        items[:] = [item for item in items if "containers" not in item.keywords] + images
+
+
+def pytest_sessionfinish(session):
+    from .containers import stop_build
+
+    stop_build()
 
 
 @pytest.fixture(autouse=True)

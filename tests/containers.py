@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import base64
 import functools
-import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 import tomllib
@@ -40,7 +40,10 @@ _build_log = ROOT / "build" / "images.log"
 
 @functools.cache
 def engine() -> str | None:
-    """docker where its engine runs, else podman (as scripts/images.sh picks)."""
+    """ENGINE when set, else docker where its engine runs, else podman (as
+    scripts/images.sh picks)."""
+    if os.environ.get("ENGINE"):
+        return os.environ["ENGINE"]
     if shutil.which("docker") and subprocess.run(["docker", "info"], capture_output=True,
                                                  timeout=30).returncode == 0:
         return "docker"
@@ -53,16 +56,27 @@ def engine_env() -> dict[str, str]:
                                               str(ROOT / "scripts" / "containers.conf"))}
 
 
-def start_build(wheel: Path | None = None) -> None:
-    """Start scripts/images.sh --or-skip in the background (once a session)."""
+def start_build() -> None:
+    """Start scripts/images.sh --or-skip in the background (once a session), in a process
+    group of its own, so that `stop_build` ends all of it."""
     global _build
     if _build is not None:
         return
     _build_log.parent.mkdir(exist_ok=True)
-    env = {**engine_env(), **({"WHEEL": str(wheel)} if wheel else {})}
     with open(_build_log, "w") as log:
         _build = subprocess.Popen(["bash", str(ROOT / "scripts" / "images.sh"), "--or-skip"],
-                                  cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+                                  cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                  env=engine_env(), start_new_session=True)
+
+
+def stop_build() -> None:
+    """End a build still running when the session ends (-x, Ctrl-C, a timeout)."""
+    if _build is not None and _build.poll() is None:
+        os.killpg(_build.pid, signal.SIGTERM)
+        try:
+            _build.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(_build.pid, signal.SIGKILL)
 
 
 def images() -> tuple[str, str]:
@@ -78,7 +92,7 @@ def images() -> tuple[str, str]:
     log = _build_log.read_text()
     if code != 0:
         pytest.fail(f"scripts/images.sh failed (exit {code}):\n{log[-4000:]}")
-    if "not built" in log:
+    if "images: not built" in log:
         skip_or_fail("container images not built: " + " ".join(
             line.removeprefix("images: ") for line in log.splitlines()
             if line.startswith("images: ")))
@@ -171,7 +185,8 @@ def run_flags(workload: dict, rendered: Rendered, host_paths: dict[str, Path],
         volume, target = volumes[mount["name"]], mount["mountPath"]
         read_only = mount.get("readOnly", False)
         if volume.get("emptyDir", {}).get("medium") == "Memory":
-            size = volume["emptyDir"].get("sizeLimit", "1Gi").replace("Gi", "g")
+            size = volume["emptyDir"].get("sizeLimit", "1Gi").replace("Gi", "g") \
+                .replace("Mi", "m")
             flags += ["--tmpfs", f"{target}:rw,size={size},mode=1777"]
             continue
         if "emptyDir" in volume:
@@ -189,16 +204,16 @@ def run_flags(workload: dict, rendered: Rendered, host_paths: dict[str, Path],
             source = host_paths[mount["name"]]
             apply_fs_group(source, fs_group)
         flags += ["--volume", f"{source}:{target}:{'ro' if read_only else 'rw'}"]
-    command = container.get("command")
-    if command:
-        flags += ["--entrypoint", json.dumps(command)]
-    return [*flags, container["image"], *container.get("args", [])]
+    command = container.get("command") or []
+    if command:  # the program as entrypoint, its own arguments before the args (as docker)
+        flags += ["--entrypoint", command[0]]
+    return [*flags, container["image"], *command[1:], *container.get("args", [])]
 
 
 def apply_fs_group(path: Path, gid: int | None) -> None:
     """What the kubelet does to a volume for a pod's fsGroup: the group owns everything,
     may read and write it, and new files in its folders inherit the group (setgid)."""
-    if gid is None:
+    if gid is None or os.geteuid() != 0:  # only root may give files to another group
         return
     for item in [path, *path.rglob("*")]:
         os.chown(item, -1, gid)

@@ -51,3 +51,9 @@ def test_extras_asked_of_a_wheel_bring_their_requirements(house):
 
 def test_a_version_outside_the_specifier_is_missing(house):
     assert wheelhouse.missing(house, "3.11.7", ["client>=3"]) == ["client>=3"]
+
+
+def test_two_versions_of_one_project_are_refused(house):
+    wheel(house, "client", "2.2")
+    with pytest.raises(SystemExit, match="two versions of client"):
+        wheelhouse.wheels(house)
