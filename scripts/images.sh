@@ -102,7 +102,7 @@ if [ "$BASE_IMAGE" = localhost/orthornn-base:bookworm ] && ! "$engine" image ins
         --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
         --dpkgopt='path-exclude=/usr/share/info/*' \
         bookworm "$tmp/base.tar" "$sources" || fail "mmdebstrap failed"
-    "$engine" import "$tmp/base.tar" "$BASE_IMAGE" >/dev/null
+    "$engine" import "$tmp/base.tar" "$BASE_IMAGE" >/dev/null 2>&1 || fail "$engine import failed"
     echo "images: $BASE_IMAGE from mmdebstrap in $(( $(date +%s) - start )) s"
 fi
 
