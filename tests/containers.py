@@ -81,8 +81,8 @@ def stop_build() -> None:
             os.killpg(_build.pid, signal.SIGKILL)
 
 
-def images() -> tuple[str, str]:
-    """(engine, build log) once both images are built; skips with the reason where they
+def images() -> str:
+    """The engine, once both images are built; skips with the reason where they
     cannot be (no engine, no root), fails where the build failed."""
     import pytest
 
@@ -98,7 +98,7 @@ def images() -> tuple[str, str]:
         skip_or_fail("container images not built: " + " ".join(
             line.removeprefix("images: ") for line in log.splitlines()
             if line.startswith("images: ")))
-    return engine() or "podman", log
+    return engine() or "podman"
 
 
 def sh(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
@@ -235,33 +235,15 @@ def probes(workload: dict) -> dict[str, tuple[str, int | str]]:
     return out
 
 
-def wait_http(url: str, timeout: float, container: str | None = None) -> float:
-    """Seconds until URL answers 200 (raises with the container's log on timeout)."""
-    import urllib.request
-
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return time.monotonic() - start
-        except OSError:
-            pass
-        if container and sh(engine() or "podman", "inspect", "--format", "{{.State.Running}}",
-                            container, check=False).stdout.strip() == "false":
-            break
-        time.sleep(0.05)
-    logs = sh(engine() or "podman", "logs", container, check=False).stderr if container else ""
-    raise AssertionError(f"{url} not ready after {time.monotonic() - start:.1f} s\n{logs}")
-
-
-def wait_status(url: str, status: int, timeout: float) -> None:
-    """Until URL answers STATUS (an HTTP error status counts as an answer)."""
+def wait_status(url: str, status: int, timeout: float, container: str | None = None
+                ) -> float:
+    """Seconds until URL answers STATUS (an HTTP error status counts as an answer); on
+    timeout, or when CONTAINER has stopped, AssertionError with its log."""
     import urllib.error
     import urllib.request
 
-    deadline = time.monotonic() + timeout
-    while True:
+    start, got = time.monotonic(), None
+    while time.monotonic() - start < timeout:
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 got = r.status
@@ -270,10 +252,14 @@ def wait_status(url: str, status: int, timeout: float) -> None:
         except OSError:
             got = None
         if got == status:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{url} answered {got}, not {status}, for {timeout} s")
+            return time.monotonic() - start
+        if container and sh(engine() or "podman", "inspect", "--format", "{{.State.Running}}",
+                            container, check=False).stdout.strip() == "false":
+            break
         time.sleep(0.05)
+    logs = sh(engine() or "podman", "logs", container, check=False).stderr if container else ""
+    raise AssertionError(f"{url} answered {got}, not {status}, after "
+                         f"{time.monotonic() - start:.1f} s\n{logs}")
 
 
 _NAME = re.compile(r"[^a-zA-Z0-9_.-]")

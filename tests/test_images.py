@@ -77,8 +77,8 @@ def test_run_flags_follow_the_rendered_pod(tmp_path):
     assert c.probes(deployment) == {"startupProbe": ("/v2/health/live", 18123),
                                     "readinessProbe": ("/v2/health/ready", 18123),
                                     "livenessProbe": ("/v2/health/live", 18123)}
-    job = rendered_training(tmp_path, 18123).one("CronJob", "retraining")
-    flags = c.run_flags(job, rendered_training(tmp_path, 18123),
+    training = rendered_training(tmp_path, 18123)
+    flags = c.run_flags(training.one("CronJob", "retraining"), training,
                         {"models": tmp_path / "repo"}, tmp_path)
     entry = flags.index("--entrypoint")
     assert flags[entry + 1] == "/bin/sh" and flags[entry + 3] == "-ec"  # image, then -ec
@@ -102,8 +102,7 @@ def rendered_training(tmp_path: Path, port: int) -> c.Rendered:
 
 @pytest.fixture(scope="module")
 def engine():
-    name, _ = c.images()
-    return name
+    return c.images()
 
 
 def test_image_sizes_users_and_contents(engine):
@@ -146,7 +145,7 @@ def test_gpu_image_on_a_cpu_host_serves_quietly_or_refuses_cuda(engine, service_
     port = int(run[-1])
     c.sh(engine, "run", "--detach", "--name", name, *run[3:])  # run[:3]: engine run --rm
     try:
-        c.wait_http(f"http://127.0.0.1:{port}/v2/health/ready", 60, name)
+        c.wait_status(f"http://127.0.0.1:{port}/v2/health/ready", 200, 60, name)
         logs = c.sh(engine, "logs", name).stderr
     finally:
         c.sh(engine, "rm", "--force", name, check=False)
@@ -164,13 +163,11 @@ class Server:
         self.name = c.container_name("serve")
         self.deployment = rendered.one("Deployment", "server")
         self.flags = c.run_flags(self.deployment, rendered, {"models": repo}, scratch)
-        self.token = next(f.split("=", 1)[1] for f in self.flags
-                          if f.startswith("ORTHORNN_ADMIN_TOKEN="))
 
     def start(self) -> float:
         started = time.monotonic()
         c.sh(self.engine, "run", "--detach", "--name", self.name, *self.flags)
-        c.wait_http(self.url + "/v2/health/ready", 60, self.name)
+        c.wait_status(self.url + "/v2/health/ready", 200, 60, self.name)
         return time.monotonic() - started
 
     def logs(self) -> str:
