@@ -43,8 +43,8 @@ def bodies(steps: int, features: int) -> dict[str, tuple[bytes, str | None]]:
 
 def rows(steps: int, features: int):
     """(name, what it measures, decode function of no arguments)."""
-    from orthornn.service.codecs import oip_binary, predict_json
-    from orthornn.service.protocol import PredictRequest, parse
+    from orthornn.service.dataplane.schemas import PredictRequest, parse
+    from orthornn.service.http.codecs import oip_binary, predict_json
 
     body = bodies(steps, features)
     predict, _ = body["predict"]

@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(run=_bench)
     from orthornn.export.cli import add_export_parser
     from orthornn.quickstart import add_quickstart_parser
-    from orthornn.service.commands import add_serve_parsers
+    from orthornn.service.cli import add_serve_parsers
     from orthornn.training.cli import add_plot_parser, add_train_parser
 
     add_train_parser(sub)

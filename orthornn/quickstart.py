@@ -74,7 +74,7 @@ def quickstart(root: str | Path, host: str = "127.0.0.1", port: int = 8000,
                serve: bool = True) -> Path:
     root = Path(root)
     if serve:  # what would stop the server, before minutes of training
-        from orthornn.service.server import listen
+        from orthornn.service.server.launch import listen
         from orthornn.service.settings import Settings
 
         refusal = Settings(repo=root, host=host, port=port).repository_api_exposure()

@@ -1,8 +1,14 @@
-"""The service's errors: each carries the HTTP status (and headers) it is answered with,
-as MLServer's errors do, so one handler (``http.answer``) maps every one of them to
-``{"error": message}`` without a table of types. Anything else is a logged 500."""
+"""Every error the service answers with, in one place. Each carries the HTTP status (and
+headers) it is answered with, as MLServer's errors do, so one handler
+(``http.responses.error_response``) maps every one of them to ``{"error": message}``
+without a table of types. Anything else is a logged 500. A leaf: it imports nothing of
+the service."""
 
 from __future__ import annotations
+
+#: the response header naming a session's position after a chunk (the answer of a
+#: chunk, and of a PositionConflict); ``orthornn predict --stream`` reads it
+POSITION_HEADER = "Orthornn-Session-Position"
 
 
 class ServiceError(Exception):
@@ -10,9 +16,6 @@ class ServiceError(Exception):
 
     status = 500
     headers: dict[str, str] | None = None
-    #: the model version a request held when this was raised (name, version), if any: the
-    #: HTTP layer counts the request under it
-    served: tuple[str, int] | None = None
 
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
@@ -32,11 +35,43 @@ class NotFound(ServiceError, LookupError):
     status = 404
 
 
+class UnknownSession(NotFound):
+    """A session that is not open (404)."""
+
+
 class Conflict(ClientError):
     """A request that contradicts the state of the service: a state or session of
     another model version, a rollback it cannot do."""
 
     status = 409
+
+
+class StateConflict(Conflict):
+    """A state or session of another model version (409)."""
+
+
+class SessionExists(Conflict):
+    """A session id that is already open (409)."""
+
+
+class PositionConflict(Conflict):
+    """A chunk for a position the session is no longer at (409): another request applied
+    a chunk first, or the client's view is stale. ``position`` is the session's current
+    position (time steps consumed), also in the POSITION_HEADER of the answer."""
+
+    def __init__(self, message: str, position: int):
+        super().__init__(message)
+        self.position = position
+        self.headers = {POSITION_HEADER: str(position)}
+
+
+class RollbackRefused(Conflict):
+    """A rollback that cannot be done (409); the message names the usable versions."""
+
+
+class VersionGone(Conflict):
+    """A session's pinned version that this replica cannot load: gone from the repository,
+    no longer verifying, or its model unloaded (409 naming the version)."""
 
 
 class BodyTooLarge(ServiceError):
@@ -51,6 +86,14 @@ class Overloaded(ServiceError):
 
     status = 429
     headers = {"Retry-After": "1"}  # noqa: RUF012 (read only)
+
+
+class QueueFull(Overloaded):
+    """Too many sequences waiting for one model version (429)."""
+
+
+class SessionLimit(Overloaded):
+    """Too many open sessions (429)."""
 
 
 class StoreUnavailable(ServiceError):

@@ -1,16 +1,88 @@
 """Service settings: ``ORTHORNN_*`` environment variables, overridden by command-line flags
-(``orthornn serve --max-batch-size 16`` beats ``ORTHORNN_MAX_BATCH_SIZE=8``)."""
+(``orthornn serve --max-batch-size 16`` beats ``ORTHORNN_MAX_BATCH_SIZE=8``). A leaf: the
+checks the fields need (a device against a providers list, a session store URL) are
+here, and nothing of the service is imported."""
 
 from __future__ import annotations
 
 import ipaddress
+import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
+from urllib.parse import SplitResult, urlsplit
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .devices import Device, device_conflict
+CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
+#: providers that run on an NVIDIA GPU (TensorRT needs the CUDA provider's libraries too)
+GPU_PROVIDERS = (CUDA, "TensorrtExecutionProvider")
+Device = Literal["auto", "cpu", "cuda"]
+DEVICES: tuple[str, ...] = get_args(Device)
+
+
+def device_conflict(device: str, providers: list[str]) -> str | None:
+    """Why DEVICE contradicts an explicit PROVIDERS list (None: it does not). With
+    device auto a providers list is used as given; with cpu it may name no GPU provider;
+    with cuda it must name the CUDA provider."""
+    if not providers:
+        return None
+    gpu = [p for p in providers if p in GPU_PROVIDERS]
+    if device == "cpu" and gpu:
+        return (f"device cpu contradicts providers {providers}, which name GPU providers "
+                f"{gpu}: drop them from providers, or leave device at auto to use providers "
+                f"as given")
+    if device == "cuda" and CUDA not in providers:
+        return (f"device cuda contradicts providers {providers}, which do not name {CUDA}: "
+                f"add it, or leave device at auto to use providers as given")
+    return None
+
+
+STORE_FORMS = ('"memory" or "redis://[:PASSWORD@]HOST[:PORT][/DB]" ("rediss://" for TLS; '
+               'percent-encode / ? # @ % in the password)')
+
+
+def check_store_url(value: str) -> SplitResult | None:
+    """The parsed redis:// or rediss:// URL of a ``session_store`` value (None for
+    "memory"); ValueError naming the field and the allowed forms otherwise. The message
+    never repeats a password."""
+    if value == "memory":
+        return None
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"session_store: {why}; allowed: {STORE_FORMS}")
+
+    try:
+        parts = urlsplit(value)
+    except ValueError:
+        raise bad("not a URL") from None
+    if parts.scheme not in ("redis", "rediss"):
+        shown = redact(value) if "://" in value else value
+        raise bad(f"{shown!r} is neither memory nor a Redis URL")
+    if not parts.hostname:
+        raise bad("the Redis URL names no host")
+    try:
+        port = parts.port
+    except ValueError:
+        raise bad("the port must be a number from 1 to 65535") from None
+    if port == 0:
+        raise bad("the port must be a number from 1 to 65535")
+    if parts.path not in ("", "/") and not re.fullmatch(r"/[0-9]{1,5}", parts.path):
+        raise bad(f"the database {parts.path[1:]!r} must be a number (/0 by default)")
+    if parts.query or parts.fragment:
+        raise bad("the Redis URL takes no ?query or #fragment (the timeouts are "
+                  "session_store_timeout_s)")
+    return parts
+
+
+def redact(url: str) -> str:
+    """URL without its password (for logs and messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"{user}:***@{host}").geturl()
 
 
 def is_loopback(host: str) -> bool:
@@ -128,7 +200,7 @@ class Settings(BaseSettings):
     listener: Literal["eager", "uvicorn"] = Field(
         "eager", description="eager: accept every waiting connection at each readiness "
                              "(no client waits in the listen queue under overload; uses "
-                             "uvicorn beyond its public surface, service/listener.py); "
+                             "uvicorn beyond its public surface, service/server/listener.py); "
                              "uvicorn: uvicorn's own listener")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="the service's log level")
@@ -162,8 +234,6 @@ class Settings(BaseSettings):
     @field_validator("session_store")
     @classmethod
     def _session_store(cls, value: str) -> str:
-        from .session_store import check_store_url
-
         check_store_url(value)
         return value
 

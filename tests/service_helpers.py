@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import uvicorn
-from orthornn.service.app import create_app
-from orthornn.service.server import DrainingServer, listen
+from orthornn.service.http.app import create_app
+from orthornn.service.server.launch import DrainingServer, listen
 from orthornn.service.settings import Settings
 
 
@@ -70,7 +70,7 @@ class LiveServer:
         settings.setdefault("poll_interval_s", 0.1)
         self.settings = Settings(host="127.0.0.1", port=free_port(), **settings)
         self.app = create_app(self.settings)
-        # the product's server and listener (service/server.py), without its signals
+        # the product's server and listener (service/server/launch.py), without its signals
         options = uvicorn_options or {}
         self.server = DrainingServer(uvicorn.Config(self.app, host="127.0.0.1",
                                                     port=self.settings.port,

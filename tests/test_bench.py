@@ -158,7 +158,7 @@ def test_codecs_benchmark_runs(tmp_path):
 def test_codecs_benchmark_bodies_decode_to_the_same_numbers():
     """The three bodies carry one sequence: each protocol's codec reads the same floats."""
     import numpy as np
-    from orthornn.service.codecs import oip_binary, predict_json
+    from orthornn.service.http.codecs import oip_binary, predict_json
 
     body = _load("codecs").bodies(5, 3)
     predict = predict_json.decode(body["predict"][0]).inputs[0]

@@ -33,7 +33,7 @@ def test_service_package_does_not_import_torch():
             "import orthornn.service as service\n"
             "for m in pkgutil.iter_modules(service.__path__):\n"
             "    importlib.import_module('orthornn.service.' + m.name)\n"
-            "from orthornn.service.app import create_app\n"
+            "from orthornn.service.http.app import create_app\n"
             "bad = [m for m in ('torch', 'orthornn.models', 'orthornn.training')\n"
             "       if m in sys.modules]\n"
             "print(bad)\n"
@@ -69,7 +69,7 @@ def test_bench_rejects_unknown_names(capsys):
 def test_serve_flags_are_generated_from_every_setting():
     """One list: every Settings field is a flag whose help shows the field's own default,
     except the admin token (environment only), and a flag's value reaches Settings."""
-    from orthornn.service.commands import ENV_ONLY, settings_from_args
+    from orthornn.service.cli import ENV_ONLY, settings_from_args
     from orthornn.service.settings import Settings
 
     from orthornn.cli import build_parser

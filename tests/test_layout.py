@@ -104,7 +104,7 @@ TORCH_FREE = ("import sys\n"
 
 def test_service_imports_with_torch_unimportable(tmp_path):
     code = TORCH_FREE + ("import orthornn.service\n"
-                         "from orthornn.service.app import create_app\n"
+                         "from orthornn.service.http.app import create_app\n"
                          "from orthornn.cli import build_parser\n"
                          "build_parser().parse_args(['serve', '--repo', '.'])\n"
                          "print('ok')\n")

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from orthornn.export.package import PackageError, read_manifest
-from orthornn.service.app import create_app
-from orthornn.service.commands import _request_body
+from orthornn.service.client import _request_body
+from orthornn.service.http.app import create_app
 from orthornn.service.settings import Settings
 
 from orthornn.cli import main
@@ -69,7 +69,7 @@ def test_predict_client_defaults_to_the_local_service_and_one_line_per_sequence(
         tmp_path, monkeypatch, capsys):
     """Without --url the client asks the quickstart's address; it prints a line per
     sequence (--verbose: the whole answer), whatever the model's task."""
-    from orthornn.service import commands
+    from orthornn.service import client as predict_client
 
     asked = []
     answer = {"model": "m", "version": 3, "outputs": [
@@ -90,7 +90,7 @@ def test_predict_client_defaults_to_the_local_service_and_one_line_per_sequence(
     def post(url, body, timeout):
         asked.append(url)
         return answer
-    monkeypatch.setattr(commands, "_post_predict", post)
+    monkeypatch.setattr(predict_client, "_post_predict", post)
     (tmp_path / "x.json").write_text("[[0.1]]")
     assert main(["predict", "--model", "m", str(tmp_path / "x.json")]) == 0
     assert asked == ["http://127.0.0.1:8000"]

@@ -8,8 +8,8 @@ import re
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from orthornn.service.app import create_app
-from orthornn.service.runtime import tokenize
+from orthornn.service.http.app import create_app
+from orthornn.service.registry.runtime import tokenize
 from orthornn.service.settings import Settings
 from orthornn.training.corpus import tokenize as training_tokenize
 
@@ -442,10 +442,14 @@ def test_errors_carry_their_status_and_one_handler_answers_them(caplog):
     nothing maps types to statuses a second time."""
     import orjson
     from orthornn.service import errors
-    from orthornn.service.app import answer
-    from orthornn.service.batcher import QueueFull
-    from orthornn.service.registry import RollbackRefused
-    from orthornn.service.streaming import SessionLimit, StateConflict, UnknownSession
+    from orthornn.service.errors import (
+        QueueFull,
+        RollbackRefused,
+        SessionLimit,
+        StateConflict,
+        UnknownSession,
+    )
+    from orthornn.service.http.app import answer
 
     cases = [(errors.ClientError("x"), 400), (errors.NotFound("x"), 404),
              (UnknownSession("x"), 404), (StateConflict("x"), 409),

@@ -8,7 +8,8 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from orthornn.service.batcher import Batcher, QueueFull
+from orthornn.service.errors import QueueFull
+from orthornn.service.registry.batcher import Batcher
 
 
 class Model:

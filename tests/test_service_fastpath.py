@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from orthornn.service.codecs.predict_json import fast_predict_request
+from orthornn.service.dataplane.checks import predict_sequences
+from orthornn.service.dataplane.schemas import PredictRequest
 from orthornn.service.errors import ClientError
-from orthornn.service.inputs import predict_sequences
-from orthornn.service.protocol import PredictRequest
-from orthornn.service.runtime import ModelSpec
+from orthornn.service.http.codecs.predict_json import fast_predict_request
+from orthornn.service.registry.runtime import ModelSpec
 from pydantic import ValidationError
 
 
@@ -132,8 +132,8 @@ def test_direct_routes_answer_errors_like_the_app(service_packages, tmp_path, mo
     """The route table is answered without FastAPI's layers (app.Routes): a
     bug is still a logged 500 with a JSON error, counted in the metrics under the route."""
     from fastapi.testclient import TestClient
-    from orthornn.service import answers
-    from orthornn.service.app import create_app
+    from orthornn.service.dataplane import dataplane
+    from orthornn.service.http.app import create_app
     from orthornn.service.settings import Settings
 
     from .service_helpers import make_repo
@@ -147,7 +147,7 @@ def test_direct_routes_answer_errors_like_the_app(service_packages, tmp_path, mo
 
         def broken(*args):
             raise RuntimeError("boom")
-        monkeypatch.setattr(answers, "shape_outputs", broken)
+        monkeypatch.setattr(dataplane, "shape_outputs", broken)
         r = c.post("/predict", json={"model": "digits", "inputs": [[0.1, 0.2]]})
         assert r.status_code == 500 and r.json() == {"error": "internal server error (logged)"}
         # the OIP infer routes are direct too, counted under their path templates
@@ -175,7 +175,7 @@ def test_direct_routes_answer_errors_like_the_app(service_packages, tmp_path, mo
 def _decoded(req) -> list:
     """Each input decoded as the model would (FP32 / INT64 declared as given), or the
     ClientError message: the fast and the pydantic request must give the same."""
-    from orthornn.service.codecs.oip_json import decode_input
+    from orthornn.service.http.codecs.oip_json import decode_input
 
     out = []
     for inp in req.inputs:
@@ -188,8 +188,8 @@ def _decoded(req) -> list:
 
 
 def _infer_agrees(body: bytes) -> bool:
-    from orthornn.service.codecs.oip_json import fast_infer_request
-    from orthornn.service.protocol import InferenceRequest
+    from orthornn.service.dataplane.schemas import InferenceRequest
+    from orthornn.service.http.codecs.oip_json import fast_infer_request
 
     fast = fast_infer_request(body)
     if fast is None:

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
-from orthornn.service.app import create_app
+from orthornn.service.http.app import create_app
 from orthornn.service.settings import Settings
 from schemathesis import GenerationMode
 from schemathesis.core import NOT_SET

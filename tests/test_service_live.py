@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import tritonclient.http as triton
 from orthornn.export.package import sha256
-from orthornn.service.app import create_app
+from orthornn.service.http.app import create_app
 from orthornn.service.settings import Settings
 
 from orthornn.cli import main as cli
@@ -549,7 +549,7 @@ def test_listener_accepts_every_waiting_connection_at_once():
     import socket
 
     import uvloop
-    from orthornn.service.listener import EagerListener
+    from orthornn.service.server.listener import EagerListener
 
     async def main():
         made, received = [], []
@@ -593,7 +593,7 @@ def test_listener_pauses_when_out_of_file_descriptors(monkeypatch):
     import socket
 
     import uvloop
-    from orthornn.service.listener import EagerListener
+    from orthornn.service.server.listener import EagerListener
 
     async def main():
         sock = socket.socket()
@@ -647,12 +647,12 @@ def test_listener_pauses_when_out_of_file_descriptors(monkeypatch):
     uvloop.run(main())
 
 
-# -- the eager listener and uvicorn's internals (service/listener.py) ------------------
+# -- the eager listener and uvicorn's internals (service/server/listener.py) ------------------
 
 def test_uvicorn_provides_what_the_eager_listener_uses(service_packages, tmp_path):
     """The contract: against the pinned uvicorn nothing is missing, and the listener in
     place is ours. An upgrade that drops an attribute fails here, naming it."""
-    from orthornn.service.listener import EagerListener, surface_problems
+    from orthornn.service.server.listener import EagerListener, surface_problems
 
     repo = make_repo(service_packages, tmp_path / "repo", {"digits": [1]})
     with LiveServer(repo=repo) as live:
@@ -662,7 +662,7 @@ def test_uvicorn_provides_what_the_eager_listener_uses(service_packages, tmp_pat
 
 
 def test_a_missing_uvicorn_attribute_is_named_with_the_fallback():
-    from orthornn.service.listener import listen_eagerly, surface_problems
+    from orthornn.service.server.listener import listen_eagerly, surface_problems
 
     class Changed:  # a uvicorn whose Server lost server_state and lifespan
         config = type("Config", (), {"http_protocol_class": None})()
@@ -678,7 +678,7 @@ def test_a_missing_uvicorn_attribute_is_named_with_the_fallback():
 
 
 def test_listener_uvicorn_serves_with_uvicorns_own_server(service_packages, tmp_path):
-    from orthornn.service.listener import EagerListener
+    from orthornn.service.server.listener import EagerListener
 
     repo = make_repo(service_packages, tmp_path / "repo", {"digits": [1]})
     with LiveServer(repo=repo, listener="uvicorn") as live:

@@ -17,9 +17,9 @@ from typing import ClassVar
 
 import httpx
 import pytest
+from orthornn.service.http.admission import CONNECTION, Connection, Observe
+from orthornn.service.http.routing import RouteTable
 from orthornn.service.metrics import Metrics
-from orthornn.service.observe import CONNECTION, Connection, Observe
-from orthornn.service.routing import RouteTable
 
 from .service_helpers import LiveServer, make_repo
 
@@ -291,7 +291,7 @@ def test_admission_asks_for_the_hold_only_when_it_refuses():
 
 
 def test_a_protocol_without_what_holding_uses_is_named():
-    from orthornn.service.listener import surface_problems
+    from orthornn.service.server.listener import surface_problems
 
     class Protocol:  # a uvicorn whose protocol lost on_response_complete
         def __init__(self, config, server_state, app_state, _loop):

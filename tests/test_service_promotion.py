@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from orthornn.export.repository import promote, read_promotion
-from orthornn.service.app import create_app
-from orthornn.service.registry import promotion_changes
+from orthornn.service.http.app import create_app
+from orthornn.service.registry.registry import promotion_changes
 from orthornn.service.settings import Settings
 from prometheus_client.parser import text_string_to_metric_families
 

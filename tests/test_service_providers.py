@@ -1,4 +1,4 @@
-"""Execution providers of the service (service/devices.py): the CUDA provider is asked
+"""Execution providers of the service (service/registry/devices.py): the CUDA provider is asked
 for only where it can load (onnxruntime lists every provider compiled in), the CPU path
 is quiet, and --device auto|cpu|cuda with its settings, errors and exit codes."""
 
@@ -11,9 +11,9 @@ import onnxruntime as ort
 import pytest
 from fastapi.testclient import TestClient
 from orthornn.export.package import session_from_bytes
-from orthornn.service import devices
-from orthornn.service.app import create_app
-from orthornn.service.devices import CPU, CUDA, cuda_unavailable, select_providers
+from orthornn.service.http.app import create_app
+from orthornn.service.registry import devices
+from orthornn.service.registry.devices import CPU, CUDA, cuda_unavailable, select_providers
 from orthornn.service.settings import Settings
 from pydantic import ValidationError
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from orthornn.service.app import create_app
+from orthornn.service.http.app import create_app
 from orthornn.service.settings import Settings
 
 from orthornn.cli import main as cli

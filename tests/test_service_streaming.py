@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from orthornn.service.app import create_app
+from orthornn.service.errors import UnknownSession
+from orthornn.service.http.app import create_app
 from orthornn.service.metrics import Metrics
-from orthornn.service.session_store import MemoryStore
+from orthornn.service.sessions.store import MemoryStore
 from orthornn.service.settings import Settings
-from orthornn.service.streaming import UnknownSession
 
 from .service_helpers import golden, make_repo, publish_copy, reference, softmax
 

@@ -1,4 +1,4 @@
-"""The session store (service/session_store.py): one contract, run against MemoryStore and
+"""The session store (service/sessions/store.py): one contract, run against MemoryStore and
 against RedisStore on a real redis-server (tests/cluster.py); what only a shared store can
 do (replicas racing on one session, one session limit for all, prefixes, a Redis that dies
 or stalls) against Redis; and the load-balancer fixture (haproxy) proven on tiny backends
@@ -18,19 +18,26 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from orthornn.service.errors import Conflict, NotFound, Overloaded, ServiceError
-from orthornn.service.metrics import Metrics
-from orthornn.service.session_store import (
-    MemoryStore,
+from orthornn.service.errors import (
+    Conflict,
+    NotFound,
+    Overloaded,
     PositionConflict,
-    RedisStore,
+    ServiceError,
     SessionExists,
-    SessionStore,
+    SessionLimit,
     StoreUnavailable,
+    UnknownSession,
+)
+from orthornn.service.metrics import Metrics
+from orthornn.service.sessions.manager import Sessions
+from orthornn.service.sessions.store import (
+    MemoryStore,
+    RedisStore,
+    SessionStore,
     open_store,
 )
 from orthornn.service.settings import Settings
-from orthornn.service.streaming import SessionLimit, Sessions, UnknownSession
 from pydantic import ValidationError
 
 from . import cluster
@@ -511,7 +518,7 @@ def test_good_session_store_values(value):
 
 
 def test_session_store_settings_from_the_environment_and_flags(monkeypatch):
-    from orthornn.service.commands import settings_from_args
+    from orthornn.service.cli import settings_from_args
 
     from orthornn.cli import build_parser
 

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from orthornn.export.package import read_manifest, session, verify_package
-from orthornn.service.app import create_app
+from orthornn.service.http.app import create_app
 from orthornn.service.settings import Settings
 
 from .artifacts import (
@@ -53,7 +53,7 @@ TRAIN_ONLY = ["torch", "safetensors", "tqdm", "yaml", "matplotlib", "sklearn", "
 
 
 def wheel_modules(wheel: Path) -> set[str]:
-    """The wheel's Python files, e.g. `orthornn/service/codecs/predict_json.py`."""
+    """The wheel's Python files, e.g. `orthornn/service/http/codecs/predict_json.py`."""
     with zipfile.ZipFile(wheel) as zf:
         return {name for name in zf.namelist() if name.endswith(".py")}
 
@@ -72,7 +72,7 @@ def source_modules() -> set[str]:
 
 def test_wheel_holds_every_module_of_the_stage_folders(wheel):
     in_wheel, in_source = wheel_modules(wheel), source_modules()
-    assert "orthornn/service/codecs/predict_json.py" in in_source  # the mapping is right
+    assert "orthornn/service/http/codecs/predict_json.py" in in_source  # the mapping is right
     missing, extra = sorted(in_source - in_wheel), sorted(in_wheel - in_source)
     assert not missing and not extra, (f"{wheel.name}: missing from the wheel: {missing}; "
                                        f"in the wheel but not in the checkout: {extra}")
@@ -257,7 +257,7 @@ def test_serve_from_the_wheel_in_a_clean_venv(venvs, wheel, service_packages, tm
         "orthornn", "orthornn.cli", "orthornn.service", "orthornn.service.*",
         "orthornn.export.package", "orthornn.export.repository",
         "orthornn.export.vocabulary"])
-    assert "orthornn.service.codecs.predict_json" in found["imported"]
+    assert "orthornn.service.http.codecs.predict_json" in found["imported"]
 
     repo = make_repo(service_packages, tmp_path / "repo",
                      {"adding": [1], "digits": [1], "words": [1]})

@@ -48,23 +48,14 @@ from orthornn.export.repository import (
 )
 from orthornn.export.repository import rollback as rollback_promotion
 
-from .answers import prepare_rows
+from ..dataplane.outputs import prepare_rows
+from ..errors import NotFound, RollbackRefused, VersionGone
+from ..metrics import Metrics
+from ..settings import Settings
 from .batcher import Batcher
-from .errors import Conflict, NotFound
-from .metrics import Metrics
 from .runtime import ModelSpec, Runtime
-from .settings import Settings
 
 log = logging.getLogger("orthornn.service")
-
-
-class RollbackRefused(Conflict):
-    """A rollback that cannot be done (409); the message names the usable versions."""
-
-
-class VersionGone(Conflict):
-    """A session's pinned version that this replica cannot load: gone from the repository,
-    no longer verifying, or its model unloaded (409 naming the version)."""
 
 
 def promotion_changes(before: dict, after: dict) -> list[str]:

@@ -8,7 +8,7 @@ another model or version, of the wrong size or with non-finite numbers is refuse
 state is never applied to weights it was not made by.
 
 Sessions keep the state in the service instead (``session``: ID), in the session store
-(``service.session_store``: this process's memory, or a Redis the replicas share). A
+(``service.sessions.store``: this process's memory, or a Redis the replicas share). A
 session is pinned to the version it started on, on whichever replica continues it (the
 registry keeps that version loaded while sessions use it, and a replica that lacks it
 loads it on demand). A chunk is applied exactly once: the store's compare-and-set
@@ -35,12 +35,21 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
 
-from .errors import ClientError, Conflict, NotFound, Overloaded, ServiceError, StoreUnavailable
+from ..errors import (
+    ClientError,
+    PositionConflict,
+    ServiceError,
+    SessionExists,
+    StateConflict,
+    StoreUnavailable,
+    UnknownSession,
+    VersionGone,
+)
 
 if TYPE_CHECKING:
-    from .metrics import Metrics
-    from .registry import ModelVersion, Registry
-    from .session_store import SessionRecord, SessionStore
+    from ..metrics import Metrics
+    from ..registry.registry import ModelVersion, Registry
+    from .store import SessionRecord, SessionStore
 
 log = logging.getLogger("orthornn.service")
 R = TypeVar("R")
@@ -48,11 +57,6 @@ R = TypeVar("R")
 #: state after the chunk, its time steps)
 ChunkRun = Callable[["ModelVersion", "np.ndarray | None"],
                     Awaitable[tuple[R, np.ndarray, int]]]
-POSITION_HEADER = "Orthornn-Session-Position"
-
-
-class StateConflict(Conflict):
-    """A state or session of another model version (409)."""
 
 
 def encode_state(name: str, version: int, state: np.ndarray) -> dict:
@@ -133,14 +137,6 @@ def decode_state(value, name: str, version: int, size: int, where: str) -> np.nd
 
 # -- server-side sessions -----------------------------------------------------------------
 
-class SessionLimit(Overloaded):
-    """Too many open sessions (429)."""
-
-
-class UnknownSession(NotFound):
-    """A session that is not open (404)."""
-
-
 @contextlib.contextmanager
 def served_by(mv: ModelVersion) -> Iterator[None]:
     """An error raised inside is counted under MV (its ``served``; a bug's 500 too)."""
@@ -164,7 +160,7 @@ class Applied(Generic[R]):
 
 
 class Sessions:
-    """The server-side sessions of a service, kept in STORE (``service.session_store``);
+    """The server-side sessions of a service, kept in STORE (``service.sessions.store``);
     REGISTRY loads and keeps the versions they are pinned to. ``reconcile`` (every
     ``reconcile_interval_s``, from ``start``) tells the registry which versions open
     sessions use (``versions_in_use``), so the others are released, and updates the
@@ -214,7 +210,7 @@ class Sessions:
                                                         what)
                         except _Conflict as conflict:
                             if position is not None or attempt == self.CAS_ATTEMPTS - 1:
-                                raise _positioned(conflict.error) from None
+                                raise conflict.error from None
                             continue  # another replica applied a chunk first: read again
                     break
                 finally:
@@ -227,8 +223,6 @@ class Sessions:
                      end: bool, position: int | None, what: str) -> Applied[R] | None:
         """Open SID and apply its first chunk; None when it is open already and the chunk
         names position 0 (a retried start). A failed first chunk opens nothing."""
-        from .session_store import SessionExists
-
         mv = self.registry.acquire(model, version)
         try:
             with served_by(mv):
@@ -245,7 +239,7 @@ class Sessions:
                     applied = await self._apply(record, mv, run, end, position, what)
                     ok = True
                 except _Conflict as conflict:  # another replica took it at once
-                    raise _positioned(conflict.error) from None
+                    raise conflict.error from None
                 finally:
                     if not ok:  # a failed first chunk opens nothing
                         await self._forget(sid, model)
@@ -273,8 +267,6 @@ class Sessions:
     async def _version(self, record: SessionRecord, what: str) -> ModelVersion:
         """The session's pinned version, held for one chunk: loaded here if this replica
         has not loaded it (in a thread); VersionGone (409 naming it) ends the session."""
-        from .registry import VersionGone
-
         mv = self.registry.session_version(record.model, record.version)
         if mv is not None:
             return mv
@@ -289,8 +281,6 @@ class Sessions:
 
     async def _apply(self, record: SessionRecord, mv: ModelVersion, run: ChunkRun[R],
                      end: bool, position: int | None, what: str) -> Applied[R]:
-        from .session_store import PositionConflict
-
         sid = record.id
         if position is None or position == record.position:
             answer, state, steps = await run(mv, record.state)
@@ -312,14 +302,14 @@ class Sessions:
             answer, _, steps = await run(mv, record.previous_state)
             applied = record.position - record.previous_position
             if steps != applied:
-                raise _positioned(PositionConflict(
+                raise PositionConflict(
                     f"{what} {sid!r} is at position {record.position}; the chunk applied at "
                     f"position {position} had {applied} steps, this one has {steps}: not a "
-                    f"retry of it", record.position))
+                    f"retry of it", record.position)
             return Applied(answer, mv.name, mv.version, record.position)
-        raise _positioned(PositionConflict(
+        raise PositionConflict(
             f"{what} {sid!r} is at position {record.position}, not {position}; continue from "
-            f"position {record.position}", record.position))
+            f"position {record.position}", record.position)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -402,8 +392,3 @@ class _Conflict(Exception):
         super().__init__(str(error))
         self.error = error
 
-
-def _positioned(error):
-    """A PositionConflict answered with the session's position in a header too."""
-    error.headers = {POSITION_HEADER: str(error.position)}
-    return error

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import orjson
 
-from ..errors import ClientError
-from ..messages import Inference, InferenceResult
-from ..protocol import InferenceRequest
+from ...dataplane.messages import Inference, InferenceResult
+from ...dataplane.schemas import InferenceRequest
+from ...errors import ClientError
 from . import oip_json
 
 HEADER_LENGTH = "Inference-Header-Content-Length"

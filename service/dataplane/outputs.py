@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from orthornn.export.package import INITIAL_LOGITS
 
-from .runtime import Chunk, ModelSpec
+from ..registry.runtime import Chunk, ModelSpec
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

@@ -3,8 +3,8 @@ body into, and what the dataplane answers, whatever the protocol (as MLServer's
 ``InferenceRequest`` / ``InferenceResponse`` serve REST and gRPC alike).
 
 The wire schemas (pydantic, for validation and the OpenAPI document) are in
-``service.protocol``; the codecs (``service.codecs``) turn bodies into these values and
-these values into bodies.
+``service.dataplane.schemas``; the codecs (``service.http.codecs``) turn bodies into these
+values and these values into bodies.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .protocol import RequestOutput
+from .schemas import RequestOutput
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import numpy as np
 import orjson
 import simdjson
 
-from ..messages import PredictResult
-from ..protocol import PredictRequest, parse
+from ...dataplane.messages import PredictResult
+from ...dataplane.schemas import PredictRequest, parse
 
 F32_MAX = float(np.finfo(np.float32).max)
 _DEFAULTS = PredictRequest.model_validate({"model": "_"})
@@ -47,7 +47,7 @@ def fast_predict_request(body: bytes) -> PredictRequest | None:
     booleans, nulls and objects among the numbers, numbers beyond 64-bit integers or
     doubles, duplicate keys, ragged steps and arrays nested deeper than
     [sequence][step][feature] are refused here (None: pydantic's path). The model's checks
-    (``service.inputs``) give the same messages for this request as for pydantic's.
+    (``service.dataplane.checks``) give the same messages for this request as for pydantic's.
     """
     if body.startswith(b"\xef\xbb\xbf"):  # simdjson skips a UTF-8 BOM, pydantic refuses it
         return None

@@ -1,5 +1,5 @@
 """onnxruntime side of the service: sessions of a model package and running its graphs
-on padded batches (their execution providers: ``service.devices``). Torch-free; sessions
+on padded batches (their execution providers: ``service.registry.devices``). Torch-free; sessions
 come from ``export.package.session_from_bytes`` so the service and the export verify the
 same way."""
 

@@ -33,11 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import Overloaded
-
-
-class QueueFull(Overloaded):
-    """Too many sequences waiting for this model version (429)."""
+from ..errors import QueueFull
 
 
 @dataclass

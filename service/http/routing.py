@@ -12,8 +12,8 @@ from http import HTTPStatus
 from fastapi.responses import Response
 from pydantic import BaseModel, TypeAdapter
 
-from .http import answer, error, read_body
-from .protocol import ErrorResponse
+from ..dataplane.schemas import ErrorResponse
+from .responses import answer, error, read_body
 
 Handler = Callable[..., Awaitable[Response]]
 

@@ -29,9 +29,9 @@ from collections.abc import Callable
 
 from prometheus_client import Counter, Histogram
 
-from .errors import BodyTooLarge
-from .http import JSON, error, header
-from .metrics import UNKNOWN, Metrics
+from ..errors import BodyTooLarge
+from ..metrics import UNKNOWN, Metrics
+from .responses import JSON, error, header
 from .routing import RouteTable
 
 #: scope["state"] key of the request's Connection, where the server offers one

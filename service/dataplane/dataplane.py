@@ -1,6 +1,6 @@
 """The model work behind the HTTP routes: typed requests in, typed results out
-(``service.messages``), as MLServer's ``DataPlane`` serves REST and gRPC alike. The HTTP
-layer (``service.app``) decodes bodies with the codecs, maps errors to status codes and
+(``service.dataplane.messages``), as MLServer's ``DataPlane`` serves REST and gRPC alike. The HTTP
+layer (``service.http.app``) decodes bodies with the codecs, maps errors to status codes and
 counts metrics; everything that touches a model version, a batcher, a state or a session
 is here. An error raised while a version is held carries that version
 (``ServiceError.served``), so that it is counted under it.
@@ -16,22 +16,36 @@ from importlib.metadata import version as dist_version
 
 import numpy as np
 
-from . import answers, generate, inputs
-from .errors import ClientError, NotFound
-from .messages import Answer, Inference, InferenceResult, OutputTensor, PredictResult, Served
-from .metrics import UNKNOWN
-from .protocol import GenerateRequest, PredictRequest, RepositoryIndexRequest, RollbackRequest
-from .registry import ModelVersion, Registry, RollbackRefused
-from .runtime import Chunk
-from .session_store import open_store
-from .settings import Settings
-from .streaming import (
+from ..errors import ClientError, NotFound
+from ..metrics import UNKNOWN
+from ..registry.registry import ModelVersion, Registry, RollbackRefused
+from ..registry.runtime import Chunk
+from ..sessions.manager import (
     Sessions,
     StateConflict,
     decode_state,
     encode_state,
     served_by,
     state_version,
+)
+from ..sessions.store import open_store
+from ..settings import Settings
+from . import generate
+from .checks import infer_sequences, predict_sequences, range_warning
+from .messages import (
+    Answer,
+    Inference,
+    InferenceResult,
+    OutputTensor,
+    PredictResult,
+    Served,
+)
+from .outputs import outputs_to_tensors, shape_outputs
+from .schemas import (
+    GenerateRequest,
+    PredictRequest,
+    RepositoryIndexRequest,
+    RollbackRequest,
 )
 
 SEQUENCE_KEYS = ("sequence_id", "sequence_start", "sequence_end", "sequence_position")
@@ -248,7 +262,7 @@ class DataPlane:
                              session=req.session, position=applied.position)
 
     def _sequences(self, mv: ModelVersion, req: PredictRequest) -> list[np.ndarray]:
-        return inputs.predict_sequences(mv.spec, req, self.settings.max_request_sequences)
+        return predict_sequences(mv.spec, req, self.settings.max_request_sequences)
 
     async def _run(self, mv: ModelVersion, seqs: list, req: PredictRequest
                    ) -> tuple[list[dict], list[np.ndarray]]:
@@ -265,7 +279,7 @@ class DataPlane:
             batcher = mv.steps_batcher
 
         def post(rows: list[dict]):  # in the inference thread
-            out = answers.shape_outputs(spec, rows, seqs, req.top_k, req.per_step,
+            out = shape_outputs(spec, rows, seqs, req.top_k, req.per_step,
                                         req.allow_unk)
             if req.return_state:
                 for item, row in zip(out, rows, strict=True):
@@ -288,7 +302,7 @@ class DataPlane:
         """Inputs far outside the training range are answered, with a warning (a response
         header) and a count: usually the client skipped the model's preprocessing."""
         data = [s.data if isinstance(s, Chunk) else s for s in seqs]
-        warning = inputs.range_warning(mv.spec, data, field)
+        warning = range_warning(mv.spec, data, field)
         if warning is not None and self.metrics is not None:
             self.metrics.inputs_out_of_range.labels(mv.name, str(mv.version)).inc()
         return warning
@@ -362,7 +376,7 @@ class DataPlane:
         return str(sid), bool(start), bool(end), position
 
     def _infer_sequences(self, mv: ModelVersion, req: Inference) -> tuple[list, int]:
-        return inputs.infer_sequences(mv.spec, req, mv.spec.io["model"],
+        return infer_sequences(mv.spec, req, mv.spec.io["model"],
                                       self.settings.max_request_sequences)
 
     async def _infer_run(self, mv: ModelVersion, req: Inference, seqs: list, steps: int
@@ -375,6 +389,6 @@ class DataPlane:
             raise ClientError(f"outputs: unknown output {unknown[0]!r}; the model has {names}")
         datatypes = {o["name"]: o["datatype"] for o in mv.spec.io["model"]["outputs"]}
         tensors = await mv.batcher.submit(
-            seqs, lambda rows: answers.outputs_to_tensors(rows, names, steps,
+            seqs, lambda rows: outputs_to_tensors(rows, names, steps,
                                                           runtime.per_step["model"]))
         return [OutputTensor(n, datatypes[n], tensors[n]) for n in names]

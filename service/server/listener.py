@@ -13,7 +13,7 @@ once a year, so ``surface_problems`` names whatever of it is missing: the servic
 refuses to start with that list (``--listener uvicorn`` runs uvicorn's own listener
 instead), and tests/test_service_live.py checks it against the pinned uvicorn.
 
-Holding: admission (``service.observe``) refuses a request over the in-flight limit with
+Holding: admission (``service.http.admission``) refuses a request over the in-flight limit with
 503 and Retry-After. A client that retries at once (wrk, most load generators, many
 clients' retry loops) would be refused again and again, each refusal costing nearly what
 an answer costs, and the event loop would spend its time refusing. So each connection
@@ -35,7 +35,7 @@ import ssl as ssl_module
 
 import uvicorn
 
-from .observe import CONNECTION, Connection
+from ..http.admission import CONNECTION, Connection
 
 log = logging.getLogger("orthornn.service")
 

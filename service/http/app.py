@@ -1,6 +1,6 @@
-"""The HTTP layer: thin handlers over ``service.dataplane``, assembled into one app.
+"""The HTTP layer: thin handlers over ``service.dataplane.dataplane``, assembled into one app.
 
-Every route is a row of the route table (``service.routing``): method, path template,
+Every route is a row of the route table (``service.http.routing``): method, path template,
 handler ``(body, scope, **path parameters) -> Response`` and its OpenAPI description.
 ``routing.Routes`` answers the table without FastAPI's routing, dependency and validation
 layers (the fast path), 405 for another method on a path of the table; the OpenAPI
@@ -30,17 +30,9 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import auth
-from .codecs import oip_binary, predict_json
-from .dataplane import DataPlane, server_version, version_param
-from .devices import ProviderChoice, select_providers
-from .docs import add_docs
-from .errors import ClientError, ServiceError
-from .http import JSON, answer, error, header
-from .messages import Served
-from .metrics import Metrics
-from .observe import Observe
-from .protocol import (
+from ..dataplane.dataplane import DataPlane, server_version, version_param
+from ..dataplane.messages import Served
+from ..dataplane.schemas import (
     ErrorResponse,
     GenerateRequest,
     GenerateResponse,
@@ -56,7 +48,16 @@ from .protocol import (
     ServerMetadata,
     parse,
 )
-from .registry import Registry
+from ..errors import POSITION_HEADER, ClientError, ServiceError
+from ..metrics import Metrics
+from ..registry.devices import ProviderChoice, select_providers
+from ..registry.registry import Registry
+from ..settings import Settings
+from . import auth
+from .admission import Observe
+from .codecs import oip_binary, predict_json
+from .docs import add_docs
+from .responses import JSON, answer, error, header
 from .routing import (
     ADMIN_ERRORS,
     ERRORS,
@@ -67,8 +68,6 @@ from .routing import (
     RouteTable,
     openapi_paths,
 )
-from .settings import Settings
-from .streaming import POSITION_HEADER
 
 log = logging.getLogger("orthornn.service")
 WARNING_HEADER = "Orthornn-Input-Warning"

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import ServiceError
+from ..errors import ServiceError
 
 log = logging.getLogger("orthornn.service")
 

@@ -14,9 +14,9 @@ import simdjson
 from orthornn.export.package import DATATYPES
 from pydantic import ValidationError
 
-from ..errors import ClientError
-from ..messages import Inference, InferenceResult, InputTensor
-from ..protocol import InferenceRequest, RequestInput, parse
+from ...dataplane.messages import Inference, InferenceResult, InputTensor
+from ...dataplane.schemas import InferenceRequest, RequestInput, parse
+from ...errors import ClientError
 
 _NUMBER_ERRORS = (TypeError, ValueError, RuntimeError)  # what simdjson raises on non-numbers
 

@@ -1,7 +1,7 @@
 """Request and answer schemas: the simple ``/predict`` and ``/generate`` API and the Open
 Inference Protocol (REST, v2). They document the API (OpenAPI at /docs) and validate
 request bodies; semantic limits that depend on the model (sequence length, feature size,
-token ids) are checked in ``service.inputs``. ``parse`` validates a body against one of
+token ids) are checked in ``service.dataplane.checks``. ``parse`` validates a body against one of
 them, with a message that names the field."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
-from .errors import ClientError
+from ..errors import ClientError
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -47,41 +47,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
-from urllib.parse import SplitResult, urlsplit
 
 import numpy as np
 
-from .errors import Conflict, StoreUnavailable
-from .streaming import SessionLimit, UnknownSession
+from ..errors import (
+    PositionConflict,
+    SessionExists,
+    SessionLimit,
+    StoreUnavailable,
+    UnknownSession,
+)
+from ..settings import check_store_url, redact
 
 if TYPE_CHECKING:
-    from .metrics import Metrics
-    from .settings import Settings
+    from ..metrics import Metrics
+    from ..settings import Settings
 
 log = logging.getLogger("orthornn.service")
-
-STORE_FORMS = ('"memory" or "redis://[:PASSWORD@]HOST[:PORT][/DB]" ("rediss://" for TLS; '
-               'percent-encode / ? # @ % in the password)')
-
-
-class SessionExists(Conflict):
-    """A session id that is already open (409)."""
-
-
-class PositionConflict(Conflict):
-    """A chunk for a position the session is no longer at (409): another request applied
-    a chunk first, or the client's view is stale. ``position`` is the session's current
-    position (time steps consumed)."""
-
-    def __init__(self, message: str, position: int):
-        super().__init__(message)
-        self.position = position
 
 
 @dataclass(frozen=True, eq=False)
@@ -158,49 +145,6 @@ class SessionStore(Protocol):
 
 
 # -- shared pieces ---------------------------------------------------------------------------
-
-def check_store_url(value: str) -> SplitResult | None:
-    """The parsed redis:// or rediss:// URL of a ``session_store`` value (None for
-    "memory"); ValueError naming the field and the allowed forms otherwise. The message
-    never repeats a password."""
-    if value == "memory":
-        return None
-
-    def bad(why: str) -> ValueError:
-        return ValueError(f"session_store: {why}; allowed: {STORE_FORMS}")
-
-    try:
-        parts = urlsplit(value)
-    except ValueError:
-        raise bad("not a URL") from None
-    if parts.scheme not in ("redis", "rediss"):
-        shown = redact(value) if "://" in value else value
-        raise bad(f"{shown!r} is neither memory nor a Redis URL")
-    if not parts.hostname:
-        raise bad("the Redis URL names no host")
-    try:
-        port = parts.port
-    except ValueError:
-        raise bad("the port must be a number from 1 to 65535") from None
-    if port == 0:
-        raise bad("the port must be a number from 1 to 65535")
-    if parts.path not in ("", "/") and not re.fullmatch(r"/[0-9]{1,5}", parts.path):
-        raise bad(f"the database {parts.path[1:]!r} must be a number (/0 by default)")
-    if parts.query or parts.fragment:
-        raise bad("the Redis URL takes no ?query or #fragment (the timeouts are "
-                  "session_store_timeout_s)")
-    return parts
-
-
-def redact(url: str) -> str:
-    """URL without its password (for logs and messages)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return parts._replace(netloc=f"{user}:***@{host}").geturl()
-
 
 def _state_bytes(state: np.ndarray) -> bytes:
     array = np.asarray(state)
@@ -612,8 +556,3 @@ def open_store(settings: Settings, metrics: Metrics | None = None) -> SessionSto
                       max_sessions=settings.max_sessions,
                       idle_timeout_s=settings.session_idle_timeout_s,
                       timeout_s=settings.session_store_timeout_s, metrics=metrics)
-
-
-__all__ = ["STORE_FORMS", "MemoryStore", "PositionConflict", "RedisStore", "SessionExists",
-           "SessionRecord", "SessionStore", "StoreUnavailable", "check_store_url", "open_store",
-           "redact"]

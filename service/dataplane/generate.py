@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 from orthornn.export.vocabulary import EOS
 
-from .errors import ClientError
-from .protocol import GenerateRequest
-from .runtime import ModelSpec, Runtime
+from ..errors import ClientError
+from ..registry.runtime import ModelSpec, Runtime
+from .schemas import GenerateRequest
 
 
 def prompt_ids(spec: ModelSpec, req: GenerateRequest, max_new_tokens: int) -> list[int]:

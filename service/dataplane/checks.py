@@ -1,4 +1,4 @@
-"""Model-dependent request checks: a decoded request (``service.codecs``) into the
+"""Model-dependent request checks: a decoded request (``service.http.codecs``) into the
 sequences a model version runs, for /predict and the Open Inference Protocol. Every
 violation raises ClientError naming the field."""
 
@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 from orthornn.export.package import INITIAL_STATE
 
-from .errors import ClientError
+from ..errors import ClientError
+from ..registry.runtime import Chunk, ModelSpec
 from .messages import Inference, InputTensor
-from .protocol import PredictRequest
-from .runtime import Chunk, ModelSpec
+from .schemas import PredictRequest
 
 F32_MAX = float(np.finfo(np.float32).max)
 

@@ -19,13 +19,8 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
 
-CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
-#: providers that run on an NVIDIA GPU (TensorRT needs the CUDA provider's libraries too)
-GPU_PROVIDERS = (CUDA, "TensorrtExecutionProvider")
-Device = Literal["auto", "cpu", "cuda"]
-DEVICES: tuple[str, ...] = get_args(Device)
+from ..settings import CPU, CUDA, DEVICES, device_conflict
 
 
 def available_providers() -> list[str]:
@@ -33,23 +28,6 @@ def available_providers() -> list[str]:
     import onnxruntime as ort
 
     return list(ort.get_available_providers())
-
-
-def device_conflict(device: str, providers: list[str]) -> str | None:
-    """Why DEVICE contradicts an explicit PROVIDERS list (None: it does not). With
-    device auto a providers list is used as given; with cpu it may name no GPU provider;
-    with cuda it must name the CUDA provider."""
-    if not providers:
-        return None
-    gpu = [p for p in providers if p in GPU_PROVIDERS]
-    if device == "cpu" and gpu:
-        return (f"device cpu contradicts providers {providers}, which name GPU providers "
-                f"{gpu}: drop them from providers, or leave device at auto to use providers "
-                f"as given")
-    if device == "cuda" and CUDA not in providers:
-        return (f"device cuda contradicts providers {providers}, which do not name {CUDA}: "
-                f"add it, or leave device at auto to use providers as given")
-    return None
 
 
 def _library(stem: str, major: str | None = None) -> str:

@@ -16,10 +16,10 @@ import threading
 
 import uvicorn
 
-from .app import create_app
-from .devices import select_providers
+from ..http.app import create_app
+from ..registry.devices import select_providers
+from ..settings import Settings
 from .listener import listen_eagerly
-from .settings import Settings
 
 log = logging.getLogger("orthornn.service")
 
@@ -34,7 +34,7 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's startup; on the given sockets, with the eager listener in place of
-        uvicorn's own server (``service.listener``) unless ``eager`` is off (or on
+        uvicorn's own server (``service.server.listener``) unless ``eager`` is off (or on
         Windows, whose Proactor loop has no add_reader). Then, in the background, the one
         log line that says the service is ready and where."""
         if sockets is not None and self.eager and sys.platform != "win32":

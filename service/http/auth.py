@@ -7,7 +7,7 @@ import hmac
 
 from pydantic import SecretStr
 
-from .errors import ClientError
+from ..errors import ClientError
 
 
 def bearer(token: SecretStr | None):

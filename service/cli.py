@@ -1,0 +1,143 @@
+"""The ``orthornn serve`` and ``orthornn predict`` parsers (one flag per setting) and
+``orthornn serve`` itself. Torch-free; the server's modules, and the predict client
+(``service.client``), are imported only when their command runs."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_URL = "http://127.0.0.1:8000"  # where orthornn serve and the quickstart listen
+
+#: settings with no flag: a secret must not appear in a process list or shell history
+ENV_ONLY = {"admin_token": "ORTHORNN_ADMIN_TOKEN"}
+
+
+def _flag_type(annotation):
+    """argparse's type (or "bool") for a Settings field's annotation."""
+    import typing
+
+    if annotation is bool:
+        return "bool"
+    if typing.get_origin(annotation) is typing.Literal:
+        return str
+    if annotation in (int, float):
+        return annotation
+    return str  # str, Path, comma-separated lists (the field's validator splits them)
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, settings_class) -> None:
+    """One flag per Settings field, generated from the field (name, type, choices,
+    description, default): the settings are the one list. A flag left out keeps the
+    ORTHORNN_* variable or the field's default."""
+    import typing
+
+    from pydantic_core import PydanticUndefined
+
+    for name, field in settings_class.model_fields.items():
+        if name in ENV_ONLY:
+            continue
+        flag = "--" + name.replace("_", "-")
+        env = f"ORTHORNN_{name.upper()}"
+        if field.default is PydanticUndefined and field.default_factory is None:
+            default = "required"
+        else:
+            value = field.get_default(call_default_factory=True)
+            default = ("none" if value in ([], None) else
+                       str(value).lower() if isinstance(value, bool) else str(value))
+        text = f"{field.description or name} (default: {default}; {env})"
+        kind = _flag_type(field.annotation)
+        if kind == "bool":
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                default=None, help=text)
+            continue
+        choices = typing.get_args(field.annotation) \
+            if typing.get_origin(field.annotation) is typing.Literal else None
+        parser.add_argument(flag, dest=name, type=kind, choices=choices, default=None,
+                            help=text)
+
+
+def add_serve_parsers(sub) -> None:
+    serve = sub.add_parser(
+        "serve", help="serve a model repository over HTTP (/predict, Open Inference Protocol)",
+        description="orthornn serve --repo REPO [--host H --port P ...]. Every flag can also "
+                    "be set as an ORTHORNN_* environment variable (ORTHORNN_MAX_BATCH_SIZE=16); "
+                    "a flag beats the variable. The repository API token is only an "
+                    "environment variable (ORTHORNN_ADMIN_TOKEN), so it never shows in a "
+                    "process list.")
+    try:
+        from .settings import Settings
+    except ModuleNotFoundError as missing:  # no serve extra: `orthornn serve` says which
+        serve.add_argument("ignored", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+        def needs_extra(args, missing=missing):
+            raise missing
+        serve.set_defaults(run=needs_extra)
+    else:
+        add_settings_flags(serve, Settings)
+        serve.set_defaults(run=run_serve)
+
+    predict = sub.add_parser(
+        "predict", help="send a file to a running service's /predict and print the answers",
+        description="Send FILE to a running service's /predict and print one line per "
+                    "sequence: '0: 4 (p=0.98)' for a classifier (with --top-k, the k "
+                    "likeliest labels on the same line), the value of a regressor, the "
+                    "labels of a seq2seq model, the likeliest next tokens of a language "
+                    "model; --verbose prints the whole JSON answer. FILE: .json (a list of "
+                    "sequences, or a whole /predict body), .npy (the array x) or .npz "
+                    "(arrays x and optional lengths [N]), x [N, T, d] numbers ([N, T] for "
+                    "one feature, or token ids), or .txt (one text per line, for language "
+                    "models).")
+    predict.add_argument("file", metavar="FILE", help="the sequences to send (formats above)")
+    predict.add_argument("--url", default=DEFAULT_URL,
+                         help=f"service base URL (default {DEFAULT_URL}, where orthornn serve "
+                              f"and the quickstart listen)")
+    predict.add_argument("--model", required=True, help="the model's name in the repository")
+    predict.add_argument("--version", type=int, help="a loaded version (default: the promoted "
+                                                      "one, else the newest)")
+    predict.add_argument("--top-k", type=int,
+                         help="classifiers: also the k likeliest labels; language models: "
+                              "next tokens listed (default 5)")
+    predict.add_argument("--timeout", type=float, default=60.0,
+                         help="seconds to wait for each answer (default 60)")
+    predict.add_argument("--verbose", "-v", action="store_true",
+                         help="print the whole JSON answer (with --stream: one JSON line per "
+                              "chunk) instead of a line per sequence")
+    predict.add_argument("--stream", action="store_true",
+                         help="send each sequence in chunks through a server-side session and "
+                              "print a line per chunk (the answer after it); each chunk names "
+                              "the session's position, and one whose connection broke is sent "
+                              "once more (the service applies it exactly once)")
+    predict.add_argument("--chunk-size", type=int, default=8,
+                         help="with --stream: time steps (or words of a text) per chunk "
+                              "(default 8)")
+    predict.set_defaults(run=_run_predict)
+
+
+def settings_from_args(args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    from .settings import Settings
+
+    values = {name: getattr(args, name) for name in Settings.model_fields
+              if name not in ENV_ONLY}
+    try:
+        return Settings(**{k: v for k, v in values.items() if v is not None})
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        hint = " (--repo or ORTHORNN_REPO)" if where == "repo" else ""
+        raise ValueError(f"{where}{hint}: {first['msg']}") from None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    from .server.launch import serve
+
+    return serve(settings)
+
+
+def _run_predict(args: argparse.Namespace) -> int:
+    from .client import run_predict
+
+    return run_predict(args)
+
