@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -13,6 +14,20 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
                    2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 UNKNOWN = "_unknown"  # label of requests for models that are not loaded (bounded cardinality)
+
+
+@dataclass(slots=True)
+class Held:
+    """The model version a request held, filled in by whoever acquires one for it (the
+    dataplane, the session manager) and read by the HTTP layer, which counts the request
+    under it, a failed one too. Passed down as an argument: nothing rides on the ASGI
+    scope or on an exception."""
+
+    model: str | None = None
+    version: int | None = None
+
+    def hold(self, model: str, version: int) -> None:
+        self.model, self.version = model, version
 
 
 class Metrics:
