@@ -42,6 +42,7 @@ test: $(VENV)/.installed tools lint docs
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	bash scripts/lint-imports.sh $(VENV)
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict fails on a broken link,
 # a missing anchor or a page left out of the nav.

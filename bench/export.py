@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from orthornn.export.exporter import choose_recurrence
-from orthornn.export.onnx_export import build_graph
-from orthornn.export.package import session_from_bytes
+from orthornn.export.artifacts.package import session_from_bytes
+from orthornn.export.builder.exporter import choose_recurrence
+from orthornn.export.builder.onnx_export import build_graph
 from orthornn.models import ARCHITECTURES, build_model
 
 from bench.common import seconds, write_result

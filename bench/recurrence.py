@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from orthornn.export.onnx_export import RNN_ACTIVATIONS, build_graph
-from orthornn.export.package import session_from_bytes
+from orthornn.export.artifacts.package import session_from_bytes
+from orthornn.export.builder.onnx_export import RNN_ACTIVATIONS, build_graph
 from orthornn.models import ARCHITECTURES, build_model
 
 from bench.common import write_result

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def build_package(work: Path, hidden: int, steps: int, features: int) -> Path:
-    from orthornn.export.exporter import export_run
+    from orthornn.export.builder.exporter import export_run
     from orthornn.training.config import TrainConfig
     from orthornn.training.trainer import train
 

@@ -55,7 +55,7 @@ from bench.service import Server  # noqa: E402
 def build_package(work: Path, hidden: int, steps: int, features: int) -> Path:
     """An svdrnn classifier whose max_length is the whole history (one training step on
     random data: speed does not depend on accuracy)."""
-    from orthornn.export.exporter import export_run
+    from orthornn.export.builder.exporter import export_run
     from orthornn.training.config import TrainConfig
     from orthornn.training.trainer import train
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
-def add_export_parser(sub) -> None:
+def add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "export", help="export a run to ONNX and publish it into a model repository",
         description="orthornn export RUN_DIR --repo REPO --name NAME [--mode dense|factored] "
@@ -57,7 +58,7 @@ def add_export_parser(sub) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     if args.verify_only:
-        from .package import verify_package
+        from .artifacts.package import verify_package
 
         manifest = verify_package(args.verify_only)
         print(f"{args.verify_only}: ok ({manifest.name} version {manifest.version}, "
@@ -67,8 +68,8 @@ def run_export(args: argparse.Namespace) -> int:
                                     ("--name", args.name)) if not v]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or give --verify-only PACKAGE)")
-    from .exporter import AlreadyPublished, export_run
-    from .gate import REFUSED_EXIT, GateRefused
+    from .artifacts.gate import REFUSED_EXIT, GateRefused
+    from .builder.exporter import AlreadyPublished, export_run
 
     min_metric = None if args.min_metric is None else _float("--min-metric", args.min_metric)
     tolerance = _float("--tolerance", args.tolerance)
@@ -93,11 +94,9 @@ def _float(flag: str, text: str) -> float:
         raise ValueError(f"{flag} must be a number; got {text!r}") from None
 
 
-def _model_dir(args: argparse.Namespace):
+def _model_dir(args: argparse.Namespace) -> Path:
     """REPO/NAME of --repo and --name, which must name an existing model."""
-    from pathlib import Path
-
-    from .repository import check_name
+    from .artifacts.repository import check_name
 
     missing = [flag for flag, v in (("--repo", args.repo), ("--name", args.name)) if not v]
     if missing:
@@ -108,12 +107,12 @@ def _model_dir(args: argparse.Namespace):
     return model_dir
 
 
-def _short(value, width: int = 12) -> str:
+def _short(value: object, width: int = 12) -> str:
     return "-" if value is None else str(value)[:width]
 
 
 def run_versions(args: argparse.Namespace) -> int:
-    from .repository import describe, read_promotion
+    from .artifacts.repository import describe, read_promotion
 
     model_dir = _model_dir(args)
     print(f"{'version':<24} {'status':<9} {'metric':<22} {'created':<25} {'parent':<6} "
@@ -138,7 +137,7 @@ def run_versions(args: argparse.Namespace) -> int:
 
 
 def run_rollback(args: argparse.Namespace) -> int:
-    from .repository import rollback
+    from .artifacts.repository import rollback
 
     model_dir = _model_dir(args)
     to = None

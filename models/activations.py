@@ -16,7 +16,7 @@ from .validation import check_choice, check_float
 
 # The one table of activation kinds: the torch functions below, the Triton kernels
 # (models/ops/triton_scan.py, KIND = index here) and the ONNX builder
-# (export/onnx_export.py) are keyed by these names, and each raises on any other.
+# (export/builder/onnx_export.py) are keyed by these names, and each raises on any other.
 KINDS = ("tanh", "relu", "leaky_relu", "modrelu", "abs")
 
 

@@ -40,8 +40,8 @@ def build_defaults(root: Path, progress: bool = True) -> tuple[Path, dict[str, s
     from orthornn.training.reproducibility import pin_portable
 
     pin_portable()
-    from orthornn.export.exporter import export_run
-    from orthornn.export.repository import versions
+    from orthornn.export.artifacts.repository import versions
+    from orthornn.export.builder.exporter import export_run
     from orthornn.training.checkpoint import read_run_config
     from orthornn.training.config import TrainConfig
     from orthornn.training.trainer import train

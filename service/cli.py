@@ -5,6 +5,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported when a command runs (the serve extra may be missing)
+    from pydantic import BaseModel
+
+    from .settings import Settings
 
 DEFAULT_URL = "http://127.0.0.1:8000"  # where orthornn serve and the quickstart listen
 
@@ -12,7 +18,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"  # where orthornn serve and the quickstart
 ENV_ONLY = {"admin_token": "ORTHORNN_ADMIN_TOKEN"}
 
 
-def _flag_type(annotation):
+def _flag_type(annotation: Any) -> Any:
     """argparse's type (or "bool") for a Settings field's annotation."""
     import typing
 
@@ -25,7 +31,8 @@ def _flag_type(annotation):
     return str  # str, Path, comma-separated lists (the field's validator splits them)
 
 
-def add_settings_flags(parser: argparse.ArgumentParser, settings_class) -> None:
+def add_settings_flags(parser: argparse.ArgumentParser, settings_class: type[BaseModel]
+                       ) -> None:
     """One flag per Settings field, generated from the field (name, type, choices,
     description, default): the settings are the one list. A flag left out keeps the
     ORTHORNN_* variable or the field's default."""
@@ -56,7 +63,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_class) -> None:
                             help=text)
 
 
-def add_serve_parsers(sub) -> None:
+def add_serve_parsers(sub: Any) -> None:
     serve = sub.add_parser(
         "serve", help="serve a model repository over HTTP (/predict, Open Inference Protocol)",
         description="orthornn serve --repo REPO [--host H --port P ...]. Every flag can also "
@@ -69,7 +76,7 @@ def add_serve_parsers(sub) -> None:
     except ModuleNotFoundError as missing:  # no serve extra: `orthornn serve` says which
         serve.add_argument("ignored", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
-        def needs_extra(args, missing=missing):
+        def needs_extra(args: argparse.Namespace, missing: Exception = missing) -> int:
             raise missing
         serve.set_defaults(run=needs_extra)
     else:
@@ -113,7 +120,7 @@ def add_serve_parsers(sub) -> None:
     predict.set_defaults(run=_run_predict)
 
 
-def settings_from_args(args: argparse.Namespace):
+def settings_from_args(args: argparse.Namespace) -> Settings:
     from pydantic import ValidationError
 
     from .settings import Settings

@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from .errors import POSITION_HEADER
 
@@ -55,7 +56,7 @@ def _request_body(path: Path, model: str, version: int | None, top_k: int | None
     return body
 
 
-def _read_array_file(path: Path, suffix: str):
+def _read_array_file(path: Path, suffix: str) -> tuple[Any, Any]:
     """(x, lengths or None) of a .npy file (x itself) or an .npz file (arrays x and
     optional lengths); ValueError naming the file when it cannot be read."""
     import numpy as np

@@ -6,9 +6,13 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:  # the manifests it counts (the leaf imports nothing of the service)
+    from orthornn.export.artifacts.package import Manifest
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0)
@@ -18,16 +22,22 @@ UNKNOWN = "_unknown"  # label of requests for models that are not loaded (bounde
 
 @dataclass(slots=True)
 class Held:
-    """The model version a request held, filled in by whoever acquires one for it (the
-    dataplane, the session manager) and read by the HTTP layer, which counts the request
-    under it, a failed one too. Passed down as an argument: nothing rides on the ASGI
-    scope or on an exception."""
+    """The model version a request held (``hold``, by whoever acquires one for it: the
+    dataplane, the session manager) and, before that, the model (and version) it named
+    (``name``, by its handler). The HTTP layer counts the request, a failed one too, under
+    the version held, else the model named when it is loaded (``DataPlane.labels``).
+    Passed down as an argument: nothing rides on the ASGI scope or on an exception."""
 
     model: str | None = None
     version: int | None = None
+    named: str | None = None
+    named_version: int | None = None
 
     def hold(self, model: str, version: int) -> None:
         self.model, self.version = model, version
+
+    def name(self, model: str, version: int | None = None) -> None:
+        self.named, self.named_version = model, version
 
 
 class Metrics:
@@ -122,7 +132,7 @@ class Metrics:
             ["model", "version"], registry=r)
 
     @staticmethod
-    def _evaluation(manifest) -> tuple[str, float] | None:
+    def _evaluation(manifest: Manifest) -> tuple[str, float] | None:
         """(metric, value) of a manifest's evaluation with a finite numeric value."""
         evaluation = getattr(manifest, "evaluation", None)
         if not isinstance(evaluation, dict):
@@ -133,7 +143,7 @@ class Metrics:
             return None
         return metric, float(value)
 
-    def model_loaded(self, manifest) -> None:
+    def model_loaded(self, manifest: Manifest) -> None:
         name, version = manifest.name, str(manifest.version)
         self.loaded.labels(name, version, manifest.arch, manifest.mode).set(1)
         spectral = manifest.spectral or {}
@@ -145,7 +155,7 @@ class Metrics:
         if evaluation is not None:
             self.evaluation.labels(name, version, evaluation[0]).set(evaluation[1])
 
-    def model_released(self, manifest) -> None:
+    def model_released(self, manifest: Manifest) -> None:
         name, version = manifest.name, str(manifest.version)
         for gauge, labels in ((self.loaded, (name, version, manifest.arch, manifest.mode)),
                               (self.sigma_min, (name, version)), (self.sigma_max, (name, version)),

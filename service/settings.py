@@ -8,7 +8,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 from urllib.parse import SplitResult, urlsplit
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
@@ -207,7 +207,7 @@ class Settings(BaseSettings):
 
     @field_validator("models", "providers", mode="before")
     @classmethod
-    def _comma_list(cls, value):
+    def _comma_list(cls, value: Any) -> Any:
         if isinstance(value, str):  # --models a,b or ORTHORNN_MODELS=a,b
             return [v.strip() for v in value.split(",") if v.strip()]
         return value
@@ -239,5 +239,5 @@ class Settings(BaseSettings):
 
     @field_validator("admin_token", mode="before")
     @classmethod
-    def _empty_token(cls, value):
+    def _empty_token(cls, value: Any) -> Any:
         return None if value == "" else value

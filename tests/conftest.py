@@ -71,7 +71,7 @@ def service_packages(tmp_path_factory):
     """A staging repository of exported packages: adding (regress, svdrnn, 5 versions
     from 5 seeds: they answer differently), digits (classify, scornn, T = 64, d = 1) and
     words (lm, lstm, with step graph and vocabulary). Tests copy what they need."""
-    from orthornn.export.exporter import export_run
+    from orthornn.export.builder.exporter import export_run
     from orthornn.training.config import TrainConfig
     from orthornn.training.trainer import train
 

@@ -196,7 +196,7 @@ def test_retrained_versions_swap_in_without_a_failed_request(tmp_path):
         (tmp / "model.onnx").write_bytes(bytes(data))
         os.rename(tmp, repo / "adder" / "3")
         # ... and promoted, as an export would (an unpromoted version 3 is not tried at all)
-        from orthornn.export.repository import promote
+        from orthornn.export.artifacts.repository import promote
 
         promote(repo / "adder", 3, "publish", "a damaged package")
         deadline = time.time() + 60

@@ -10,11 +10,12 @@ import onnx
 import pytest
 import torch
 from onnx import TensorProto, helper
-from orthornn.export import functions, repository
-from orthornn.export.exporter import export_run
-from orthornn.export.graph import DOMAIN, IR_VERSION
-from orthornn.export.onnx_export import build_graph
-from orthornn.export.package import PackageError, session_from_bytes, verify_package
+from orthornn.export.artifacts import repository
+from orthornn.export.artifacts.package import PackageError, session_from_bytes, verify_package
+from orthornn.export.builder import functions
+from orthornn.export.builder.exporter import export_run
+from orthornn.export.builder.graph import DOMAIN, IR_VERSION
+from orthornn.export.builder.onnx_export import build_graph
 from orthornn.models import ARCHITECTURES, build_model
 from orthornn.models.parametrizations import (
     HouseholderChain,
@@ -239,7 +240,7 @@ def test_export_publishes_verified_versions(runs, tmp_path):
 def test_the_same_checkpoint_is_not_published_twice(runs, tmp_path, capsys):
     """An export run twice, or a retrain that kept the exported checkpoint, names the
     version that holds it and publishes nothing (exit 0: what was asked for is there)."""
-    from orthornn.export.exporter import AlreadyPublished
+    from orthornn.export.builder.exporter import AlreadyPublished
 
     from orthornn.cli import main
 

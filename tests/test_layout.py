@@ -21,11 +21,14 @@ ALLOWED = {
     "models": (),
     # the one link from training to export: the word tokenizer, a torch-free leaf module,
     # so training's vocabulary and the service's tokenisation cannot drift (README)
-    "training": ("orthornn.models", "orthornn.export.vocabulary"),
+    "training": ("orthornn.models", "orthornn.export.artifacts.vocabulary"),
     "export": ("orthornn.models", "orthornn.training"),
-    "service": ("orthornn.export.package", "orthornn.export.repository",
-                "orthornn.export.vocabulary"),
+    # the torch-free half of export (the package format, the repository, scoring)
+    "service": ("orthornn.export.artifacts",),
 }
+# inside export: the torch-free artifacts/ (what the service reads) imports no other stage
+# and nothing of builder/ (the torch exporter); export/cli.py imports both, lazily
+ARTIFACTS_ALLOWED = ("orthornn.export.artifacts",)
 
 
 def _python_files() -> list[Path]:
@@ -72,6 +75,27 @@ def test_stages_import_each_other_in_one_direction(stage):
     assert not bad, f"{stage} may import only {ALLOWED[stage]}:\n" + "\n".join(bad)
 
 
+
+def test_export_artifacts_are_torch_free():
+    """export/artifacts/ (the package format, the repository, the gate, the vocabulary),
+    which the service and training import, imports neither torch nor another stage nor
+    the torch exporter export/builder/, lazily or not."""
+    bad = []
+    for path in sorted((ROOT / "export" / "artifacts").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            # relative: only within artifacts/ (`from .package import`), never `..`
+            if isinstance(node, ast.ImportFrom) and node.level > 1:
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: "
+                           f"{'.' * node.level}{node.module or ''}")
+        for line, name in _absolute_imports(path):
+            if name.split(".")[0] in ("torch", "safetensors", "triton") or (
+                    name.startswith("orthornn") and not name.startswith(ARTIFACTS_ALLOWED)):
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert not bad, "export/artifacts/ imports no torch, no stage, nothing of builder/:\n" + (
+        "\n".join(bad))
+
+
 def _run(code: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True,
                           text=True, timeout=120)
@@ -107,6 +131,18 @@ def test_service_imports_with_torch_unimportable(tmp_path):
                          "from orthornn.service.http.app import create_app\n"
                          "from orthornn.cli import build_parser\n"
                          "build_parser().parse_args(['serve', '--repo', '.'])\n"
+                         "print('ok')\n")
+    result = _run(code, cwd=tmp_path)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+def test_export_artifacts_import_with_torch_unimportable(tmp_path):
+    code = TORCH_FREE + ("import importlib, pkgutil\n"
+                         "import orthornn.export.artifacts as artifacts\n"
+                         "for m in pkgutil.walk_packages(artifacts.__path__,\n"
+                         "                               'orthornn.export.artifacts.'):\n"
+                         "    importlib.import_module(m.name)\n"
+                         "assert 'orthornn.export.builder' not in sys.modules\n"
                          "print('ok')\n")
     result = _run(code, cwd=tmp_path)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
@@ -149,7 +185,7 @@ def test_version_flag(capsys):
 # -- one table per formula -------------------------------------------------------------------
 
 def test_activation_kinds_are_one_table():
-    from orthornn.export.onnx_export import ACTIVATIONS
+    from orthornn.export.builder.onnx_export import ACTIVATIONS
     from orthornn.models.activations import KINDS, Activation, activation_forward
 
     assert set(ACTIVATIONS) == set(KINDS)
@@ -160,8 +196,8 @@ def test_activation_kinds_are_one_table():
 
 
 def test_unknown_activation_raises_in_the_onnx_and_triton_builders():
-    from orthornn.export.graph import Graph
-    from orthornn.export.onnx_export import _activation
+    from orthornn.export.builder.graph import Graph
+    from orthornn.export.builder.onnx_export import _activation
 
     with pytest.raises(ValueError, match="activation must be one of"):
         _activation(Graph(), "gelu", "z", None)

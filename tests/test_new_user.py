@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from orthornn.export.package import PackageError, read_manifest
+from orthornn.export.artifacts.package import PackageError, read_manifest
 from orthornn.service.client import _request_body
 from orthornn.service.http.app import create_app
 from orthornn.service.settings import Settings
@@ -153,7 +153,7 @@ def test_training_records_preprocessing_and_the_manifest_carries_it(service_pack
     adding = read_manifest(service_packages / "adding" / "1").preprocessing
     assert adding["transform"] is None and len(adding["training_range"]["max"]) == 2
     assert read_manifest(service_packages / "words" / "1").preprocessing is None
-    from orthornn.export.package import check_preprocessing
+    from orthornn.export.artifacts.package import check_preprocessing
 
     with pytest.raises(PackageError, match=r"training_range\.max"):
         check_preprocessing({"training_range": {"mean": [0], "std": [1], "min": [0],

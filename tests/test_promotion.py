@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from orthornn.export import gate, repository
-from orthornn.export.evaluation import rebuild_task, score
-from orthornn.export.exporter import export_run
-from orthornn.export.gate import GateRefused
+from orthornn.export.artifacts import gate, repository
+from orthornn.export.artifacts.gate import GateRefused
+from orthornn.export.builder.evaluation import rebuild_task, score
+from orthornn.export.builder.exporter import export_run
 from orthornn.training import checkpoint
 from orthornn.training.config import TrainConfig
 from orthornn.training.trainer import train

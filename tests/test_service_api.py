@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from orthornn.service.http.app import create_app
-from orthornn.service.registry.runtime import tokenize
+from orthornn.service.registry.spec import tokenize
 from orthornn.service.settings import Settings
 from orthornn.training.corpus import tokenize as training_tokenize
 
@@ -449,7 +449,7 @@ def test_errors_carry_their_status_and_one_handler_answers_them(caplog):
         StateConflict,
         UnknownSession,
     )
-    from orthornn.service.http.app import answer
+    from orthornn.service.http.responses import error_response
 
     cases = [(errors.ClientError("x"), 400), (errors.NotFound("x"), 404),
              (UnknownSession("x"), 404), (StateConflict("x"), 409),
@@ -457,11 +457,11 @@ def test_errors_carry_their_status_and_one_handler_answers_them(caplog):
              (QueueFull("x"), 429), (SessionLimit("x"), 429),
              (errors.ClientError("x", status=422), 422)]
     for exc, status in cases:
-        response = answer(exc)
+        response = error_response(exc)
         assert response.status_code == status, exc
         assert orjson.loads(response.body) == {"error": str(exc)}
         assert (response.headers.get("retry-after") == "1") == (status == 429), exc
     assert "larger than the limit of 1024 bytes" in str(errors.BodyTooLarge(1024))
     with caplog.at_level("ERROR", logger="orthornn.service"):
-        assert answer(RuntimeError("bug"), "GET /x").status_code == 500
+        assert error_response(RuntimeError("bug"), "GET /x").status_code == 500
     assert "internal error on GET /x" in caplog.text

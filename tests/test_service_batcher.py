@@ -316,3 +316,31 @@ def test_a_failing_batch_answers_its_requests_and_the_model_keeps_serving():
             assert await b.submit([seq(2)], own) == [4.0]
             await asyncio.wait_for(b.close(), 5)
     asyncio.run(main())
+
+
+def test_the_prepare_step_runs_once_per_batch_on_the_rows_that_ask_for_it():
+    """/predict asks for the batch-level prepare step (one softmax over the batch); the Open
+    Inference Protocol's requests, batched with them, do not, and their rows are left as
+    the model gave them."""
+    prepared: list[list[float]] = []
+
+    def prepare(rows):
+        prepared.append([float(r["y"][0, 0]) for r in rows])
+        for r in rows:
+            r["prepared"] = True
+
+    def marks(rows):
+        return [bool(r.get("prepared")) for r in rows]
+
+    async def main():
+        model = Model()
+        b = batcher(model, Immediate(), prepare=prepare)
+        answers = await asyncio.gather(b.submit([seq(1), seq(2)], marks, prepare=True),
+                                       b.submit([seq(3)], marks),
+                                       b.submit([seq(4)], marks, prepare=True))
+        assert model.calls == [4]  # one batch
+        assert prepared == [[2.0, 4.0, 8.0]]  # once, on the rows that asked for it
+        assert answers == [[True, True], [False], [True]]
+        assert await b.submit([seq(5)], marks) == [False]
+        assert prepared == [[2.0, 4.0, 8.0]]  # a batch that does not ask: never called
+    asyncio.run(main())

@@ -9,10 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from orthornn.service.dataplane.checks import predict_sequences
+from orthornn.service.dataplane.messages import Prediction
 from orthornn.service.dataplane.schemas import PredictRequest
 from orthornn.service.errors import ClientError
 from orthornn.service.http.codecs.predict_json import fast_predict_request
-from orthornn.service.registry.runtime import ModelSpec
+from orthornn.service.registry.spec import ModelSpec
 from pydantic import ValidationError
 
 
@@ -35,7 +36,7 @@ def _agrees(body: bytes) -> bool:
     fast = fast_predict_request(body)
     if fast is None:
         return False
-    slow = PredictRequest.model_validate_json(body)  # must not raise
+    slow = Prediction.of(PredictRequest.model_validate_json(body))  # must not raise
     assert (fast.model, fast.version, fast.top_k, fast.text) == \
         (slow.model, slow.version, slow.top_k, slow.text)
     for d in (1, 2, 3):
@@ -172,15 +173,16 @@ def test_direct_routes_answer_errors_like_the_app(service_packages, tmp_path, mo
 
 # -- the OIP JSON fast path --------------------------------------------------------------
 
-def _decoded(req) -> list:
+def _decoded(req, arrays=()) -> list:
     """Each input decoded as the model would (FP32 / INT64 declared as given), or the
-    ClientError message: the fast and the pydantic request must give the same."""
+    ClientError message: the fast (ARRAYS: the numbers it read beside the request) and the
+    pydantic request must give the same."""
     from orthornn.service.http.codecs.oip_json import decode_input
 
     out = []
-    for inp in req.inputs:
+    for i, inp in enumerate(req.inputs):
         try:
-            arr = decode_input(inp, None).data
+            arr = decode_input(inp, None, arrays[i] if arrays else None).data
             out.append(None if arr is None else (arr.dtype.str, arr.shape, arr.tobytes()))
         except ClientError as e:
             out.append(str(e))
@@ -191,14 +193,15 @@ def _infer_agrees(body: bytes) -> bool:
     from orthornn.service.dataplane.schemas import InferenceRequest
     from orthornn.service.http.codecs.oip_json import fast_infer_request
 
-    fast = fast_infer_request(body)
-    if fast is None:
+    found = fast_infer_request(body)
+    if found is None:
         return False
+    fast, arrays = found
     slow = InferenceRequest.model_validate_json(body)  # must not raise
     assert (fast.id, fast.parameters, fast.outputs) == (slow.id, slow.parameters, slow.outputs)
     assert [(i.name, i.shape, i.datatype) for i in fast.inputs] == \
         [(i.name, i.shape, i.datatype) for i in slow.inputs]
-    assert _decoded(fast) == _decoded(slow)
+    assert _decoded(fast, arrays) == _decoded(slow)
     return True
 
 

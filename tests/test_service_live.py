@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
-from orthornn.export.package import sha256
+from orthornn.export.artifacts.package import sha256
 from orthornn.service.http.app import create_app
 from orthornn.service.settings import Settings
 

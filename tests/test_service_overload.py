@@ -17,7 +17,8 @@ from typing import ClassVar
 
 import httpx
 import pytest
-from orthornn.service.http.admission import CONNECTION, Connection, Observe
+from orthornn.service.http.admission import CONNECTION, Admission, Connection
+from orthornn.service.http.counting import RequestCounts
 from orthornn.service.http.routing import RouteTable
 from orthornn.service.metrics import Metrics
 
@@ -26,6 +27,12 @@ from .service_helpers import LiveServer, make_repo
 ROOT = Path(__file__).resolve().parents[1]
 BODY = json.dumps({"model": "digits", "inputs": [[0.1, 0.2, 0.3]]}).encode()
 
+
+
+def _admission(app, max_inflight: int = 1) -> Admission:
+    metrics = Metrics()
+    return Admission(app, RouteTable([]), metrics, RequestCounts(metrics), max_body=1024,
+                     max_inflight=max_inflight)
 
 def post(body: bytes = BODY, path: str = "/predict") -> bytes:
     return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -257,7 +264,7 @@ def test_admission_asks_for_the_hold_only_when_it_refuses():
     slots_taken: list[int] = []
 
     async def app(scope, receive, send):
-        slots_taken.append(observe.inflight)
+        slots_taken.append(admission.inflight)
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
@@ -267,7 +274,7 @@ def test_admission_asks_for_the_hold_only_when_it_refuses():
     async def receive():
         return {"type": "http.request", "body": b"", "more_body": False}
 
-    observe = Observe(app, RouteTable([]), Metrics(), max_body=1024, max_inflight=1)
+    admission = _admission(app)
 
     connection = Connection(held.append)
 
@@ -275,18 +282,18 @@ def test_admission_asks_for_the_hold_only_when_it_refuses():
         return {"type": "http", "method": "POST", "path": path, "headers": [],
                 "state": {CONNECTION: connection}}
 
-    asyncio.run(observe(scope(), receive, send))
+    asyncio.run(admission(scope(), receive, send))
     assert held == [] and sent[0]["status"] == 200 and slots_taken == [1]
-    observe.inflight = 1  # the only slot taken
-    asyncio.run(observe(scope("/v2/health/ready"), receive, send))
+    admission.inflight = 1  # the only slot taken
+    asyncio.run(admission(scope("/v2/health/ready"), receive, send))
     # exempt: answered, not held, and takes no slot
     assert held == [] and sent[2]["status"] == 200 and slots_taken == [1, 1]
-    asyncio.run(observe(scope(), receive, send))
+    asyncio.run(admission(scope(), receive, send))
     assert sent[4]["status"] == 503 and dict(sent[4]["headers"])[b"retry-after"] == b"1"
     # held for Retry-After, plus a random part, so that those refused together spread out
-    assert len(held) == 1 and 1 <= held[0] < 1 + Observe.RETRY_JITTER_S
+    assert len(held) == 1 and 1 <= held[0] < 1 + Admission.RETRY_JITTER_S
     del sent[:]  # a server without the hold: refused all the same
-    asyncio.run(observe({**scope(), "state": {}}, receive, send))
+    asyncio.run(admission({**scope(), "state": {}}, receive, send))
     assert sent[0]["status"] == 503 and len(held) == 1
 
 
@@ -378,7 +385,7 @@ def test_a_retry_waits_for_the_next_slot_ahead_of_new_requests():
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"{}"})
 
-        observe = Observe(app, RouteTable([]), Metrics(), max_body=1024, max_inflight=1)
+        admission = _admission(app)
         winner, other = Connection(lambda s: None), Connection(lambda s: None)
         statuses: dict[str, int] = {}
 
@@ -392,7 +399,7 @@ def test_a_retry_waits_for_the_next_slot_ahead_of_new_requests():
 
             scope = {"type": "http", "method": "POST", "path": "/predict", "headers": [],
                      "name": name, "state": {CONNECTION: connection}}
-            return asyncio.create_task(observe(scope, receive, send))
+            return asyncio.create_task(admission(scope, receive, send))
 
         async def settle():
             for _ in range(5):
@@ -412,13 +419,13 @@ def test_a_retry_waits_for_the_next_slot_ahead_of_new_requests():
         await settle()
         gates["other 2 (retry)"].set()
         await retry
-        assert statuses["other 2 (retry)"] == 200 and observe.inflight == 0
+        assert statuses["other 2 (retry)"] == 200 and admission.inflight == 0
         # with nothing waiting, a request takes a free slot at once
         third = request("winner 3", winner)
         await settle()
         gates["winner 3"].set()
         await third
-        assert statuses["winner 3"] == 200 and observe.inflight == 0
+        assert statuses["winner 3"] == 200 and admission.inflight == 0
 
     asyncio.run(main())
     assert order == ["winner 1", "other 2 (retry)", "winner 3"]

@@ -15,9 +15,9 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from orthornn.export.repository import promote, read_promotion
+from orthornn.export.artifacts.repository import promote, read_promotion
 from orthornn.service.http.app import create_app
-from orthornn.service.registry.registry import promotion_changes
+from orthornn.service.registry.policy import promotion_changes
 from orthornn.service.settings import Settings
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -233,7 +233,7 @@ def test_rollback_on_a_read_only_repository_is_a_409_naming_the_fix(repo, monkey
     """The chart mounts the repository read-only in the serving pods by default."""
     import errno
 
-    from orthornn.export import repository
+    from orthornn.export.artifacts import repository
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")

@@ -10,7 +10,7 @@ import sys
 import onnxruntime as ort
 import pytest
 from fastapi.testclient import TestClient
-from orthornn.export.package import session_from_bytes
+from orthornn.export.artifacts.package import session_from_bytes
 from orthornn.service.http.app import create_app
 from orthornn.service.registry import devices
 from orthornn.service.registry.devices import CPU, CUDA, cuda_unavailable, select_providers
@@ -78,8 +78,8 @@ def test_listed_cuda_that_cannot_load_serves_on_the_cpu_quietly(
         x = [[0.5]] * 8
         assert client.post("/predict", json={"model": "digits", "inputs": [x]}).status_code \
             == 200
-        assert app.state.registry.get("digits").runtime.sessions["model"].get_providers() \
-            == [CPU]
+        runtime = app.state.registry.get("digits").runtime
+        assert runtime.inference_sessions["model"].get_providers() == [CPU]
     assert not [str(w.message) for w in recwarn.list]
     err = capfd.readouterr().err
     assert "onnxruntime" not in err.lower() and "[E:" not in err and "[W:" not in err, err

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from orthornn.service.errors import UnknownSession
 from orthornn.service.http.app import create_app
 from orthornn.service.metrics import Metrics
-from orthornn.service.sessions.store import MemoryStore
+from orthornn.service.sessions.memory import MemoryStore
 from orthornn.service.settings import Settings
 
 from .service_helpers import golden, make_repo, publish_copy, reference, softmax
@@ -347,7 +347,7 @@ def test_idle_sessions_expire_and_10000_sessions_leave_memory_flat():
 @pytest.fixture(scope="module")
 def every_arch(tmp_path_factory):
     """A tiny classifier package of every recurrent architecture in both export modes."""
-    from orthornn.export.exporter import export_run
+    from orthornn.export.builder.exporter import export_run
     from orthornn.models import ARCHITECTURES
     from orthornn.training.config import TrainConfig
     from orthornn.training.trainer import train

@@ -13,12 +13,14 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 from orthornn.service.errors import (
+    ClientError,
     Conflict,
     NotFound,
     Overloaded,
@@ -28,15 +30,13 @@ from orthornn.service.errors import (
     SessionLimit,
     StoreUnavailable,
     UnknownSession,
+    VersionGone,
 )
-from orthornn.service.metrics import Metrics
+from orthornn.service.metrics import Held, Metrics
 from orthornn.service.sessions.manager import Sessions
-from orthornn.service.sessions.store import (
-    MemoryStore,
-    RedisStore,
-    SessionStore,
-    open_store,
-)
+from orthornn.service.sessions.memory import MemoryStore
+from orthornn.service.sessions.redis import RedisStore
+from orthornn.service.sessions.store import SessionStore, StaleRecord, open_store
 from orthornn.service.settings import Settings
 from pydantic import ValidationError
 
@@ -243,6 +243,34 @@ def test_idle_sessions_expire_and_free_the_limit_and_their_versions(url):
     run(main())
 
 
+def test_a_stamped_advance_applies_only_to_that_record(url):
+    """Every write gives the record a new stamp; advance/finish given a stamp apply only
+    while the session is still that very record: not after another write, nor to a
+    session ended or started again at the same position (StaleRecord); an ended one is
+    UnknownSession as without a stamp."""
+    async def main():
+        async with stores(url) as make:
+            store = make()
+            created = await store.create("s", MODEL, 1)
+            first = await store.advance("s", 0, vec(1), 2, created.stamp)
+            assert created.stamp and first.stamp and first.stamp != created.stamp
+            assert (await store.get("s")).stamp == first.stamp
+            second = await store.advance("s", 2, vec(2), 1)  # another replica's write
+            with pytest.raises(StaleRecord):
+                await store.advance("s", 3, vec(9), 1, first.stamp)
+            assert (await store.get("s")).position == 3  # nothing applied
+            assert (await store.advance("s", 3, vec(3), 1, second.stamp)).position == 4
+            await store.delete("s")
+            again = await store.create("s", MODEL, 2)  # the same id and position, anew
+            with pytest.raises(StaleRecord):
+                await store.advance("s", 0, vec(9), 1, created.stamp)
+            ended = await store.finish("s", 0, vec(4), 1, again.stamp)
+            assert ended.ended
+            with pytest.raises(UnknownSession):
+                await store.advance("s", 1, vec(5), 1, ended.stamp)
+    run(main())
+
+
 # -- what only a shared store does --------------------------------------------------------------
 
 def test_two_replicas_share_one_session_limit(redis_server):
@@ -275,6 +303,39 @@ def test_two_replicas_share_one_session_limit(redis_server):
             record = await b.advance(sid, 4, vec(3, 4), 1)
             assert record.position == 5
             np.testing.assert_array_equal(record.previous_state, vec(1, 2))
+    run(main())
+
+
+def test_the_advances_of_one_turn_share_one_pipeline(redis_server):
+    """Advances and finishes started in one turn of the event loop (the chunks of one
+    batch) reach Redis in one pipeline, each with its own answer: applied, a conflict, a
+    session gone, a stale stamp."""
+    async def main():
+        async with stores(redis_server.url) as make:
+            store = make()
+            for i in range(5):
+                await store.create(f"s{i}", MODEL, 1)
+            old = await store.advance("s4", 0, vec(1), 1)
+            await store.advance("s4", 1, vec(2), 1)
+            sent: list[int] = []
+            evalsha_all = store._evalsha_all
+
+            async def counted(calls):
+                sent.append(len(calls))
+                return await evalsha_all(calls)
+            store._evalsha_all = counted
+            results = await asyncio.gather(
+                store.advance("s0", 0, vec(1), 2), store.finish("s1", 0, vec(2), 3),
+                store.advance("s2", 0, vec(3), 1), store.advance("s2", 0, vec(4), 1),
+                store.advance("s3", 7, vec(5), 1), store.advance("nope", 0, vec(6), 1),
+                store.advance("s4", 2, vec(7), 1, old.stamp), return_exceptions=True)
+            assert sent == [7]
+            s0, s1, s2, s2_again, s3, nope, s4 = results
+            assert (s0.position, s1.position, s1.ended, s2.position) == (2, 3, True, 1)
+            assert isinstance(s2_again, PositionConflict) and s2_again.position == 1
+            assert isinstance(s3, PositionConflict) and s3.position == 0
+            assert isinstance(nope, UnknownSession) and isinstance(s4, StaleRecord)
+            np.testing.assert_array_equal((await store.get("s2")).state, vec(3))
     run(main())
 
 
@@ -313,7 +374,8 @@ def test_the_redis_layout(redis_server):
     raw = redis.Redis(port=redis_server.port)
     fields = raw.hgetall("orthornn:session:s")
     assert set(fields) == {b"model", b"version", b"position", b"state", b"previous_state",
-                           b"previous_position", b"last_used"}
+                           b"previous_position", b"last_used", b"stamp"}
+    assert len(fields[b"stamp"]) == 16 and int(fields[b"stamp"], 16) >= 0
     assert (fields[b"model"], fields[b"version"], fields[b"position"],
             fields[b"previous_position"]) == (b"adding", b"7", b"5", b"3")
     assert fields[b"state"] == np.array([4, 8], "<f4").tobytes()
@@ -484,6 +546,160 @@ def test_a_password_protected_redis(tmp_path):
                 assert "s3cret" not in str(refused.value)
         run(main())
 
+
+# -- the manager's cached records: one round trip per chunk, the answers of a read each time --
+
+@dataclass
+class FakeVersion:
+    name: str
+    version: int
+    retired: bool = False
+
+
+class FakeRegistry:
+    """Versions 1 and 2 of MODEL loaded (1 the default); what Sessions asks of a registry."""
+
+    def __init__(self):
+        self.versions = {v: FakeVersion(MODEL, v) for v in (1, 2)}
+
+    def acquire(self, name, version=None):
+        if name != MODEL:
+            raise NotFound(f"no model {name!r}")
+        return self.versions[1 if version is None else version]
+
+    def session_version(self, name, version):
+        return self.versions.get(version) if name == MODEL else None
+
+    def load_session_version(self, name, version):
+        raise VersionGone(f"version {version} of {name!r}")
+
+    def keep(self, mv): ...
+
+    def release(self, mv): ...
+
+    def retain(self, in_use, since): ...
+
+
+def toy_chunk(inputs: list[float]):
+    """A chunk of a toy recurrence: state (sum, count) scaled by the version, so that an
+    answer shows which version and which state it came from. 99 fails on version 1."""
+    async def run(mv, state):
+        if 99 in inputs and mv.version == 1:
+            raise ClientError("version 1 takes no 99")
+        h = np.zeros(2, np.float32) if state is None else state
+        new = np.array([h[0] + mv.version * sum(inputs), h[1] + len(inputs)], np.float32)
+        return [float(x) for x in new], new, len(inputs)
+    return run
+
+
+# (replica, session, inputs, options) in order; ("delete", replica, session) ends one
+# from that replica's store; ("sleep", seconds) lets sessions expire
+SCRIPT: list[tuple] = [
+    ("a", "s", [1, 2], {"start": True, "position": 0}),
+    ("a", "s", [3], {"position": 2}),          # from a's cached record
+    ("b", "s", [4], {}),                       # b reads it
+    ("a", "s", [5], {}),                       # a's record is stale: read, applied at 4
+    ("a", "s", [6], {"position": 4}),          # a retry of the chunk at 4
+    ("b", "s", [6], {"position": 3}),          # stale: 409
+    ("b", "s", [7, 8], {"position": 5}),
+    ("a", "s", [9], {"position": 7}),
+    ("b", "s", [1], {"position": 8}),
+    ("a", "s", [2], {"position": 8}),          # a's cache at 8: a retry of b's chunk
+    ("a", "s", [2], {"version": 2}),           # another version: 409
+    ("a", "s", [2], {"model": "other"}),       # another model: 400
+    ("b", "s", [3], {"position": 9, "end": True}),
+    ("a", "s", [4], {}),                       # a's record says open: ended (404)
+    ("a", "s", [3], {"position": 9}),          # a retry of the final chunk
+    ("a", "s", [4], {"start": True, "position": 0, "version": 2}),  # started again
+    ("a", "s2", [1], {"start": True}),
+    ("delete", "b", "s2"),
+    ("b", "s2", [1], {"start": True, "version": 2}),
+    ("a", "s2", [5], {}),                      # a's record: version 1, position 1: stale
+    ("a", "s3", [1], {"start": True}),
+    ("delete", "b", "s3"),
+    ("b", "s3", [1], {"start": True, "version": 2}),
+    ("a", "s3", [99], {}),                     # fails on a's cached version only
+    ("a", "s4", [1], {"start": True}),
+    ("a", "s4", [99], {}),                     # fails on the session's version: 400
+    ("a", "s4", [2], {}),
+    ("delete", "b", "s4"),
+    ("a", "s4", [3], {}),                      # deleted by b: 404
+    ("a", "s5", [1], {"start": True}),
+    ("sleep", 2.4),
+    ("a", "s5", [2], {"position": 1}),         # expired: 404
+    ("a", "s", [5], {}),                       # expired too (started anew at 16)
+]
+
+
+async def play_script(stores_by_replica: dict[str, SessionStore]) -> tuple[list, list]:
+    """SCRIPT's outcomes on two Sessions (replicas a and b) over STORES_BY_REPLICA, and the
+    store reads each chunk made."""
+    replicas = {name: Sessions(store, FakeRegistry())  # type: ignore[arg-type]
+                for name, store in stores_by_replica.items()}
+    reads = [0]
+    for store in set(stores_by_replica.values()):
+        get = store.get
+
+        async def counted(sid, get=get):
+            reads[0] += 1
+            return await get(sid)
+        store.get = counted
+    outcomes, per_chunk = [], []
+    for step in SCRIPT:
+        if step[0] == "sleep":
+            await asyncio.sleep(step[1])
+            continue
+        if step[0] == "delete":
+            await stores_by_replica[step[1]].delete(step[2])
+            continue
+        replica, sid, inputs, options = step
+        options = dict(options)
+        held = Held()
+        before = reads[0]
+        try:
+            applied = await replicas[replica].chunk(
+                sid, options.pop("model", MODEL), toy_chunk(inputs), held=held, **options)
+            outcomes.append(("ok", applied, (held.model, held.version)))
+        except ServiceError as e:
+            outcomes.append((type(e).__name__, e.status, str(e), getattr(e, "position", None),
+                             (held.model, held.version)))
+        per_chunk.append(reads[0] - before)
+    return outcomes, per_chunk
+
+
+def test_replicas_answer_from_cached_records_as_from_reads(url, kind):
+    """Two replicas (two Sessions over one store) alternate on sessions, with and without
+    positions, retries, another version, ends, deletes, sessions started again at the same
+    position, expiry: every answer (and the version a request held) is the same whether a
+    replica computes a chunk from the record its last write returned (a remote store) or
+    reads the store every time; the cached run reads far less."""
+    async def main(remote: bool) -> tuple[list, int]:
+        async with stores(url) as make:
+            if kind == "memory":  # one store for both replicas, its reads made to count
+                shared = make(session_idle_timeout_s=2)
+                pair = {"a": shared, "b": shared}
+            else:
+                pair = {r: make(session_idle_timeout_s=2) for r in "ab"}
+            for store in pair.values():
+                store.remote = remote
+            return await play_script(pair)
+    cached, cached_reads = run(main(remote=True))
+    fresh, fresh_reads = run(main(remote=False))
+    assert cached == fresh
+    statuses = [o[0] for o in fresh]
+    assert statuses.count("PositionConflict") == statuses.count("StateConflict") == 1
+    assert statuses.count("UnknownSession") == 4 and statuses.count("ClientError") == 2
+    assert (fresh[3][1].position, fresh[3][1].answer) == (5, [15, 5])  # a's stale record
+    assert (fresh[9][1].position, fresh[9][1].answer) == (9, [41, 9])  # a retry of b's
+    assert fresh[14][1] == fresh[12][1]  # the final chunk answered again
+    assert (fresh[18][1].version, fresh[18][1].position) == (2, 2)  # s2 anew, on 2
+    assert fresh[21][1].version == 2 and fresh[23][0] == "ClientError"
+    starts = {i for i, step in enumerate(s for s in SCRIPT if s[0] in "ab")
+              if step[3].get("start")}
+    assert all(fresh_reads[i] == 1 for i in range(len(fresh)) if i not in starts)
+    # a chunk after this replica's own write or read of the session: no read
+    assert [cached_reads[i] for i in (1, 6, 12, 24)] == [0, 0, 0, 0]
+    assert sum(cached_reads) < sum(fresh_reads)
 
 # -- the setting ------------------------------------------------------------------------
 

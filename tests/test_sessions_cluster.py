@@ -8,8 +8,8 @@ Every chunk's answer is checked against onnxruntime run directly on the package 
 prefix the session has consumed (the tolerance of tests/test_service_streaming.py), and a
 session's last answer against the whole sequence sent at once. Chunks name their
 ``position``, and a client retries a chunk at most once, with the same position, on a
-connection error, 502 or 503: a chunk applied before the failure is answered again, never
-applied twice.
+connection error, 502 or 503 (after a short pause): a chunk applied before the failure is
+answered again, never applied twice.
 
 The cluster is started once for the module; the tests run in file order and leave it
 whole (the killed replica restarted, Redis back) for the next.
@@ -41,6 +41,11 @@ pytestmark = pytest.mark.skipif(
 ATOL = 1e-5  # tests/test_service_streaming.py's tolerance
 STEPS, FEATURES, HIDDEN = 12, 2, 8  # sequences of 12 steps; the packages' max_length
 RETRY_ON = (502, 503)
+# a client pauses before its retry: haproxy has then marked a killed replica down (two
+# failed checks, 100 ms apart). At once, the retry could meet the killed replica too (a
+# server connection haproxy reused): two failures of one chunk, the faster the chunks go
+# the likelier
+RETRY_PAUSE_S = 0.3
 # haproxy's health checks and a 2-core machine shared by five processes: a store call
 # may wait longer than the default 0.5 s without anything being wrong
 STORE_TIMEOUT_S = "2"
@@ -70,7 +75,7 @@ def packages(tmp_path_factory) -> Path:
     exported in factored mode), swap 1 and 2 (two seeds: they answer differently)."""
     cluster.require("redis-server")
     cluster.require("haproxy")
-    from orthornn.export.exporter import export_run
+    from orthornn.export.builder.exporter import export_run
     from orthornn.training.config import TrainConfig
     from orthornn.training.trainer import train
 
@@ -202,10 +207,13 @@ class Stream:
 
 
 def send(client: httpx.Client, base: str, stream: Stream, k: int) -> httpx.Response:
-    """Chunk K of STREAM, retried once (the same body: the same position) on a connection
-    error, 502 or 503; the last response (or the second connection error, raised)."""
+    """Chunk K of STREAM, retried once (the same body: the same position, after
+    RETRY_PAUSE_S) on a connection error, 502 or 503; the last response (or the second
+    connection error, raised)."""
     path, body = stream.request(k)
     for attempt in (0, 1):
+        if attempt:
+            time.sleep(RETRY_PAUSE_S)
         try:
             response = client.post(base + path, json=body)
         except httpx.TransportError:

@@ -55,7 +55,7 @@ def test_run_directory_contents_and_metrics_log(tmp_path):
 def test_copy_variant_is_recorded_and_rebuilt(tmp_path):
     """The copied-portion copy task (DizzyRNN sec. 6) is in config.json, and the task that
     export rebuilds from it scores the same loss as the trainer."""
-    from orthornn.export.evaluation import rebuild_task
+    from orthornn.export.builder.evaluation import rebuild_task
 
     run = tmp_path / "run"
     summary = train(small(run, arch="dizzyrnn", task="copy", seq_len=5, copy_loss="copied",

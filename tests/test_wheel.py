@@ -29,7 +29,7 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from orthornn.export.package import read_manifest, session, verify_package
+from orthornn.export.artifacts.package import read_manifest, session, verify_package
 from orthornn.service.http.app import create_app
 from orthornn.service.settings import Settings
 
@@ -255,8 +255,8 @@ def test_serve_from_the_wheel_in_a_clean_venv(venvs, wheel, service_packages, tm
     # (tests/test_layout.py) import; the rest needs torch
     found = import_all(venv, wheel, tmp_path, include=[
         "orthornn", "orthornn.cli", "orthornn.service", "orthornn.service.*",
-        "orthornn.export.package", "orthornn.export.repository",
-        "orthornn.export.vocabulary"])
+        "orthornn.export.artifacts.package", "orthornn.export.artifacts.repository",
+        "orthornn.export.artifacts.vocabulary"])
     assert "orthornn.service.http.codecs.predict_json" in found["imported"]
 
     repo = make_repo(service_packages, tmp_path / "repo",

@@ -17,13 +17,14 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from orthornn.export.vocabulary import EOS, UNK, words
+from orthornn.export.artifacts.vocabulary import EOS, UNK, words
 
 BUNDLED = "gensim-wiki-news"
 
 
 def tokenize(paragraph: str) -> list[str]:
-    """A paragraph's words (export.vocabulary.words, shared with the service) and <eos>."""
+    """A paragraph's words (export.artifacts.vocabulary.words, shared with the service)
+    and <eos>."""
     found = words(paragraph)
     return [*found, EOS] if found else []
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from orthornn.export.package import INITIAL_STATE
+from orthornn.export.artifacts.package import INITIAL_STATE, GraphIO
 
 from ..errors import ClientError
-from ..registry.runtime import Chunk, ModelSpec
-from .messages import Inference, InputTensor
-from .schemas import PredictRequest
+from ..registry.runtime import Chunk
+from ..registry.spec import ModelSpec
+from .messages import Inference, InputTensor, Prediction
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -47,7 +47,7 @@ def _float_sequence(spec: ModelSpec, seq: list | np.ndarray, field: str) -> np.n
     return arr
 
 
-def _echo(value) -> str:
+def _echo(value: object) -> str:
     """A client's number as it most likely wrote it: whole numbers without ".0" (JSON
     integers reach us as floats where the schema also takes fractions)."""
     if isinstance(value, float) and value.is_integer():
@@ -72,7 +72,7 @@ def _check_length(spec: ModelSpec, n: int, field: str) -> None:
                           f"(the model's max_length); got {n}")
 
 
-def predict_sequences(spec: ModelSpec, req: PredictRequest, max_sequences: int
+def predict_sequences(spec: ModelSpec, req: Prediction, max_sequences: int
                       ) -> list[np.ndarray]:
     """The request's sequences as arrays: float32 [T, d] or int64 [T] token ids."""
     if (req.inputs is None) == (req.text is None):
@@ -143,11 +143,11 @@ def _model_tensor(inp: InputTensor, expected_dtype: str) -> np.ndarray:
     return inp.data.reshape(inp.shape)
 
 
-def infer_sequences(spec: ModelSpec, req: Inference, io: dict, max_sequences: int
+def infer_sequences(spec: ModelSpec, req: Inference, io: GraphIO, max_sequences: int
                     ) -> tuple[list[np.ndarray | Chunk], int]:
     """The sequences of an OIP request (x or tokens [B, T, ...] with optional lengths [B])
     and T."""
-    declared = {i["name"]: i for i in io["inputs"]}
+    declared = {i.name: i for i in io.inputs}
     seen: dict[str, InputTensor] = {}
     for inp in req.inputs:
         if inp.name not in declared:
@@ -160,10 +160,10 @@ def infer_sequences(spec: ModelSpec, req: Inference, io: dict, max_sequences: in
     if main not in seen:
         raise ClientError(f"inputs: {main!r} is required")
     x_in = seen[main]
-    rank = len(declared[main]["shape"])
+    rank = len(declared[main].shape)
     if len(x_in.shape) != rank:
         raise ClientError(f"inputs[{main}].shape: rank {rank} expected "
-                          f"{declared[main]['shape']}; got {list(x_in.shape)}")
+                          f"{declared[main].shape}; got {list(x_in.shape)}")
     batch, steps = x_in.shape[0], x_in.shape[1]
     if not 1 <= batch <= max_sequences:
         raise ClientError(f"inputs[{main}].shape[0]: batch must be in [1, {max_sequences}]; "
@@ -174,7 +174,7 @@ def infer_sequences(spec: ModelSpec, req: Inference, io: dict, max_sequences: in
     if rank == 3 and x_in.shape[2] != spec.feature_size:
         raise ClientError(f"inputs[{main}].shape[2]: feature_size is {spec.feature_size}; "
                           f"got {x_in.shape[2]}")
-    x = _model_tensor(x_in, declared[main]["datatype"])
+    x = _model_tensor(x_in, declared[main].datatype)
     if spec.kind == "tokens":
         vocab = len(spec.vocabulary or ())
         if x.size and (x.min() < 0 or x.max() >= vocab):
@@ -184,7 +184,7 @@ def infer_sequences(spec: ModelSpec, req: Inference, io: dict, max_sequences: in
         if list(ln.shape) != [batch]:
             raise ClientError(f"inputs[lengths].shape: must be [{batch}]; got "
                               f"{list(ln.shape)}")
-        lengths = _model_tensor(ln, declared["lengths"]["datatype"])
+        lengths = _model_tensor(ln, declared["lengths"].datatype)
         if lengths.min() < 1 or lengths.max() > steps:
             raise ClientError(f"inputs[lengths].data: lengths must be in [1, {steps}]")
     else:

@@ -2,8 +2,8 @@
 (``service.dataplane.messages``), as MLServer's ``DataPlane`` serves REST and gRPC alike. The HTTP
 layer (``service.http.app``) decodes bodies with the codecs, maps errors to status codes and
 counts metrics; everything that touches a model version, a batcher, a state or a session
-is here. An error raised while a version is held carries that version
-(``ServiceError.served``), so that it is counted under it.
+is here. Whatever holds a model version for a request records it in the request's
+``Held`` (an argument), so that the request is counted under it, a failed one too.
 """
 
 from __future__ import annotations
@@ -13,37 +13,33 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
+from typing import Any
 
 import numpy as np
+from orthornn.export.artifacts.package import TensorSpec
 
-from ..errors import ClientError, NotFound
-from ..metrics import UNKNOWN
-from ..registry.registry import ModelVersion, Registry, RollbackRefused
+from ..errors import ClientError, NotFound, RollbackRefused, StateConflict
+from ..metrics import UNKNOWN, Held, Metrics
+from ..registry.registry import ModelVersion, Registry
 from ..registry.runtime import Chunk
-from ..sessions.manager import (
-    Sessions,
-    StateConflict,
-    decode_state,
-    encode_state,
-    served_by,
-    state_version,
-)
+from ..sessions.manager import Sessions
 from ..sessions.store import open_store
+from ..sessions.tokens import decode_state, encode_state, state_version
 from ..settings import Settings
 from . import generate
 from .checks import infer_sequences, predict_sequences, range_warning
 from .messages import (
-    Answer,
+    Document,
     Inference,
     InferenceResult,
     OutputTensor,
+    Prediction,
     PredictResult,
     Served,
 )
 from .outputs import outputs_to_tensors, shape_outputs
 from .schemas import (
     GenerateRequest,
-    PredictRequest,
     RepositoryIndexRequest,
     RollbackRequest,
 )
@@ -58,7 +54,7 @@ def server_version() -> str:
         return "0+unknown"
 
 
-def version_param(value) -> int | None:
+def version_param(value: object) -> int | None:
     if value is None:
         return None
     if isinstance(value, int):
@@ -70,28 +66,33 @@ def version_param(value) -> int | None:
 
 
 class DataPlane:
-    def __init__(self, settings: Settings, registry: Registry, metrics=None):
+    def __init__(self, settings: Settings, registry: Registry,
+                 metrics: Metrics | None = None):
         self.settings, self.registry, self.metrics = settings, registry, metrics
         # server-side sessions: in this process or in a Redis the replicas share
         self.sessions = Sessions(open_store(settings, metrics), registry, metrics=metrics)
 
-    def labels(self, name: str, version: int | None = None) -> tuple[str, str]:
-        """The metric labels of a request naming model NAME (and VERSION) that holds no
-        version: a loaded model's name, with the version only when it is loaded; UNKNOWN
-        for a model that is not loaded (clients cannot grow the label set)."""
-        if not self.registry.model_ready(name):
+    def labels(self, held: Held) -> tuple[str, str]:
+        """The metric labels of a request: the version it held, else the model it named
+        when loaded (with the version only when that is loaded); UNKNOWN for a model that
+        is not loaded (clients cannot grow the label set)."""
+        if held.model is not None:
+            return held.model, str(held.version)
+        name, version = held.named, held.named_version
+        if name is None or not self.registry.model_ready(name):
             return UNKNOWN, ""
         if version is not None and self.registry.model_ready(name, version):
             return name, str(version)
         return name, ""
 
     @contextmanager
-    def hold(self, name: str, version: int | None, *,
-             from_states: bool = False) -> Iterator[ModelVersion]:
-        """Acquire a model version for one request. ``from_states``: the version is the one
-        the request's states name (a 404 says so)."""
+    def hold(self, name: str, version: int | None, held: Held, *, from_states: bool = False,
+             batched: bool = True) -> Iterator[ModelVersion]:
+        """Acquire a model version for one request (recorded in HELD). ``from_states``: the
+        version is the one the request's states name (a 404 says so). ``batched=False``:
+        the request never submits to a batcher (the batchers do not wait for it)."""
         try:
-            mv = self.registry.acquire(name, version)
+            mv = self.registry.acquire(name, version, batched=batched)
         except NotFound:
             if from_states and self.registry.model_ready(name):
                 loaded = self.registry.serving().get(name, [])
@@ -100,11 +101,11 @@ class DataPlane:
                                f"version that made it: start the sequence again without "
                                f"states") from None
             raise
+        held.hold(mv.name, mv.version)
         try:
-            with served_by(mv):
-                yield mv
+            yield mv
         finally:
-            self.registry.release(mv)
+            self.registry.release(mv, batched=batched)
 
     # -- server and model metadata ----------------------------------------------------------
 
@@ -116,13 +117,15 @@ class DataPlane:
     def ready(self) -> bool:
         return self.registry.ready()
 
-    def model_metadata(self, name: str, version: str | None) -> Answer:
+    def model_metadata(self, name: str, version: str | None) -> Document:
         mv = self.registry.get(name, version_param(version))
         io = mv.spec.io["model"]
         promoted = self.registry.promoted(name)
-        return Answer(Served(name, mv.version), {
+        return Document(Served(name, mv.version), {
             "name": name, "versions": [str(v) for v in self.registry.serving().get(name, [])],
-            "platform": "onnxruntime_onnx", "inputs": io["inputs"], "outputs": io["outputs"],
+            "platform": "onnxruntime_onnx",
+            "inputs": [t.to_dict() for t in io.inputs],
+            "outputs": [t.to_dict() for t in io.outputs],
             "parameters": {"version": str(mv.version), "task": mv.spec.task,
                            "arch": mv.spec.arch, "max_length": mv.spec.max_length,
                            "labels": mv.spec.labels, "streaming": mv.spec.streaming,
@@ -141,41 +144,36 @@ class DataPlane:
             raise NotFound(f"model {name!r} is not in the repository")
         return False
 
-    def model_config(self, name: str) -> Answer:
+    def model_config(self, name: str) -> Document:
         """Triton's model configuration, as tritonclient reads it."""
         s = self.settings
         mv = self.registry.get(name)
         io = mv.spec.io["model"]
 
-        def tensors(items):
-            return [{"name": t["name"], "data_type": "TYPE_" + t["datatype"],
-                     "dims": t["shape"][1:], **({"optional": True} if t.get("optional")
-                                                else {})} for t in items]
+        def tensors(items: list[TensorSpec]) -> list[dict[str, Any]]:
+            return [{"name": t.name, "data_type": "TYPE_" + t.datatype, "dims": t.shape[1:],
+                     **({"optional": True} if t.optional else {})} for t in items]
         config = {"name": name, "platform": "onnxruntime_onnx",
                   "max_batch_size": s.max_request_sequences,
-                  "input": tensors(io["inputs"]), "output": tensors(io["outputs"]),
+                  "input": tensors(io.inputs), "output": tensors(io.outputs),
                   "dynamic_batching": {"max_queue_delay_microseconds":
                                        int(s.max_queue_delay_ms * 1000)} if s.batching else None,
                   "version_policy": {s.version_policy: {"num_versions": s.keep_versions}}}
         if mv.spec.streaming:  # sequences: state kept per sequence_id, idle ones ended
             config["sequence_batching"] = {
                 "max_sequence_idle_microseconds": int(s.session_idle_timeout_s * 1e6)}
-        return Answer(Served(name, mv.version), config)
+        return Document(Served(name, mv.version), config)
 
     # -- /generate ---------------------------------------------------------------------------
 
-    async def generate(self, req: GenerateRequest) -> Answer:
-        with self.hold(req.model, version_param(req.version)) as mv:
+    async def generate(self, req: GenerateRequest, held: Held) -> Document:
+        with self.hold(req.model, version_param(req.version), held, batched=False) as mv:
             prompt = generate.prompt_ids(mv.spec, req, self.settings.max_new_tokens)
             # a thread of its own (asyncio's default pool): a long generation must not hold
-            # the inference threads, and the batcher must not wait for it
-            mv.generating += 1
-            try:
-                result = await asyncio.to_thread(generate.generate, mv.runtime, mv.spec,
-                                                 prompt, req)
-            finally:
-                mv.generating -= 1
-        return Answer(Served(mv.name, mv.version),
+            # the inference threads, and the batcher must not wait for it (batched=False)
+            result = await asyncio.to_thread(generate.generate, mv.runtime, mv.spec,
+                                             prompt, req)
+        return Document(Served(mv.name, mv.version),
                       {"model": mv.name, "version": mv.version, **result})
 
     # -- the model repository ------------------------------------------------------------------
@@ -207,9 +205,9 @@ class DataPlane:
 
     # -- /predict --------------------------------------------------------------------------
 
-    async def predict(self, req: PredictRequest) -> PredictResult:
+    async def predict(self, req: Prediction, held: Held) -> PredictResult:
         if req.session is not None:
-            return await self._predict_session(req)
+            return await self._predict_session(req, held)
         for flag, given in (("start", req.start), ("end", req.end),
                             ("position", req.position is not None)):
             if given:
@@ -225,7 +223,7 @@ class DataPlane:
                 raise StateConflict(f"states: made by version {made_by}, the request asks "
                                     f"for version {version}; a state only continues the "
                                     f"version that made it")
-        with self.hold(req.model, version, from_states=from_states) as mv:
+        with self.hold(req.model, version, held, from_states=from_states) as mv:
             seqs = self._sequences(mv, req)
             warning = self._range_warning(mv, seqs, "inputs")
             if req.states is not None:
@@ -242,7 +240,7 @@ class DataPlane:
             outputs, _ = await self._run(mv, batch, req)
         return PredictResult(Served(mv.name, mv.version, warning), outputs)
 
-    async def _predict_session(self, req: PredictRequest) -> PredictResult:
+    async def _predict_session(self, req: Prediction, held: Held) -> PredictResult:
         assert req.session is not None
         if req.states is not None:
             raise ClientError("states: not with 'session' (the session keeps its state)")
@@ -256,15 +254,15 @@ class DataPlane:
             return (outputs, warning), states[0], len(seq)
         applied = await self.sessions.chunk(
             req.session, req.model, chunk, version=version_param(req.version),
-            start=req.start, end=req.end, position=req.position)
+            start=req.start, end=req.end, position=req.position, held=held)
         outputs, warning = applied.answer
         return PredictResult(Served(applied.model, applied.version, warning), outputs,
                              session=req.session, position=applied.position)
 
-    def _sequences(self, mv: ModelVersion, req: PredictRequest) -> list[np.ndarray]:
+    def _sequences(self, mv: ModelVersion, req: Prediction) -> list[np.ndarray]:
         return predict_sequences(mv.spec, req, self.settings.max_request_sequences)
 
-    async def _run(self, mv: ModelVersion, seqs: list, req: PredictRequest
+    async def _run(self, mv: ModelVersion, seqs: list, req: Prediction
                    ) -> tuple[list[dict], list[np.ndarray]]:
         """Batch the sequences; (the /predict outputs, the state after each sequence)."""
         spec = mv.spec
@@ -278,14 +276,15 @@ class DataPlane:
                                   f"per-step graph; export it again")
             batcher = mv.steps_batcher
 
-        def post(rows: list[dict]):  # in the inference thread
+        def post(rows: list[dict[str, np.ndarray]]  # in the inference thread
+                 ) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
             out = shape_outputs(spec, rows, seqs, req.top_k, req.per_step,
                                         req.allow_unk)
             if req.return_state:
                 for item, row in zip(out, rows, strict=True):
                     item["state"] = encode_state(mv.name, mv.version, row["state"])
             return out, [row["state"] for row in rows]
-        return await batcher.submit(seqs, post)
+        return await batcher.submit(seqs, post, prepare=True)  # one softmax per batch
 
     # -- sessions (server-side state, /predict and OIP sequences alike: service.streaming) --
 
@@ -316,7 +315,8 @@ class DataPlane:
 
     # -- Open Inference Protocol ------------------------------------------------------------
 
-    async def infer(self, req: Inference, name: str, version: str | None) -> InferenceResult:
+    async def infer(self, req: Inference, name: str, version: str | None, held: Held
+                    ) -> InferenceResult:
         """An OIP inference request on model NAME (VERSION: the URL's). The request
         parameters ``sequence_id``, ``sequence_start`` and ``sequence_end`` (as tritonclient
         sends them) run it on a session; ``sequence_position`` makes the chunk exactly-once
@@ -332,15 +332,15 @@ class DataPlane:
                 seq = self._session_sequence(seqs)
                 warning = self._range_warning(mv, [seq], "inputs[x]")
                 tensors = await self._infer_run(mv, req, [Chunk(seq, state)], steps)
-                return (tensors, warning), self._state_of(tensors, mv), len(seq)
+                return (tensors, warning), self._state_of(tensors), len(seq)
             applied = await self.sessions.chunk(
                 sid, name, chunk, version=version_param(version), start=start, end=end,
-                position=position_param, what="sequence")
+                position=position_param, what="sequence", held=held)
             tensors, warning = applied.answer
             served = Served(applied.model, applied.version, warning)
             position = applied.position
         else:
-            with self.hold(name, version_param(version)) as mv:
+            with self.hold(name, version_param(version), held) as mv:
                 seqs, steps = self._infer_sequences(mv, req)
                 warning = self._range_warning(mv, seqs, "inputs[x]")
                 tensors = await self._infer_run(mv, req, seqs, steps)
@@ -352,7 +352,7 @@ class DataPlane:
         return InferenceResult(served, outputs, req.id, position=position)
 
     @staticmethod
-    def _state_of(tensors: list[OutputTensor], mv: ModelVersion) -> np.ndarray:
+    def _state_of(tensors: list[OutputTensor]) -> np.ndarray:
         (state,) = [t.data for t in tensors if t.name == "state"]
         return state[0]
 
@@ -387,7 +387,7 @@ class DataPlane:
         unknown = [o.name for o in req.outputs or () if o.name not in names]
         if unknown:
             raise ClientError(f"outputs: unknown output {unknown[0]!r}; the model has {names}")
-        datatypes = {o["name"]: o["datatype"] for o in mv.spec.io["model"]["outputs"]}
+        datatypes = {o.name: o.datatype for o in mv.spec.io["model"].outputs}
         tensors = await mv.batcher.submit(
             seqs, lambda rows: outputs_to_tensors(rows, names, steps,
                                                           runtime.per_step["model"]))

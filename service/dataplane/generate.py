@@ -4,10 +4,11 @@ graph produces each new token from the carried hidden state (the prefix is never
 from __future__ import annotations
 
 import numpy as np
-from orthornn.export.vocabulary import EOS
+from orthornn.export.artifacts.vocabulary import EOS
 
 from ..errors import ClientError
-from ..registry.runtime import ModelSpec, Runtime
+from ..registry.runtime import Runtime
+from ..registry.spec import ModelSpec
 from .schemas import GenerateRequest
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .schemas import RequestOutput
+from .schemas import PredictRequest, RequestOutput
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,32 @@ class InferenceResult:
 
 # -- /predict ----------------------------------------------------------------------------
 
+@dataclass(slots=True)
+class Prediction:
+    """A /predict request as the dataplane takes it: ``PredictRequest``'s fields, with
+    ``inputs`` either as the JSON gave them (lists, validated by pydantic) or as float32
+    arrays [T, d] (the codec's fast path, which skips pydantic for the common body)."""
+
+    model: str
+    version: int | str | None = None
+    inputs: list[np.ndarray] | list[list[Any]] | None = None
+    text: list[str] | None = None
+    top_k: int | None = None
+    return_state: bool = False
+    states: list[Any] | None = None
+    session: str | None = None
+    start: bool = False
+    end: bool = False
+    position: int | None = None
+    per_step: bool = False
+    allow_unk: bool = False
+
+    @classmethod
+    def of(cls, req: PredictRequest) -> Prediction:
+        """The validated body's fields (the same names, by construction)."""
+        return cls(**dict(req))
+
+
 @dataclass(frozen=True)
 class PredictResult:
     served: Served
@@ -75,8 +101,8 @@ class PredictResult:
 
 
 @dataclass(frozen=True)
-class Answer:
-    """Any other answer: a JSON document (metadata, /generate, the repository API)."""
+class Document:
+    """Any other answer of a model version: a JSON document (metadata, /generate)."""
 
-    served: Served | None
+    served: Served
     body: Any

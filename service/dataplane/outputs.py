@@ -9,19 +9,11 @@ import math
 from typing import Any
 
 import numpy as np
-from orthornn.export.package import INITIAL_LOGITS
+from orthornn.export.artifacts.package import INITIAL_LOGITS
+from orthornn.export.artifacts.scoring import log_softmax, softmax
 
-from ..registry.runtime import Chunk, ModelSpec
-
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    z = np.exp(x - x.max(axis=-1, keepdims=True))
-    return z / z.sum(axis=-1, keepdims=True)
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+from ..registry.runtime import Chunk
+from ..registry.spec import ModelSpec
 
 
 def _label(spec: ModelSpec, i: int) -> str:
@@ -36,7 +28,7 @@ def prepare_rows(spec: ModelSpec, rows: list[dict]) -> None:
     list) and most likely class, from one softmax over the batch instead of one per row."""
     if spec.task != "classify" or not rows:
         return
-    p = _softmax(np.stack([r[spec.output_name] for r in rows]).astype(np.float64))
+    p = softmax(np.stack([r[spec.output_name] for r in rows]).astype(np.float64))
     for row, probabilities, index in zip(rows, p.tolist(), p.argmax(axis=-1).tolist(),
                                          strict=True):
         row[PROBABILITIES], row[INDEX] = probabilities, index
@@ -56,7 +48,7 @@ def _per_step_items(spec: ModelSpec, y: np.ndarray, top_k: int | None) -> list[d
     if spec.task == "regress":
         return [{"value": float(v[0]) if v.size == 1 else v.tolist()}
                 for v in y.astype(np.float64)]
-    p = _softmax(y.astype(np.float64))
+    p = softmax(y.astype(np.float64))
     return [_classify_item(spec, row, i, top_k)
             for row, i in zip(p.tolist(), p.argmax(axis=-1).tolist(), strict=True)]
 
@@ -88,12 +80,12 @@ def shape_outputs(spec: ModelSpec, rows: list[dict], sequences: list,
             item = {"indices": idx.tolist(), "labels": [_label(spec, int(j)) for j in idx]}
         else:  # lm: y [T, V]; position t predicts token t + 1
             tokens = seq.data if isinstance(seq, Chunk) else seq
-            logp = _log_softmax(y)
+            logp = log_softmax(y)
             scored = len(tokens) - 1
             ll = float(logp[np.arange(scored), tokens[1:]].sum()) if scored else 0.0
             if isinstance(seq, Chunk) and seq.state is not None and INITIAL_LOGITS in row:
                 # a continued chunk: its first token is predicted by the state it continues
-                ll += float(_log_softmax(row[INITIAL_LOGITS].astype(np.float64))[tokens[0]])
+                ll += float(log_softmax(row[INITIAL_LOGITS].astype(np.float64))[tokens[0]])
                 scored += 1
             p = np.exp(logp[-1])
             rank = -p

@@ -1,4 +1,4 @@
-"""Admission and request metrics: the outermost of the service's ASGI middleware.
+"""Admission: the outermost of the service's ASGI middleware.
 
 Over ``max_inflight_requests`` in flight, a request gets 503 with Retry-After at once (so
 answered requests keep a bounded latency). Where the server offers a ``Connection`` (the
@@ -15,8 +15,8 @@ eager listener does, under ``scope["state"][CONNECTION]``):
   retry can take the slot) and the others would be refused at every retry.
 
 Nothing is refused while a slot is free; health and metrics take no slot. A body over the
-limit gets 413; every request is counted under its route template and the model/version
-the dataplane chose.
+limit gets 413. What admission answers itself (503, an early 413) it counts itself; every
+other request is counted by the route dispatcher (``routing.Routes``).
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from prometheus_client import Counter, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import BodyTooLarge
 from ..metrics import UNKNOWN, Metrics
+from .counting import RequestCounts
 from .responses import JSON, error, header
 from .routing import RouteTable
 
 #: scope["state"] key of the request's Connection, where the server offers one
 CONNECTION = "orthornn.connection"
-_NO_STATE: dict = {}
 
 
 class Connection:
@@ -52,45 +52,35 @@ class Connection:
         self.refused = False
 
 
-class Observe:
+_NO_STATE: dict[str, Connection] = {}
+
+
+class Admission:
     """ASGI middleware (the outermost of ours; a user's, added after create_app, wraps it):
-    admission, the body limit, the in-flight gauge and
-    the request metrics of every route (labels: the route template and the model/version
-    the dataplane set). Label children are cached."""
+    admission, the body limit and the in-flight gauge of every route."""
 
     EXEMPT = ("/v2/health/", "/metrics")  # answered even when overloaded
     RETRY_AFTER_S = 1  # whole seconds, as the header takes them
     RETRY_JITTER_S = 0.25
 
-    def __init__(self, app, table: RouteTable, metrics: Metrics, max_body: int,
-                 max_inflight: int):
-        self.app, self.table, self.metrics = app, table, metrics
+    def __init__(self, app: ASGIApp, table: RouteTable, metrics: Metrics,
+                 counts: RequestCounts, max_body: int, max_inflight: int):
+        self.app, self.table, self.metrics, self.counts = app, table, metrics, counts
         self.max_body, self.max_inflight = max_body, max_inflight
         self.inflight = 0
-        self._retries: deque[asyncio.Future] = deque()  # retries waiting for a slot
-        self._counters: dict[tuple, Counter] = {}
-        self._durations: dict[str, Histogram] = {}
+        self._retries: deque[asyncio.Future[None]] = deque()  # retries waiting for a slot
         # rendered once: the same error() every other refusal uses
         self._overloaded = error(503, f"overloaded: {max_inflight} requests in flight; "
                                       "retry later",
                                  headers={"Retry-After": str(self.RETRY_AFTER_S)})
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = time.perf_counter()
-        status = 500
-        found = scope["orthornn.route"] = self.table.match(scope)
-
-        async def send_wrapper(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
         received = 0
 
-        async def limited_receive():
+        async def limited_receive() -> Message:
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
@@ -103,7 +93,7 @@ class Observe:
         # nothing, and a probe must not turn a request away while a slot is free
         limited = not scope["path"].startswith(self.EXEMPT)
         if limited:
-            connection = (scope.get("state") or _NO_STATE).get(CONNECTION)
+            connection: Connection | None = (scope.get("state") or _NO_STATE).get(CONNECTION)
             if self.inflight < self.max_inflight:
                 self.inflight += 1
                 if connection is not None:
@@ -121,23 +111,23 @@ class Observe:
                 await send({"type": "http.response.start", "status": 503,
                             "headers": list(self._overloaded.raw_headers)})
                 await send({"type": "http.response.body", "body": self._overloaded.body})
-                return self.record(scope, found, 503, start)
+                return self._record(scope, 503, start)
         # a slot is held from here: the finally below passes it on
         self.metrics.inflight.inc()
         try:
             refused = self.refuse(scope)
             if refused is not None:
-                await refused(scope, receive, send_wrapper)
+                await refused(scope, receive, send)
+                self._record(scope, refused.status_code, start)
             else:
-                await self.app(scope, limited_receive, send_wrapper)
+                await self.app(scope, limited_receive, send)
         finally:
             if limited:
                 self._free_slot()
             self.metrics.inflight.dec()
-            self.record(scope, found, status, start)
 
     async def _wait_for_slot(self) -> None:
-        waiter = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._retries.append(waiter)
         try:
             await waiter
@@ -155,27 +145,16 @@ class Observe:
                 return
         self.inflight -= 1
 
-    def refuse(self, scope) -> JSON | None:
+    def refuse(self, scope: Scope) -> JSON | None:
         """413 at once when Content-Length says the body is too large."""
         length = header(scope, b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             return error(413, f"body: larger than the limit of {self.max_body} bytes")
         return None
 
-    def record(self, scope, found, status: int, start: float) -> None:
-        """Count the request under its route template (the table's match ``found``, else
-        FastAPI's route, else "other") and the model/version the dataplane set."""
-        endpoint = found[0].path if found is not None else \
-            getattr(scope.get("route"), "path", None) or "other"
-        model, ver = (scope.get("state") or {}).get("labels", (UNKNOWN, ""))
-        key = (model, ver, endpoint, status)
-        counter = self._counters.get(key)
-        if counter is None:
-            counter = self._counters[key] = self.metrics.requests.labels(
-                model, ver, endpoint, str(status))
-        counter.inc()
-        histogram = self._durations.get(endpoint)
-        if histogram is None:
-            histogram = self._durations[endpoint] = self.metrics.request_duration.labels(
-                endpoint)
-        histogram.observe(time.perf_counter() - start)
+    def _record(self, scope: Scope, status: int, start: float) -> None:
+        """Count a request admission answered itself, under its route template (else
+        "other") and no model (it never reached one)."""
+        found = self.table.match(scope)
+        self.counts.record(found[0].path if found is not None else "other", (UNKNOWN, ""),
+                           status, start)

@@ -4,23 +4,24 @@ no token is configured, as Triton's and MLServer's repository APIs are by defaul
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from pydantic import SecretStr
+from starlette.types import Scope
 
 from ..errors import ClientError
+from .responses import header
 
 
-def bearer(token: SecretStr | None):
+def bearer(token: SecretStr | None) -> Callable[[Scope], None]:
     """A check for handlers: raises ClientError(401) unless the request (its ASGI scope)
     carries ``Authorization: Bearer <token>`` (compared in constant time)."""
     expected = token.get_secret_value().encode() if token is not None else None
 
-    def check(scope: dict) -> None:
+    def check(scope: Scope) -> None:
         if expected is None:
             return
-        value = next((v.decode("latin-1") for k, v in scope["headers"]
-                      if k == b"authorization"), "")
-        scheme, _, given = value.partition(" ")
+        scheme, _, given = (header(scope, b"authorization") or "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
                                                                  expected):
             raise ClientError("authorization: a valid bearer token is required for the "

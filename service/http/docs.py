@@ -14,6 +14,7 @@ from fastapi.openapi.docs import (
     get_swagger_ui_html,
     get_swagger_ui_oauth2_redirect_html,
 )
+from starlette.responses import HTMLResponse
 from starlette.staticfiles import StaticFiles
 
 ASSETS_PACKAGE = "fastapi_offline"  # ships swagger-ui-bundle.js, swagger-ui.css, redoc
@@ -39,7 +40,7 @@ def add_docs(app: FastAPI, openapi_url: str = "/openapi.json") -> None:
     app.mount(ASSETS, StaticFiles(directory=assets_dir()), name="docs-assets")
 
     @app.get("/docs", include_in_schema=False)
-    async def swagger_ui(request: Request):
+    async def swagger_ui(request: Request) -> HTMLResponse:
         root = request.scope.get("root_path", "").rstrip("/")
         return get_swagger_ui_html(
             openapi_url=root + openapi_url, title=f"{app.title} - Swagger UI",
@@ -51,11 +52,11 @@ def add_docs(app: FastAPI, openapi_url: str = "/openapi.json") -> None:
             swagger_ui_parameters={"validatorUrl": None})
 
     @app.get("/docs/oauth2-redirect", include_in_schema=False)
-    async def swagger_ui_redirect():
+    async def swagger_ui_redirect() -> HTMLResponse:
         return get_swagger_ui_oauth2_redirect_html()
 
     @app.get("/redoc", include_in_schema=False)
-    async def redoc(request: Request):
+    async def redoc(request: Request) -> HTMLResponse:
         root = request.scope.get("root_path", "").rstrip("/")
         return get_redoc_html(openapi_url=root + openapi_url, title=f"{app.title} - ReDoc",
                               redoc_js_url=f"{root}{ASSETS}/redoc.standalone.js",

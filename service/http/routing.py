@@ -1,69 +1,89 @@
 """The route table: every route the service answers, its dispatcher (``Routes``, the
 innermost ASGI middleware) and the OpenAPI paths generated from the same rows, so that no
-endpoint is registered twice and none is unreachable."""
+endpoint is registered twice and none is unreachable. The dispatcher also counts every
+request that reaches it, under its route template and the model version the request held
+(``Call.held``, filled in by the dataplane): both are values it has, not scope entries."""
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import Any
 
 from fastapi.responses import Response
 from pydantic import BaseModel, TypeAdapter
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..dataplane.schemas import ErrorResponse
-from .responses import answer, error, read_body
+from ..metrics import UNKNOWN, Held
+from .counting import RequestCounts
+from .responses import error, error_response, read_body
 
-Handler = Callable[..., Awaitable[Response]]
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """What a handler gets: the body, the ASGI scope (its headers), the path parameters
+    of its route, and the record of the model version the request holds (for its
+    metric labels; the handler passes it to the dataplane)."""
+
+    body: bytes
+    scope: Scope
+    params: dict[str, str]
+    held: Held
+
+
+Handler = Callable[[Call], Awaitable[Response]]
+#: the metric labels (model, version) of a request, from what it held or named
+Labeller = Callable[[Held], tuple[str, str]]
 
 
 # -- the route table ---------------------------------------------------------------------
 
-ERRORS = {400: {"model": ErrorResponse, "description": "bad input (the message names the "
-                                                      "field)"},
-          404: {"model": ErrorResponse, "description": "unknown model, version or session"},
-          413: {"model": ErrorResponse, "description": "body too large"},
-          503: {"model": ErrorResponse, "description": "overloaded (Retry-After) or not "
-                                                      "ready"}}
-INFER_ERRORS = {**ERRORS,
-                409: {"model": ErrorResponse, "description": "a state or session of another "
-                                                            "model version, a session "
-                                                            "chunk at a position the session "
-                                                            "is not at (the message and the "
-                                                            "Orthornn-Session-Position "
-                                                            "header name it), or a session "
-                                                            "whose version is gone"},
-                503: {"model": ErrorResponse, "description": "overloaded, not ready, or the "
-                                                            "session store unavailable "
-                                                            "(Retry-After)"},
-                429: {"model": ErrorResponse, "description": "queue full or too many "
-                                                            "sessions (Retry-After)"}}
-ADMIN_ERRORS = {**ERRORS, 401: {"model": ErrorResponse, "description": "missing or wrong "
-                                                                      "bearer token"}}
-ROLLBACK_ERRORS = {**ADMIN_ERRORS,
-                   409: {"model": ErrorResponse, "description": "no such version, it does "
-                                                               "not verify, it is already "
-                                                               "promoted (the message names "
-                                                               "the usable versions), or the "
-                                                               "repository is read-only here"}}
+ErrorTable = dict[int, dict[str, Any]]
+ERRORS: ErrorTable = {
+    400: {"model": ErrorResponse, "description": "bad input (the message names the field)"},
+    404: {"model": ErrorResponse, "description": "unknown model, version or session"},
+    413: {"model": ErrorResponse, "description": "body too large"},
+    503: {"model": ErrorResponse, "description": "overloaded (Retry-After) or not ready"}}
+INFER_ERRORS: ErrorTable = {
+    **ERRORS,
+    409: {"model": ErrorResponse,
+          "description": "a state or session of another model version, a session chunk at a "
+                         "position the session is not at (the message and the "
+                         "Orthornn-Session-Position header name it), or a session whose "
+                         "version is gone"},
+    503: {"model": ErrorResponse, "description": "overloaded, not ready, or the session store "
+                                                 "unavailable (Retry-After)"},
+    429: {"model": ErrorResponse, "description": "queue full or too many sessions "
+                                                 "(Retry-After)"}}
+ADMIN_ERRORS: ErrorTable = {
+    **ERRORS, 401: {"model": ErrorResponse, "description": "missing or wrong bearer token"}}
+ROLLBACK_ERRORS: ErrorTable = {
+    **ADMIN_ERRORS,
+    409: {"model": ErrorResponse,
+          "description": "no such version, it does not verify, it is already promoted (the "
+                         "message names the usable versions), or the repository is "
+                         "read-only here"}}
 
 
 @dataclass(frozen=True)
 class Route:
     method: str
     path: str  # a template: {name} matches one path segment
-    handler: Handler  # (body, scope, **path parameters) -> Response
+    handler: Handler
     summary: str
-    response_model: type | None = None
+    response_model: Any = None  # the 200 answer's schema: a pydantic model or list[...]
     body: type[BaseModel] | None = None  # the request body's schema (OpenAPI)
     body_required: bool = True
-    errors: dict = field(default_factory=lambda: ERRORS)
+    errors: ErrorTable = field(default_factory=lambda: ERRORS)
     admin: bool = False  # the repository API: bearer token
     media_type: str = "application/json"  # of the 200 answer (the document says it)
 
     @property
-    def pattern(self) -> re.Pattern:
+    def pattern(self) -> re.Pattern[str]:
         return re.compile(re.sub(r"\\{(\w+)\\}", r"(?P<\1>[^/]+)", re.escape(self.path)))
 
 
@@ -75,11 +95,12 @@ class RouteTable:
         self._table = [(r.method, r.pattern, r) for r in routes]
 
     @staticmethod
-    def _path(scope) -> str:
-        path, root = scope["path"], scope.get("root_path", "")
+    def _path(scope: Scope) -> str:
+        path: str = scope["path"]
+        root: str = scope.get("root_path", "")
         return path[len(root):] if root and path.startswith(root) else path
 
-    def match(self, scope) -> tuple[Route, dict] | None:
+    def match(self, scope: Scope) -> tuple[Route, dict[str, str]] | None:
         path = self._path(scope)
         for method, pattern, route in self._table:
             if method == scope["method"]:
@@ -88,46 +109,71 @@ class RouteTable:
                     return route, found.groupdict()
         return None
 
-    def methods(self, scope) -> list[str]:
+    def methods(self, scope: Scope) -> list[str]:
         """The methods the table answers at this path (for a 405's Allow header)."""
         path = self._path(scope)
         return sorted({m for m, pattern, _ in self._table if pattern.fullmatch(path)})
 
 
 class Routes:
-    """ASGI middleware (the innermost): answers the table's routes itself; anything else
-    (/docs, /openapi.json, 404, 405) goes on to FastAPI."""
+    """ASGI middleware (the innermost): answers the table's routes itself, and counts
+    them; anything else (/docs, /openapi.json, 404, 405) goes on to FastAPI, counted
+    under FastAPI's route (else "other") and no model."""
 
-    def __init__(self, app, table: RouteTable, max_body: int):
-        self.app, self.table, self.max_body = app, table, max_body
+    def __init__(self, app: ASGIApp, table: RouteTable, counts: RequestCounts,
+                 labels: Labeller):
+        self.app, self.table, self.counts, self.labels = app, table, counts, labels
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            found: tuple[Route, dict] | None = \
-                scope.get("orthornn.route") or self.table.match(scope)
-            if found is not None:
-                route, params = found
-                return await self.answer(route, params, scope, receive, send)
-            allowed = self.table.methods(scope)
-            if allowed:  # a route of the table, another method
-                response = error(405, f"Method Not Allowed: {scope['method']}; this path "
-                                      f"takes {', '.join(allowed)}",
-                                 headers={"Allow": ", ".join(allowed)})
-                return await response(scope, receive, send)
-        await self.app(scope, receive, send)  # /docs, /redoc, /openapi.json, else 404
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        found = self.table.match(scope)
+        if found is not None:
+            route, params = found
+            held = Held()
+            status = await self.answer(route, params, held, scope, receive, send)
+            if status is not None:
+                self.counts.record(route.path, self.labels(held), status, start)
+            return None
+        allowed = self.table.methods(scope)
+        if allowed:  # a route of the table, another method
+            response = error(405, f"Method Not Allowed: {scope['method']}; this path "
+                                  f"takes {', '.join(allowed)}",
+                             headers={"Allow": ", ".join(allowed)})
+            await response(scope, receive, send)
+            self.counts.record("other", (UNKNOWN, ""), 405, start)
+            return None
+        status = 500
 
-    async def answer(self, route: Route, params: dict, scope, receive, send) -> None:
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, send_status)  # /docs, /redoc, /openapi.json, 404
+        finally:
+            endpoint = getattr(scope.get("route"), "path", None) or "other"
+            self.counts.record(endpoint, (UNKNOWN, ""), status, start)
+
+    @staticmethod
+    async def answer(route: Route, params: dict[str, str], held: Held, scope: Scope,
+                     receive: Receive, send: Send) -> int | None:
+        """Run ROUTE's handler and send its response; its status (None: the client went
+        away before its body arrived)."""
         try:
             body = await read_body(receive)
             if body is None:
-                return  # the client went away
-            response = await route.handler(body, scope, **params)
+                return None
+            response = await route.handler(Call(body, scope, params, held))
         except Exception as exc:
-            response = answer(exc, f"{scope['method']} {scope['path']}")
+            response = error_response(exc, f"{scope['method']} {scope['path']}")
         await response(scope, receive, send)
+        return response.status_code
 
 
-def _schema_ref(model, components: dict) -> dict:
+def _schema_ref(model: Any, components: dict[str, Any]) -> dict[str, Any]:
     """The JSON schema of a pydantic model (a $ref, the schema added to components) or of
     another annotated type (``list[RepositoryModel]``: inline), definitions included."""
     schema = TypeAdapter(model).json_schema(ref_template="#/components/schemas/{model}")
@@ -138,7 +184,8 @@ def _schema_ref(model, components: dict) -> dict:
     return schema
 
 
-def openapi_paths(routes: list[Route], components: dict, secured: bool) -> dict:
+def openapi_paths(routes: list[Route], components: dict[str, Any], secured: bool
+                  ) -> dict[str, Any]:
     """The OpenAPI paths of the route table: what the dispatcher answers, and only that
     (no endpoint is registered twice): each operation's parameters, request body, answer
     and error answers."""

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import QueueFull
+from ..metrics import Metrics
 
 
 @dataclass
@@ -41,6 +42,7 @@ class _Item:
     sequences: list[np.ndarray]
     post: Callable[[list[dict]], Any]
     future: asyncio.Future
+    prepare: bool = False  # its rows go through the batcher's prepare step
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -60,10 +62,11 @@ def groups(lengths: list[int], max_batch_size: int) -> list[list[int]]:
 class Batcher:
     def __init__(self, run: Callable[[list[np.ndarray]], list[dict]], executor: Executor, *,
                  max_batch_size: int, max_queue_delay_ms: float, max_queue_size: int,
-                 workers: int, enabled: bool = True, metrics=None, model: str = "",
+                 workers: int, enabled: bool = True, metrics: Metrics | None = None,
+                 model: str = "",
                  prepare: Callable[[list[dict]], None] | None = None):
         self.run = run
-        self.prepare = prepare  # once per batch, on all its output rows, before the posts
+        self.prepare = prepare  # once per batch, before the posts: submit(prepare=True)
         self.executor = executor
         self.enabled = enabled
         # batching off: one request per run (its own sequences still run together)
@@ -91,11 +94,13 @@ class Batcher:
         #: inside submit()); a batch waits for more only while one of them is on its way
         self.holders: Callable[[], int] | None = None
 
-    async def submit(self, sequences: list[np.ndarray], post: Callable[[list[dict]], Any]):
+    async def submit(self, sequences: list[np.ndarray], post: Callable[[list[dict]], Any], *,
+                     prepare: bool = False) -> Any:
         """post(rows) runs in the inference thread on this request's output rows (one dict
-        per sequence, in order); its result is returned."""
+        per sequence, in order); its result is returned. PREPARE: the batch's prepare step
+        runs first, once, on the rows of all its requests that ask for it."""
         loop = asyncio.get_running_loop()
-        item = _Item(sequences, post, loop.create_future())
+        item = _Item(sequences, post, loop.create_future(), prepare)
         with self._lock:
             if self.pending + len(sequences) > self.max_queue_size:
                 raise QueueFull(f"the queue of model {self.model!r} is full "
@@ -206,7 +211,8 @@ class Batcher:
         self._call(loop, self._job_done)
 
     @staticmethod
-    def _call(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    def _call(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any
+              ) -> None:
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for answers
             loop.call_soon_threadsafe(callback, *args)
 
@@ -251,8 +257,10 @@ class Batcher:
                 self._batch_hist.observe(len(group))
             for i, row in zip(group, out, strict=True):
                 rows[i] = row
-        if self.prepare is not None:
-            self.prepare([r for r in rows if r is not None])
+        wanted = [r for (k, _), r in zip(flat, rows, strict=True)
+                  if r is not None and items[k].prepare]
+        if self.prepare is not None and wanted:
+            self.prepare(wanted)
         outcomes: list[tuple[bool, Any]] = []
         offset = 0
         for k, item in enumerate(items):

@@ -147,7 +147,7 @@ def _one_line(error: object) -> str:
 
 @dataclass(frozen=True)
 class ProviderChoice:
-    """The providers the sessions are created with, and why (for the log line)."""
+    """The providers the inference sessions are created with, and why (for the log line)."""
 
     providers: list[str]
     why: str

@@ -1,20 +1,23 @@
-"""onnxruntime side of the service: sessions of a model package and running its graphs
-on padded batches (their execution providers: ``service.registry.devices``). Torch-free; sessions
-come from ``export.package.session_from_bytes`` so the service and the export verify the
-same way."""
+"""onnxruntime side of the service: the inference sessions of a model package (one
+onnxruntime ``InferenceSession`` per graph) and running its graphs on padded batches (their
+execution providers: ``service.registry.devices``). Torch-free; the inference sessions come
+from ``export.package.session_from_bytes`` so the service and the export verify the same
+way."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from orthornn.export.package import INITIAL_STATE, Manifest, PackageError, session_from_bytes
-from orthornn.export.vocabulary import UNK, words
+from orthornn.export.artifacts.package import (
+    INITIAL_STATE,
+    Manifest,
+    PackageError,
+    session_from_bytes,
+)
 
-#: an input is far outside the training range when it lies beyond min - m (max - min) or
-#: max + m (max - min) of its feature (m (|max| or 1) for a feature constant in training)
-RANGE_MARGIN = 0.5
+from .spec import ModelSpec
 
 
 @dataclass(slots=True)
@@ -29,103 +32,30 @@ class Chunk:
         return len(self.data)
 
 
-# Training's word tokenizer (export.vocabulary). Unlike training, no "<eos>" is appended:
-# a request's text is a prefix, not a finished paragraph.
-tokenize = words
-
-
-@dataclass
-class ModelSpec:
-    """What the HTTP layer needs to validate requests and shape answers (from the manifest)."""
-
-    name: str
-    version: int
-    task: str  # classify | regress | seq2seq | lm
-    arch: str
-    kind: str  # float | tokens
-    feature_size: int
-    max_length: int
-    output_name: str  # logits | value
-    output_size: int
-    state_size: int
-    labels: list[str] | None
-    streaming: bool = False  # the graphs take an initial state (packages since streaming)
-    vocabulary: list[str] | None = None
-    token_ids: dict[str, int] = field(default_factory=dict)
-    io: dict = field(default_factory=dict)
-    #: float inputs: per feature, the bounds beyond which an input is "far outside" the
-    #: training range (RANGE_MARGIN of the range beyond its ends); None: not checked
-    input_low: np.ndarray | None = None
-    input_high: np.ndarray | None = None
-    input_low_max: float = 0.0
-    input_high_min: float = 0.0
-    training_min: list | None = None
-    training_max: list | None = None
-
-    @classmethod
-    def from_manifest(cls, manifest: Manifest, package: Path, max_token_length: int) -> ModelSpec:
-        inputs, outputs = manifest.input_spec, manifest.output_spec
-        spec = cls(
-            name=manifest.name, version=manifest.version, task=manifest.task,
-            arch=manifest.arch, kind=inputs.kind, feature_size=inputs.feature_size,
-            max_length=inputs.max_length, output_name=manifest.output_name,
-            output_size=outputs.size, state_size=outputs.state_size,
-            labels=manifest.labels, io=manifest.io,
-            streaming=any(i["name"] == INITIAL_STATE for i in manifest.io["model"]["inputs"]))
-        if spec.kind == "tokens":
-            words = (package / manifest.vocabulary_file).read_text().split("\n")
-            if words and words[-1] == "":
-                words.pop()
-            spec.vocabulary = words
-            spec.token_ids = {w: i for i, w in enumerate(words)}
-            # the BPTT window is not a limit: the state carries across it
-            spec.max_length = max(spec.max_length, max_token_length)
-        if spec.max_length <= 0:
-            spec.max_length = max_token_length
-        stats = (manifest.preprocessing or {}).get("training_range")
-        if spec.kind == "float" and stats:
-            low, high = np.array(stats["min"]), np.array(stats["max"])
-            margin = RANGE_MARGIN * np.where(high > low, high - low, np.maximum(np.abs(high), 1))
-            spec.input_low = (low - margin).astype(np.float32)
-            spec.input_high = (high + margin).astype(np.float32)
-            spec.input_low_max = float(spec.input_low.max())
-            spec.input_high_min = float(spec.input_high.min())
-            spec.training_min, spec.training_max = stats["min"], stats["max"]
-        return spec
-
-    @property
-    def unk_id(self) -> int | None:
-        """The id of <unk> in a language model's vocabulary (None: it has none)."""
-        return self.token_ids.get(UNK)
-
-    def encode(self, text: str) -> list[int]:
-        unk = self.token_ids.get(UNK, 0)
-        return [self.token_ids.get(w, unk) for w in tokenize(text)]
-
-
 class Runtime:
-    """The onnxruntime sessions of one package version; thread-safe (onnxruntime's run is)."""
+    """The onnxruntime inference sessions of one package version, by graph ("model",
+    "steps", "step"); thread-safe (onnxruntime's run is)."""
 
     def __init__(self, package: Path, manifest: Manifest, providers: list[str], threads: int):
         self.providers = providers
-        self.sessions = {}
+        self.inference_sessions = {}
         for graph, filename in manifest.graphs.items():
             try:
-                self.sessions[graph] = session_from_bytes(str(package / filename), providers,
-                                                          threads)
+                self.inference_sessions[graph] = session_from_bytes(
+                    str(package / filename), providers, threads)
             except Exception as error:  # onnxruntime refuses the file
                 raise PackageError(f"onnxruntime cannot load {filename!r}: {error}") from None
-        if "model" not in self.sessions:
+        if "model" not in self.inference_sessions:
             raise PackageError("the package has no 'model' graph")
         self.output_names = {g: [o.name for o in s.get_outputs()]
-                             for g, s in self.sessions.items()}
+                             for g, s in self.inference_sessions.items()}
         # outputs with a time axis ([B, T, ...]) are cut per sequence
         self.per_step = {g: {o.name for o in s.get_outputs() if len(o.shape) == 3}
-                         for g, s in self.sessions.items()}
+                         for g, s in self.inference_sessions.items()}
 
     def run(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         names = self.output_names[graph]
-        return dict(zip(names, self.sessions[graph].run(names, feeds), strict=True))
+        return dict(zip(names, self.inference_sessions[graph].run(names, feeds), strict=True))
 
     def run_padded(self, spec: ModelSpec, sequences: list, graph: str = "model") -> list[dict]:
         """Run a full graph ("model", or "steps": an output per step) on sequences of any
@@ -160,6 +90,6 @@ class Runtime:
         else:
             seqs = [np.zeros((steps, spec.feature_size), np.float32)] * batch
         self.run_padded(spec, seqs)
-        if "step" in self.sessions:
+        if "step" in self.inference_sessions:
             self.run("step", {"tokens": np.zeros((1, 1), np.int64),
                               "state": np.zeros((1, spec.state_size), np.float32)})

@@ -13,8 +13,10 @@ import signal
 import socket
 import sys
 import threading
+from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from ..http.app import create_app
 from ..registry.devices import select_providers
@@ -25,7 +27,8 @@ log = logging.getLogger("orthornn.service")
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app, delay: float, eager: bool = True):
+    def __init__(self, config: uvicorn.Config, app: FastAPI, delay: float,
+                 eager: bool = True):
         super().__init__(config)
         self.service_app = app
         self.delay = delay
@@ -75,7 +78,7 @@ class DrainingServer(uvicorn.Server):
             if serving else "no models yet"
         log.info("ready on %s (%s)", urls, count)
 
-    def handle_exit(self, sig, frame) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining or sig not in (signal.SIGTERM, signal.SIGINT):
             return super().handle_exit(sig, frame)  # a second signal: uvicorn's own way
         self._draining = True

@@ -17,7 +17,7 @@ Holding: admission (``service.http.admission``) refuses a request over the in-fl
 503 and Retry-After. A client that retries at once (wrk, most load generators, many
 clients' retry loops) would be refused again and again, each refusal costing nearly what
 an answer costs, and the event loop would spend its time refusing. So each connection
-offers admission an ``observe.Connection`` under ``scope["state"][CONNECTION]``, whose
+offers admission an ``http.admission.Connection`` under ``scope["state"][CONNECTION]``, whose
 ``hold(seconds)`` is its protocol's: once that response is sent, the connection is not
 read until Retry-After has passed (the next request, even one already pipelined, waits in
 the kernel's buffers: TCP holds the client back at no cost); then it is read as usual.
@@ -32,6 +32,7 @@ import inspect
 import logging
 import socket
 import ssl as ssl_module
+from collections.abc import Callable
 
 import uvicorn
 
@@ -104,7 +105,8 @@ def listen_eagerly(server: uvicorn.Server, sockets: list[socket.socket],
     protocol_class = holding(config.http_protocol_class) if hold \
         else config.http_protocol_class
 
-    def create_protocol(_loop=None):  # as uvicorn's own startup builds it
+    def create_protocol(_loop: asyncio.AbstractEventLoop | None = None
+                        ) -> asyncio.Protocol:  # as uvicorn's own startup builds it
         if not hold:
             return protocol_class(config=config, server_state=server.server_state,
                                   app_state=server.lifespan.state, _loop=_loop)
@@ -169,7 +171,8 @@ class EagerListener:
     RETRY_S = 1.0  # out of descriptors or memory: wait as asyncio does, rather than spin
     OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
-    def __init__(self, sock: socket.socket, protocol_factory, backlog: int,
+    def __init__(self, sock: socket.socket, protocol_factory: Callable[[], asyncio.Protocol],
+                 backlog: int,
                  ssl: ssl_module.SSLContext | None = None):
         self.sock, self.protocol_factory, self.backlog = sock, protocol_factory, backlog
         self.ssl = ssl

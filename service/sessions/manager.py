@@ -1,35 +1,34 @@
-"""State carried across requests: client-held state tokens and server-side sessions.
+"""Server-side sessions: the state of a sequence kept in the service (``session``: ID)
+rather than by the client (``tokens``).
 
-A recurrent model's answer to a chunk of a sequence depends on the chunks before it only
-through the hidden state after them. The service hands that state out (``return_state``)
-as an opaque JSON value that names the model version that made it, and continues from it
-(``states``); any replica serving that version can answer the next chunk. A state from
-another model or version, of the wrong size or with non-finite numbers is refused: a
-state is never applied to weights it was not made by.
+The state lives in the session store (``service.sessions.store``: this process's memory,
+or a Redis the replicas share). A session is pinned to the version it started on, on
+whichever replica continues it (the registry keeps that version loaded while sessions use
+it, and a replica that lacks it loads it on demand). A chunk is applied exactly once: the
+store's compare-and-set advances the session's position (time steps consumed) only from
+the position the chunk was computed at. A chunk may name that position (``position``): at
+the session's position it is applied; at the position before the last applied chunk it is
+a retry of that chunk, answered again from the state before it without advancing; at any
+other, 409 naming the session's position. Without a position, chunks apply in arrival
+order: one at a time per session within a replica (an asyncio lock, first come, first
+served), re-run on a compare-and-set conflict with another replica.
 
-Sessions keep the state in the service instead (``session``: ID), in the session store
-(``service.sessions.store``: this process's memory, or a Redis the replicas share). A
-session is pinned to the version it started on, on whichever replica continues it (the
-registry keeps that version loaded while sessions use it, and a replica that lacks it
-loads it on demand). A chunk is applied exactly once: the store's compare-and-set
-advances the session's position (time steps consumed) only from the position the chunk
-was computed at. A chunk may name that position (``position``): at the session's position
-it is applied; at the position before the last applied chunk it is a retry of that chunk,
-answered again from the state before it without advancing; at any other, 409 naming the
-session's position. Without a position, chunks apply in arrival order: one at a time per
-session within a replica (an asyncio lock, first come, first served), re-run on a
-compare-and-set conflict with another replica.
+A read of a remote store is a round trip, as much as the write: so a replica keeps the
+last record of each of its sessions (a bounded cache) and computes the next chunk from it
+without reading, its compare-and-set given the record's stamp (the store applies it only
+to that very record). Whatever else a cached record would answer (a conflict, a retry, an
+ended session, another model or version), and a cached record the store refuses (another
+replica wrote the session since), is decided again from a fresh read: the answers are
+those of a read every time.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -45,11 +44,14 @@ from ..errors import (
     UnknownSession,
     VersionGone,
 )
+from .cache import RecordCache
+from .records import StaleRecord
 
 if TYPE_CHECKING:
-    from ..metrics import Metrics
+    from ..metrics import Held, Metrics
     from ..registry.registry import ModelVersion, Registry
-    from .store import SessionRecord, SessionStore
+    from .records import SessionRecord
+    from .store import SessionStore
 
 log = logging.getLogger("orthornn.service")
 R = TypeVar("R")
@@ -57,95 +59,6 @@ R = TypeVar("R")
 #: state after the chunk, its time steps)
 ChunkRun = Callable[["ModelVersion", "np.ndarray | None"],
                     Awaitable[tuple[R, np.ndarray, int]]]
-
-
-def encode_state(name: str, version: int, state: np.ndarray) -> dict:
-    """The opaque state value of one sequence: {"model", "version", "data": base64 of the
-    float32 little-endian state vector}."""
-    data = np.ascontiguousarray(state, dtype="<f4").tobytes()
-    return {"model": name, "version": version, "data": base64.b64encode(data).decode()}
-
-
-def json_type(value) -> str:
-    """The JSON type of a parsed value, as an error message names it."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    return "a list" if isinstance(value, list) else "an object"
-
-
-def check_state(value, where: str) -> None:
-    """ClientError (400) naming the field when VALUE is not shaped like a state a response
-    returned: an object with exactly model, version (an integer) and data (a string)."""
-    if not isinstance(value, dict) or set(value) != {"model", "version", "data"}:
-        raise ClientError(f"{where}: must be a state exactly as a response returned it "
-                          f"(an object with model, version and data)")
-    version = value["version"]
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise ClientError(f"{where}.version must be an integer (the version that made the "
-                          f"state); got {json_type(version)}")
-    if not isinstance(value["data"], str):
-        raise ClientError(f"{where}.data must be a string (the base64 state an earlier answer "
-                          f"returned); got {json_type(value['data'])}")
-
-
-def state_version(states: list, model: str, field_name: str = "states") -> int | None:
-    """The version every state of a request for MODEL names (None for no states), checked
-    before any version is looked up: ClientError (400) when a state is malformed,
-    StateConflict (409) when one belongs to another model (whatever versions are loaded
-    here) or the states disagree on the version."""
-    versions = set()
-    for i, s in enumerate(states):
-        where = f"{field_name}[{i}]"
-        check_state(s, where)
-        if s["model"] != model:
-            raise StateConflict(f"{where}: a state of model {s['model']!r} (version "
-                                f"{s['version']}) cannot continue on model {model!r}: a "
-                                f"state only continues the model version that made it")
-        versions.add(s["version"])
-    if len(versions) > 1:
-        raise StateConflict(f"{field_name}: the states come from different versions "
-                            f"{sorted(versions)}; one request continues one version")
-    return versions.pop() if versions else None
-
-
-def decode_state(value, name: str, version: int, size: int, where: str) -> np.ndarray:
-    """A state vector [size] from an opaque state value, checked against the model version
-    about to continue from it."""
-    check_state(value, where)
-    if value["model"] != name or value["version"] != version:
-        raise StateConflict(f"{where}: a state of model {value['model']!r} version "
-                            f"{value['version']!r} cannot continue on model {name!r} version "
-                            f"{version}: a state only continues the version that made it")
-    try:
-        raw = base64.b64decode(value["data"].encode("ascii"), validate=True)
-    except (binascii.Error, UnicodeEncodeError, ValueError):
-        raise ClientError(f"{where}.data: not valid base64") from None
-    if len(raw) != 4 * size:
-        raise ClientError(f"{where}.data: the state of this model has {size} numbers; "
-                          f"got {len(raw) / 4:g}")
-    state = np.frombuffer(raw, dtype="<f4").astype(np.float32)
-    if not np.isfinite(state).all():
-        raise ClientError(f"{where}.data: the state holds non-finite numbers (NaN or inf)")
-    return state
-
-
-# -- server-side sessions -----------------------------------------------------------------
-
-@contextlib.contextmanager
-def served_by(mv: ModelVersion) -> Iterator[None]:
-    """An error raised inside is counted under MV (its ``served``; a bug's 500 too)."""
-    try:
-        yield
-    except Exception as error:
-        if getattr(error, "served", None) is None:
-            error.served = (mv.name, mv.version)  # type: ignore[attr-defined]
-        raise
 
 
 @dataclass(frozen=True)
@@ -157,6 +70,12 @@ class Applied(Generic[R]):
     model: str
     version: int
     position: int
+
+
+def _hold(held: Held | None, mv: ModelVersion | None) -> None:
+    """HELD names MV (None: no version) as the one the request holds."""
+    if held is not None:
+        held.model, held.version = (None, None) if mv is None else (mv.name, mv.version)
 
 
 class Sessions:
@@ -175,6 +94,7 @@ class Sessions:
         self.store, self.registry, self.metrics = store, registry, metrics
         self.reconcile_interval_s = reconcile_interval_s
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        self._records = RecordCache(store.max_sessions if store.remote else 0)
         self._task: asyncio.Task | None = None
         self._closing = False
 
@@ -182,73 +102,129 @@ class Sessions:
 
     async def chunk(self, sid: str, model: str, run: ChunkRun[R], *,
                     version: int | None = None, start: bool = False, end: bool = False,
-                    position: int | None = None, what: str = "session") -> Applied[R]:
+                    position: int | None = None, what: str = "session",
+                    held: Held | None = None) -> Applied[R]:
         """Apply one chunk to session SID of MODEL: ``run`` answers it from the session's
         state (on the session's version) and gives the state after it. START opens the
         session (on VERSION, default: the model's default version), END ends it after
         this chunk; POSITION (time steps the client believes the session has consumed)
         makes the chunk exactly-once (see the module's docstring). WHAT names the session
-        in messages ("session", or "sequence" on the inference route)."""
+        in messages ("session", or "sequence" on the inference route). HELD is told the
+        version the chunk holds, so that the request is counted under it, failed or not."""
         if position is not None and start and position != 0:
             raise ClientError(f"position: a {what} starts at position 0; got {position} with "
                               f"its start")
         async with self._locked(sid):  # one chunk at a time per session on this replica
             if start:
-                started = await self._start(sid, model, version, run, end, position, what)
+                started = await self._start(sid, model, version, run, end, position, what,
+                                            held)
                 if started is not None:
                     return started
                 # a retried start (the session is open, the chunk names position 0):
                 # answered like any chunk at that position
-            for attempt in range(self.CAS_ATTEMPTS):
-                record = await self.store.get(sid)
-                self._check(record, model, version, position, what)
-                mv = await self._version(record, what)
-                try:
-                    with served_by(mv):
-                        try:
-                            applied = await self._apply(record, mv, run, end, position,
-                                                        what)
-                        except _Conflict as conflict:
-                            if position is not None or attempt == self.CAS_ATTEMPTS - 1:
-                                raise conflict.error from None
-                            continue  # another replica applied a chunk first: read again
-                    break
-                finally:
-                    self._release(mv)
+            cached = self._records.get(sid)
+            done = None
+            if cached is not None and cached.model == model and \
+                    version in (None, cached.version) and position in (None, cached.position):
+                done = await self._from_cached(cached, run, end, held)
+            if done is None:
+                done = await self._from_store(sid, model, version, run, end, position, what,
+                                              held)
+        applied, mv = done
         if end and mv.retired:  # a version no longer served: released now if unused
             await self.reconcile()
         return applied
 
+    async def _from_cached(self, record: SessionRecord, run: ChunkRun[R], end: bool,
+                           held: Held | None) -> tuple[Applied[R], ModelVersion] | None:
+        """The chunk applied at the cached RECORD's position without a read; None when it
+        must be decided from a fresh read (the session changed since, or its version is
+        not loaded here)."""
+        mv = self.registry.session_version(record.model, record.version)
+        if mv is None:
+            return None
+        try:
+            _hold(held, mv)
+            try:
+                answer, state, steps = await run(mv, record.state)
+            except Exception:
+                _hold(held, None)
+                if (await self._read(record.id)).stamp != record.stamp:
+                    return None  # not the session's record: its version may differ
+                _hold(held, mv)
+                raise
+            write = self.store.finish if end else self.store.advance
+            try:
+                new = await write(record.id, record.position, state, steps, record.stamp)
+            except (StaleRecord, PositionConflict, UnknownSession):
+                self._records.drop(record.id)
+                _hold(held, None)
+                return None
+            return await self._applied(record, mv, new, answer, end), mv
+        finally:
+            self._release(mv)
+
+    async def _from_store(self, sid: str, model: str, version: int | None, run: ChunkRun[R],
+                          end: bool, position: int | None, what: str, held: Held | None
+                          ) -> tuple[Applied[R], ModelVersion]:
+        for attempt in range(self.CAS_ATTEMPTS):
+            record = await self._read(sid)
+            self._check(record, model, version, position, what)
+            mv = await self._version(record, what)
+            try:
+                _hold(held, mv)
+                try:
+                    return await self._apply(record, mv, run, end, position, what), mv
+                except _Conflict as conflict:
+                    if position is not None or attempt == self.CAS_ATTEMPTS - 1:
+                        raise conflict.error from None
+                    _hold(held, None)  # another replica applied a chunk first: read again
+            finally:
+                self._release(mv)
+        raise AssertionError("unreachable")  # the last attempt returns or raises
+
     async def _start(self, sid: str, model: str, version: int | None, run: ChunkRun[R],
-                     end: bool, position: int | None, what: str) -> Applied[R] | None:
+                     end: bool, position: int | None, what: str,
+                     held: Held | None) -> Applied[R] | None:
         """Open SID and apply its first chunk; None when it is open already and the chunk
         names position 0 (a retried start). A failed first chunk opens nothing."""
         mv = self.registry.acquire(model, version)
         try:
-            with served_by(mv):
-                try:
-                    record = await self.store.create(sid, model, mv.version)
-                except SessionExists:
-                    if position is None:
-                        raise
-                    return None
-                self.registry.keep(mv)  # pinned from now on, wherever it continues
-                self._count("session_starts", model)
-                ok = False
-                try:
-                    applied = await self._apply(record, mv, run, end, position, what)
-                    ok = True
-                except _Conflict as conflict:  # another replica took it at once
-                    raise conflict.error from None
-                finally:
-                    if not ok:  # a failed first chunk opens nothing
-                        await self._forget(sid, model)
-                    await self._refresh_count()
+            _hold(held, mv)
+            try:
+                record = await self.store.create(sid, model, mv.version)
+            except SessionExists:
+                if position is None:
+                    raise
+                _hold(held, None)
+                return None
+            self.registry.keep(mv)  # pinned from now on, wherever it continues
+            self._count("session_starts", model)
+            ok = False
+            try:
+                applied = await self._apply(record, mv, run, end, position, what)
+                ok = True
+            except _Conflict as conflict:  # another replica took it at once
+                raise conflict.error from None
+            finally:
+                if not ok:  # a failed first chunk opens nothing
+                    await self._forget(sid, model)
+                await self._refresh_count()
         finally:
             self._release(mv)
         if end and mv.retired:
             await self.reconcile()
         return applied
+
+    async def _read(self, sid: str) -> SessionRecord:
+        """SID's record from the store, kept (while open) for its next chunk."""
+        try:
+            record = await self.store.get(sid)
+        except UnknownSession:
+            self._records.drop(sid)
+            raise
+        self._records.put(record)
+        return record
 
     def _check(self, record: SessionRecord, model: str, version: int | None,
                position: int | None, what: str) -> None:
@@ -290,14 +266,13 @@ class Sessions:
                 else:
                     new = await self.store.advance(sid, record.position, state, steps)
             except PositionConflict as error:
+                self._records.drop(sid)
                 raise _Conflict(error) from None
             except UnknownSession:  # ended or expired while this chunk ran
+                self._records.drop(sid)
                 raise UnknownSession(f"session {sid!r} ended while this request ran") \
                     from None
-            if end:
-                self._count("session_ends", record.model)
-                await self._refresh_count()
-            return Applied(answer, mv.name, mv.version, new.position)
+            return await self._applied(record, mv, new, answer, end)
         if position == record.previous_position:  # a retry of the last applied chunk
             answer, _, steps = await run(mv, record.previous_state)
             applied = record.position - record.previous_position
@@ -310,6 +285,15 @@ class Sessions:
         raise PositionConflict(
             f"{what} {sid!r} is at position {record.position}, not {position}; continue from "
             f"position {record.position}", record.position)
+
+    async def _applied(self, record: SessionRecord, mv: ModelVersion, new: SessionRecord,
+                       answer: R, end: bool) -> Applied[R]:
+        """The answer of a chunk the store applied (NEW: the session's record after it)."""
+        self._records.put(new)  # an ended one is dropped
+        if end:
+            self._count("session_ends", record.model)
+            await self._refresh_count()
+        return Applied(answer, mv.name, mv.version, new.position)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -331,6 +315,7 @@ class Sessions:
     async def _forget(self, sid: str, model: str) -> None:
         """End SID after a failure (best effort: a store that is down keeps it until its
         idle timeout)."""
+        self._records.drop(sid)
         with contextlib.suppress(ServiceError):
             if await self.store.delete(sid):
                 self._count("session_ends", model)
@@ -367,7 +352,7 @@ class Sessions:
 
     def start(self) -> None:
         """Start the reconcile task (on the running event loop)."""
-        async def loop():
+        async def loop() -> None:
             while not self._closing:  # as well as the cancel: a library may swallow one
                 try:
                     await self.reconcile()
@@ -388,7 +373,7 @@ class Sessions:
 class _Conflict(Exception):
     """The store's compare-and-set refused a chunk (another one was applied first)."""
 
-    def __init__(self, error):
+    def __init__(self, error: PositionConflict):
         super().__init__(str(error))
         self.error = error
 

@@ -24,8 +24,8 @@ def decode(body: bytes, header_length: str | None, name: str, version: str | Non
     if not header_length.isdigit() or int(header_length) > len(body):
         raise ClientError(f"{HEADER_LENGTH}: must be an integer no larger than the body")
     head, tail = body[:int(header_length)], body[int(header_length):]
-    req = oip_json.parse_header(head)
-    return oip_json.to_inference(req, binary_chunks(req, tail), name, version)
+    req, arrays = oip_json.parse_header(head)
+    return oip_json.to_inference(req, arrays, binary_chunks(req, tail), name, version)
 
 
 def encode(inference: Inference, result: InferenceResult) -> tuple[bytes, list[bytes]]:

@@ -11,35 +11,43 @@ from typing import Any
 
 import numpy as np
 import simdjson
-from orthornn.export.package import DATATYPES
+from orthornn.export.artifacts.package import DATATYPES
 from pydantic import ValidationError
 
 from ...dataplane.messages import Inference, InferenceResult, InputTensor
 from ...dataplane.schemas import InferenceRequest, RequestInput, parse
 from ...errors import ClientError
+from .simd import NUMBER_ERRORS, parse_object
 
-_NUMBER_ERRORS = (TypeError, ValueError, RuntimeError)  # what simdjson raises on non-numbers
+#: the numbers of each input's JSON data as read by the fast path (None: no data, or not
+#: read there), in the order of the request's inputs
+Arrays = list[np.ndarray | None]
 
 
 def decode(body: bytes, name: str, version: str | None) -> Inference:
     """A JSON inference request to model NAME (VERSION: the URL's, or None)."""
-    return to_inference(parse_header(body), {}, name, version)
+    req, arrays = parse_header(body)
+    return to_inference(req, arrays, {}, name, version)
 
 
-def parse_header(body: bytes) -> InferenceRequest:
-    return fast_infer_request(body) or parse(InferenceRequest, body)
+def parse_header(body: bytes) -> tuple[InferenceRequest, Arrays]:
+    """The request (its inputs' data validated as present) and the numbers the fast path
+    read beside it."""
+    return fast_infer_request(body) or (parse(InferenceRequest, body), [])
 
 
-def to_inference(req: InferenceRequest, binaries: dict[str, bytes], name: str,
-                 version: str | None) -> Inference:
+def to_inference(req: InferenceRequest, arrays: Arrays, binaries: dict[str, bytes],
+                 name: str, version: str | None) -> Inference:
     """The typed request: the body's model_name / model_version (what KServe's client
-    adds) must agree with the URL's; each input decoded from its JSON data or from its
-    binary chunk (BINARIES, by input name)."""
+    adds) must agree with the URL's; each input decoded from the fast path's array (ARRAYS,
+    in order), its JSON data or its binary chunk (BINARIES, by input name)."""
     for field, value, in_url in (("model_name", req.model_name, name),
                                  ("model_version", req.model_version, version)):
         if value is not None and in_url is not None and value != in_url:
             raise ClientError(f"{field}: the body names {value!r}, the URL {in_url!r}")
-    return Inference(inputs=[decode_input(inp, binaries.get(inp.name)) for inp in req.inputs],
+    read = arrays or [None] * len(req.inputs)
+    return Inference(inputs=[decode_input(inp, binaries.get(inp.name), arr)
+                             for inp, arr in zip(req.inputs, read, strict=True)],
                      outputs=req.outputs, id=req.id, parameters=req.parameters or {})
 
 
@@ -74,10 +82,12 @@ def document(result: InferenceResult, binary: set[str]) -> tuple[dict, list[byte
     return answer, blobs
 
 
-def decode_input(inp: RequestInput, binary: bytes | None) -> InputTensor:
-    """One input as a flat array of its declared datatype, its element count checked
-    against its shape (data None for a datatype the service does not know: the model's
-    check names the one it expects)."""
+def decode_input(inp: RequestInput, binary: bytes | None, read: np.ndarray | None = None
+                 ) -> InputTensor:
+    """One input as a flat array of its declared datatype (from its binary chunk, the fast
+    path's READ numbers, or its JSON data), its element count checked against its shape
+    (data None for a datatype the service does not know: the model's check names the one
+    it expects)."""
     field = f"inputs[{inp.name}]"
     shape = tuple(inp.shape)
     datatype = DATATYPES.get(inp.datatype)
@@ -94,11 +104,11 @@ def decode_input(inp: RequestInput, binary: bytes | None) -> InputTensor:
                               f"{inp.shape} of {inp.datatype}")
         arr = np.frombuffer(binary, dtype=wire).astype(dtype)
     else:
-        if inp.data is None:
-            raise ClientError(f"{field}.data: required (or binary_data_size)")
-        if isinstance(inp.data, np.ndarray):  # from fast_infer_request: already numbers
+        if read is not None:  # from fast_infer_request: already numbers
             with np.errstate(over="ignore"):  # beyond float32: inf, refused below
-                arr = inp.data.astype(dtype)
+                arr = read.astype(dtype)
+        elif inp.data is None:
+            raise ClientError(f"{field}.data: required (or binary_data_size)")
         else:
             arr = _flatten(inp.data, inp.datatype, field)
         if arr.size != count:
@@ -140,7 +150,7 @@ _INPUT_KEYS = frozenset(RequestInput.model_fields)
 _JSON_BUFFERS = {"d": np.float64, "i": np.int64}
 
 
-def _python(value):
+def _python(value: Any) -> Any:
     """A simdjson value as plain Python (small values: names, shapes, parameters)."""
     if type(value) is simdjson.Object:
         return value.as_dict()
@@ -149,20 +159,15 @@ def _python(value):
     return value
 
 
-def fast_infer_request(body: bytes) -> InferenceRequest | None:
+def fast_infer_request(body: bytes) -> tuple[InferenceRequest, Arrays] | None:
     """An OIP JSON inference request read with simdjson: each input's ``data`` becomes a
     flat numpy array through ``as_buffer`` (no Python object per number), everything else
     is validated by pydantic as usual. None when anything is unusual (a string, boolean or
     null among the numbers, a duplicate key, a datatype other than FP32 / INT64, a BOM):
     the caller then parses the body with pydantic alone, whose messages name the field.
     ``to_inference`` checks the element count against the shape on either path."""
-    if body.startswith(b"\xef\xbb\xbf"):
-        return None
-    try:  # Any: as in fast_predict_request
-        doc: Any = simdjson.Parser().parse(body)
-    except _NUMBER_ERRORS:
-        return None
-    if type(doc) is not simdjson.Object:
+    doc = parse_object(body)
+    if doc is None:
         return None
     keys = set(doc.keys())
     inputs = doc.get("inputs")
@@ -188,7 +193,7 @@ def fast_infer_request(body: bytes) -> InferenceRequest | None:
             try:
                 arrays.append(np.frombuffer(data.as_buffer(of_type=kind),
                                             dtype=_JSON_BUFFERS[kind]))
-            except _NUMBER_ERRORS:
+            except NUMBER_ERRORS:
                 return None
             meta["data"] = []  # validated as present; the numbers are the array above
         metas.append(meta)
@@ -197,8 +202,4 @@ def fast_infer_request(body: bytes) -> InferenceRequest | None:
             {**{k: _python(doc[k]) for k in keys if k != "inputs"}, "inputs": metas})
     except ValidationError:
         return None
-    for request_input, arr in zip(req.inputs, arrays, strict=True):
-        if arr is not None:
-            # the array stands in for the list (decode_input takes either)
-            request_input.data = arr  # type: ignore[assignment]
-    return req
+    return req, arrays

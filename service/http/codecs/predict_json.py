@@ -1,6 +1,7 @@
-"""The /predict codec: the body into a ``PredictRequest`` (the common body, float
-sequences, through simdjson without a Python object per number; anything else, and every
-mistake, through pydantic, whose messages name the field), a ``PredictResult`` into JSON."""
+"""The /predict codec: the body into a ``Prediction`` (the common body, float sequences,
+through simdjson without a Python object per number; anything else, and every mistake,
+through pydantic's ``PredictRequest``, whose messages name the field), a ``PredictResult``
+into JSON."""
 
 from __future__ import annotations
 
@@ -11,15 +12,14 @@ import numpy as np
 import orjson
 import simdjson
 
-from ...dataplane.messages import PredictResult
+from ...dataplane.checks import F32_MAX
+from ...dataplane.messages import Prediction, PredictResult
 from ...dataplane.schemas import PredictRequest, parse
-
-F32_MAX = float(np.finfo(np.float32).max)
-_DEFAULTS = PredictRequest.model_validate({"model": "_"})
+from .simd import NUMBER_ERRORS, parse_object
 
 
-def decode(body: bytes) -> PredictRequest:
-    return fast_predict_request(body) or parse(PredictRequest, body)
+def decode(body: bytes) -> Prediction:
+    return fast_predict_request(body) or Prediction.of(parse(PredictRequest, body))
 
 
 def encode(result: PredictResult) -> bytes:
@@ -33,11 +33,10 @@ def encode(result: PredictResult) -> bytes:
 
 # the keys of the common body; any other (streaming ones, allow_unk) takes pydantic's path
 _PREDICT_KEYS = frozenset({"model", "version", "inputs", "text", "top_k"})
-_NUMBER_ERRORS = (TypeError, ValueError, RuntimeError)  # what simdjson raises on non-numbers
 _OPEN = ord("[")
 
 
-def fast_predict_request(body: bytes) -> PredictRequest | None:
+def fast_predict_request(body: bytes) -> Prediction | None:
     """The common /predict body (float sequences, no text) read with simdjson, whose
     ``as_buffer`` turns a nested array of numbers into doubles without making a Python
     object per number, or None when anything is unusual.
@@ -49,13 +48,8 @@ def fast_predict_request(body: bytes) -> PredictRequest | None:
     [sequence][step][feature] are refused here (None: pydantic's path). The model's checks
     (``service.dataplane.checks``) give the same messages for this request as for pydantic's.
     """
-    if body.startswith(b"\xef\xbb\xbf"):  # simdjson skips a UTF-8 BOM, pydantic refuses it
-        return None
-    try:  # Any: the checks below are type(...) tests mypy does not narrow on
-        data: Any = simdjson.Parser().parse(body)  # a parser per call: thread-safe, cheap
-    except _NUMBER_ERRORS:
-        return None
-    if type(data) is not simdjson.Object:
+    data = parse_object(body)
+    if data is None:
         return None
     keys = set(data.keys())
     if len(keys) != len(data) or not keys <= _PREDICT_KEYS:
@@ -72,7 +66,7 @@ def fast_predict_request(body: bytes) -> PredictRequest | None:
         return None
     try:  # every number of every sequence, flattened; strings, booleans, nulls, objects raise
         flat = np.frombuffer(seqs.as_buffer(of_type="d"), dtype=np.float64)
-    except _NUMBER_ERRORS:
+    except NUMBER_ERRORS:
         return None
     shapes: list[tuple[int, ...]] = []
     brackets = 1 + len(seqs)  # '[' of inputs and of each sequence
@@ -104,7 +98,4 @@ def fast_predict_request(body: bytes) -> PredictRequest | None:
     for shape, size in zip(shapes, sizes, strict=True):  # views of the one float32 array
         arrays.append(values[at:at + size].reshape(shape))
         at += size
-    # a copy of a request of defaults: pydantic's public way around validation, and the
-    # cheapest (model_construct fills every default again)
-    return _DEFAULTS.model_copy(update={"model": model, "version": version, "inputs": arrays,
-                                        "top_k": top_k})
+    return Prediction(model=model, version=version, inputs=arrays, top_k=top_k)

@@ -14,17 +14,21 @@ The recurrence is either ONNX's own RNN / LSTM operator (tanh, relu, leaky relu
 without gates; lstm) or a ``Scan`` whose body is one step of models.ops' recurrence.
 ``mode`` decides where W comes from: ``dense`` stores the folded matrix as an
 initializer; ``factored`` stores the parametrization's own parameters and builds W
-in the graph with the ``ai.orthornn`` functions (export/functions.py).
+in the graph with the ``ai.orthornn`` functions (export/builder/functions.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
-from orthornn.models.activations import check_kind
-from orthornn.models.cells import LSTMLayer
+from orthornn.models.activations import Activation, check_kind
+from orthornn.models.cells import LSTMLayer, Recurrence
+from orthornn.models.networks import SequenceModel
 from orthornn.models.parametrizations import (
     DenseTransition,
     HouseholderChain,
@@ -35,9 +39,9 @@ from orthornn.models.parametrizations import (
     SVDForm,
 )
 
+from ..artifacts.package import INITIAL_LOGITS, INITIAL_STATE, output_name
 from . import functions
 from .graph import DOMAIN, IR_VERSION, Graph, value
-from .package import INITIAL_LOGITS, INITIAL_STATE, output_name
 
 MODES = ("dense", "factored")
 RNN_ACTIVATIONS = {"tanh": "Tanh", "relu": "Relu", "leaky_relu": "LeakyRelu"}
@@ -49,14 +53,14 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 # -- where W comes from -------------------------------------------------------------------
 
-# the ai.orthornn function (export/functions.py) that rebuilds each parametrization's
+# the ai.orthornn function (export/builder/functions.py) that rebuilds each parametrization's
 # matrix() from its factors(), taken in the order factors() lists them
 FUNCTIONS = {HouseholderChain: "HouseholderChain", PackedGivens: "PackedGivens",
              RotationPermutation: "RotationPermutation", ScaledCayley: "ScaledCayley"}
 INT_FACTORS = {"order", "partner", "permutations", "upper_index"}
 
 
-def factored_matrix(g: Graph, p: Parametrization, used: set) -> str:
+def factored_matrix(g: Graph, p: Parametrization, used: set[str]) -> str:
     """W [n, n] computed in the graph from p.factors(); ``used`` collects the
     ai.orthornn functions the graph calls."""
     factors = p.factors()
@@ -79,7 +83,7 @@ def factored_matrix(g: Graph, p: Parametrization, used: set) -> str:
 # -- the recurrence ---------------------------------------------------------------------
 
 # the ONNX form of each activation kind of models.activations (keyed the same)
-ACTIVATIONS = {
+ACTIVATIONS: dict[str, Callable[[Graph, str, Activation], str]] = {
     "tanh": lambda body, z, act: body.op("Tanh", z),
     "relu": lambda body, z, act: body.op("Relu", z),
     "leaky_relu": lambda body, z, act: body.op("LeakyRelu", z, alpha=act.negative_slope),
@@ -90,11 +94,11 @@ ACTIVATIONS = {
 }
 
 
-def _activation(body: Graph, kind: str, z: str, act) -> str:
+def _activation(body: Graph, kind: str, z: str, act: Activation) -> str:
     return ACTIVATIONS[check_kind(kind)](body, z, act)
 
 
-def _scan(g: Graph, layer, w_t: str, u: str, lengths: str, h0: str) -> tuple[str, str]:
+def _scan(g: Graph, layer: Recurrence, w_t: str, u: str, lengths: str, h0: str) -> tuple[str, str]:
     """Scan over time (axis 1) of one step of models.ops.rnn_scan: (every step's state
     [B, T, n], the state at each sequence's length [B, n]). The loop body is the step alone
     (one Gemm, the activation, the gates): padded steps run too, and the lengths are
@@ -149,10 +153,11 @@ def _zero_padded_steps(g: Graph, ys: str, lengths: str) -> str:
                 g.const(0.0, "zero_f"))
 
 
-def _rnn_op(g: Graph, layer, w: str, x: str, lengths32: str, h0: str) -> tuple[str, str]:
+def _rnn_op(g: Graph, layer: Recurrence, w: str, x: str, lengths32: str,
+            h0: str) -> tuple[str, str]:
     """ONNX's RNN operator (ungated tanh / relu / leaky relu)."""
     act = layer.activation
-    attrs: dict[str, list] = {"activations": [RNN_ACTIVATIONS[act.kind]]}
+    attrs: dict[str, Any] = {"activations": [RNN_ACTIVATIONS[act.kind]]}
     if act.kind == "leaky_relu":
         attrs["activation_alpha"] = [act.negative_slope]
     n = layer.hidden_size
@@ -161,7 +166,7 @@ def _rnn_op(g: Graph, layer, w: str, x: str, lengths32: str, h0: str) -> tuple[s
     bias = g.const(np.concatenate([_np(layer.input.bias), np.zeros(n, np.float32)])[None], "B")
     y, y_h = g.op("RNN", g.op("Transpose", x, perm=[1, 0, 2]), w_in, g.op("Unsqueeze", w, zero),
                   bias, lengths32, g.op("Unsqueeze", h0, zero), outputs=2, hidden_size=n,
-                  **attrs)  # type: ignore[arg-type]  # ONNX attributes, not domain or hint
+                  **attrs)
     states = g.op("Transpose", g.op("Squeeze", y, g.const([1], "ax", "int64")), perm=[1, 0, 2])
     return states, g.op("Squeeze", y_h, zero)
 
@@ -169,7 +174,7 @@ def _rnn_op(g: Graph, layer, w: str, x: str, lengths32: str, h0: str) -> tuple[s
 def _lstm(g: Graph, layer: LSTMLayer, x: str, lengths32: str, state: str) -> tuple[str, str]:
     lstm, n = layer.lstm, layer.hidden_size
 
-    def reorder(t):  # PyTorch gates (i, f, g, o) -> ONNX (i, o, f, c)
+    def reorder(t: torch.Tensor) -> np.ndarray:  # PyTorch gates (i, f, g, o) -> ONNX (i, o, f, c)
         i, f, c, o = np.split(_np(t), 4)
         return np.concatenate([i, o, f, c])
     zero = g.const([0], "ax", "int64")
@@ -191,9 +196,9 @@ def _lstm(g: Graph, layer: LSTMLayer, x: str, lengths32: str, state: str) -> tup
 
 # -- the model ------------------------------------------------------------------------------
 
-def build_graph(model, mode: str = "dense", *, step: bool = False, per_step: bool = False,
-                recurrence: str = "scan", opset: int = functions.DEFAULT_OPSET
-                ) -> onnx.ModelProto:
+def build_graph(model: SequenceModel, mode: str = "dense", *, step: bool = False,
+                per_step: bool = False, recurrence: str = "scan",
+                opset: int = functions.DEFAULT_OPSET) -> onnx.ModelProto:
     """The ONNX model of ``model`` (a models.networks.SequenceModel). ``per_step``:
     classify / regress graphs give their output after every time step [B, T, C] (the
     package's "steps" graph, for streaming labelling) instead of after the last."""

@@ -13,25 +13,31 @@ import datetime as dt
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 import torch
 from orthornn.models import spectral_summary
 from orthornn.models.cells import LSTMLayer
+from orthornn.models.networks import SequenceModel
 from orthornn.training.checkpoint import load_model, read_vocabulary
 from orthornn.training.progress import progress_bar
 
 from orthornn import __version__
 
-from . import evaluation, gate, package, repository
+from ..artifacts import gate, package, repository
+from ..artifacts.package import INITIAL_LOGITS, INITIAL_STATE
+from . import evaluation
 from .onnx_export import MODES, build_graph
-from .package import INITIAL_LOGITS, INITIAL_STATE
+
+if TYPE_CHECKING:
+    from orthornn.training.tasks import Task
 
 MIN_OPSET, MAX_OPSET = 17, 21
 
 
-def _golden_inputs(model, config: dict, seed: int = 0) -> dict[str, np.ndarray]:
+def _golden_inputs(model: SequenceModel, config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     """A padded batch of variable-length sequences for the full graph."""
     gen = torch.Generator().manual_seed(seed)
     steps = max(1, min(int(config["input_spec"].get("max_length") or 16), 16))
@@ -53,7 +59,7 @@ def _continued(feeds: dict, state_size: int, seed: int = 3) -> dict[str, np.ndar
 
 
 @torch.no_grad()
-def _torch_outputs(model, feeds: dict, graph: str) -> dict[str, np.ndarray]:
+def _torch_outputs(model: SequenceModel, feeds: dict, graph: str) -> dict[str, np.ndarray]:
     """What torch computes for a graph's feeds: the golden outputs."""
     out_name = package.output_name(model.task)
     if graph == "step":
@@ -75,7 +81,7 @@ def _torch_outputs(model, feeds: dict, graph: str) -> dict[str, np.ndarray]:
     return outputs
 
 
-def choose_recurrence(model, mode: str, opset: int) -> tuple[str, onnx.ModelProto]:
+def choose_recurrence(model: SequenceModel, mode: str, opset: int) -> tuple[str, onnx.ModelProto]:
     """("lstm" | "scan", graph): ONNX's LSTM operator for the LSTM, else a Scan over one
     step. A fixed rule, so the same run always exports the same graph: ONNX's RNN
     operator was faster only at batch 1 (by at most 1.5x, 0.02 ms), and 2-7x slower at
@@ -86,23 +92,22 @@ def choose_recurrence(model, mode: str, opset: int) -> tuple[str, onnx.ModelProt
     return "scan", build_graph(model, mode, recurrence="scan", opset=opset)
 
 
-def _io_spec(proto: onnx.ModelProto) -> tuple[list, list]:
-    def spec(v):
+def _io_spec(proto: onnx.ModelProto) -> package.GraphIO:
+    def spec(v: onnx.ValueInfoProto, optional: bool = False) -> package.TensorSpec:
         t = v.type.tensor_type
         dims = [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim]
-        datatype = package.ONNX_DATATYPES[t.elem_type].name
-        return {"name": v.name, "datatype": datatype, "shape": dims}
+        return package.TensorSpec(v.name, package.ONNX_DATATYPES[t.elem_type].name, dims,
+                                  optional)
     defaulted = {t.name for t in proto.graph.initializer}  # inputs with a default value
-    inputs = [{**spec(v), "optional": True} if v.name in defaulted else spec(v)
-              for v in proto.graph.input]
-    return inputs, [spec(v) for v in proto.graph.output]
+    return package.GraphIO([spec(v, v.name in defaulted) for v in proto.graph.input],
+                           [spec(v) for v in proto.graph.output])
 
 
 class AlreadyPublished(Exception):
     """The run's kept checkpoint is already published with the same mode and opset:
     nothing new is published (``path`` is that version)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path) -> None:
         super().__init__(f"{path} already holds this checkpoint (same weights, mode and "
                          f"opset): nothing published")
         self.path = path
@@ -123,7 +128,7 @@ def published_version(model_dir: Path, checkpoint_sha256: str, mode: str,
     return None
 
 
-def _number(name: str, value, low: float | None = None) -> None:
+def _number(name: str, value: object, low: float | None = None) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
@@ -244,8 +249,7 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
         if vocabulary is not None:
             (tmp / "vocab.txt").write_text("\n".join(vocabulary) + "\n")
             files["vocab.txt"] = package.sha256(tmp / "vocab.txt")
-        io = {key: dict(zip(("inputs", "outputs"), _io_spec(proto), strict=True))
-              for key, proto in graphs.items()}
+        io = {key: _io_spec(proto) for key, proto in graphs.items()}
         manifest = package.Manifest(
             name=name, version=version_number, arch=model.arch, task=model.task,
             task_name=config.get("task_name"), mode=mode, opset=opset, recurrence=recurrence,
@@ -283,7 +287,7 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
     return path
 
 
-def _gate(record: dict, task, absent: str | None, config: dict, model_dir: Path,
+def _gate(record: dict, task: Task | None, absent: str | None, config: dict, model_dir: Path,
           parent: int | None, min_metric: float | None, tolerance: float) -> str:
     """Why the candidate is refused ('' if it passes): the gate's rules on its evaluation
     and on the promoted version's, scored on the same test split."""

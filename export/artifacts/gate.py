@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 #: exit status of a refused candidate (2 is bad input)
 REFUSED_EXIT = 3
@@ -17,7 +18,7 @@ class GateRefused(Exception):  # an outcome (exit 3), not bad input
     """The candidate failed the gate; the message is one line naming both values and the
     rule; ``kept`` is where the rejected package was kept."""
 
-    def __init__(self, message: str, kept=None):
+    def __init__(self, message: str, kept: Path | None = None) -> None:
         super().__init__(message)
         self.kept = kept
 

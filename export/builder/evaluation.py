@@ -17,17 +17,24 @@ import math
 import subprocess
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import package
+from ..artifacts import package
+from ..artifacts.scoring import log_softmax
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
+    from orthornn.training.data import Split, TokenStream
+    from orthornn.training.tasks import Task
 
 HIGHER_IS_BETTER = {"accuracy": True, "mse": False, "cross_entropy": False,
                     "perplexity": False}
 BATCH = 256
 
 
-def rebuild_task(config: dict):
+def rebuild_task(config: dict) -> Task:
     """The run's task with its data, from config.json; ValueError (with the reason) when
     the data cannot be rebuilt (e.g. a user's .npz that is gone)."""
     from orthornn.training.config import TrainConfig
@@ -41,7 +48,7 @@ def rebuild_task(config: dict):
         raise ValueError(f"the run's data cannot be rebuilt: {error}") from None
 
 
-def fingerprint(*arrays) -> str:
+def fingerprint(*arrays: Any) -> str:
     """sha256 of arrays (their dtype, shape and bytes), or of a JSON-able value."""
     digest = hashlib.sha256()
     for a in arrays:
@@ -57,7 +64,7 @@ def fingerprint(*arrays) -> str:
     return digest.hexdigest()
 
 
-def split_fingerprint(split) -> str:
+def split_fingerprint(split: Split | TokenStream) -> str:
     from orthornn.training.data import TokenStream
 
     if isinstance(split, TokenStream):
@@ -65,7 +72,7 @@ def split_fingerprint(split) -> str:
     return fingerprint(split.x, split.y, split.lengths)
 
 
-def train_fingerprint(task) -> str:
+def train_fingerprint(task: Task) -> str:
     """The training data: a fixed split's arrays, lm's token ids, or for a generated task
     (a fresh seeded batch per step) the generator's options."""
     if task.train is None:
@@ -86,7 +93,7 @@ def source_revision() -> str | None:
     """The git commit of the orthornn source that runs (``-dirty`` with uncommitted
     changes), when it runs from a checkout; None from an installed wheel."""
     try:
-        result = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]),
+        result = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[2]),
                                  "describe", "--always", "--dirty", "--abbrev=40"],
                                 capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
@@ -94,13 +101,7 @@ def source_revision() -> str | None:
     return (result.stdout.strip() or None) if result.returncode == 0 else None
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    logits = logits.astype(np.float64)
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-
-
-def score(package_dir: str | Path, task) -> float:
+def score(package_dir: str | Path, task: Task) -> float:
     """The task's metric of a published package's full graph on the task's test split."""
     package_dir = Path(package_dir)
     manifest = package.read_manifest(package_dir)
@@ -113,7 +114,7 @@ def score(package_dir: str | Path, task) -> float:
     return score_session(package.session(package_dir / manifest.graphs["model"]), task)
 
 
-def score_session(sess, task) -> float:
+def score_session(sess: ort.InferenceSession, task: Task) -> float:
     """The task's metric of a full graph's onnxruntime session on the task's test split;
     NaN when the graph gives a non-finite output."""
     from orthornn.training.data import TokenStream
@@ -130,7 +131,7 @@ def score_session(sess, task) -> float:
             logits, state = sess.run([out, "state"], feeds)
             if not np.isfinite(logits).all():
                 return math.nan
-            nll = -np.take_along_axis(_log_softmax(logits), y.numpy()[..., None], -1)
+            nll = -np.take_along_axis(log_softmax(logits), y.numpy()[..., None], -1)
             total, count = total + float(nll.sum()), count + y.numel()
         return math.exp(min(total / count, 50.0))
     total, count = 0.0, 0
@@ -150,13 +151,13 @@ def score_session(sess, task) -> float:
             steps = getattr(task, "scored_steps", None)
             if steps is not None:
                 pred, y = pred[:, -steps:], y[:, -steps:]
-            nll = -np.take_along_axis(_log_softmax(pred), y[..., None], -1)
+            nll = -np.take_along_axis(log_softmax(pred), y[..., None], -1)
             total += float(nll.mean()) * len(y)
         count += len(y)
     return total / count
 
 
-def evaluate(sess, task) -> dict:
+def evaluate(sess: ort.InferenceSession, task: Task) -> dict:
     """The manifest's ``evaluation`` record of a full graph's session on ``task``'s test
     split."""
     value = score_session(sess, task)

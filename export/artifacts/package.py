@@ -19,10 +19,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 FORMAT = "orthornn-package/1"
 TOLERANCE = 1e-4
@@ -60,7 +65,8 @@ def output_name(task: str) -> str:
     return "value" if task == "regress" else "logits"
 
 
-def _check(name: str, value, kind, allowed=None):
+def _check(name: str, value: Any, kind: type | tuple[type, ...],
+           allowed: Collection[str] | None = None) -> Any:
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise PackageError(f"manifest field {name!r} must be {getattr(kind, '__name__', kind)}; "
                            f"got {value!r}")
@@ -110,6 +116,55 @@ class OutputSpec:
 
 
 @dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of a graph, as manifest.json's ``io`` lists it (and the Open
+    Inference Protocol's model metadata shows it)."""
+
+    name: str
+    datatype: str  # a key of DATATYPES
+    shape: list[int]  # -1: any size (the batch, the time steps)
+    optional: bool = False  # an input with a default value (the initial state)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As manifest.json writes it: ``optional`` only where it is true."""
+        d: dict[str, Any] = {"name": self.name, "datatype": self.datatype,
+                             "shape": list(self.shape)}
+        if self.optional:
+            d["optional"] = True
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> TensorSpec:
+        _check(where, d, dict)
+        shape = _check(f"{where}.shape", d.get("shape"), list)
+        for i, size in enumerate(shape):
+            _check(f"{where}.shape[{i}]", size, int)
+        return cls(name=_check(f"{where}.name", d.get("name"), str),
+                   datatype=_check(f"{where}.datatype", d.get("datatype"), str),
+                   shape=shape,
+                   optional=_check(f"{where}.optional", d.get("optional", False), bool))
+
+
+@dataclass(frozen=True)
+class GraphIO:
+    """The inputs and outputs of one graph of a package."""
+
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+    def to_dict(self) -> dict[str, list[dict[str, Any]]]:
+        return {"inputs": [t.to_dict() for t in self.inputs],
+                "outputs": [t.to_dict() for t in self.outputs]}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> GraphIO:
+        _check(where, d, dict)
+        return cls(*([TensorSpec.from_dict(t, f"{where}.{side}[{i}]")
+                       for i, t in enumerate(_check(f"{where}.{side}", d.get(side), list))]
+                      for side in ("inputs", "outputs")))
+
+
+@dataclass(frozen=True)
 class Manifest:
     """manifest.json of a model package."""
 
@@ -120,8 +175,8 @@ class Manifest:
     mode: str  # dense | factored
     opset: int
     recurrence: str  # rnn | scan | lstm
-    graphs: dict  # graph key ("model", "step") -> file name
-    io: dict  # graph key -> {"inputs": [...], "outputs": [...]} (name, datatype, shape)
+    graphs: dict[str, str]  # graph key ("model", "steps", "step") -> file name
+    io: dict[str, GraphIO]  # graph key -> its inputs and outputs
     input_spec: InputSpec
     output_spec: OutputSpec
     files: dict  # file name -> sha256
@@ -151,8 +206,10 @@ class Manifest:
     def output_name(self) -> str:
         return output_name(self.task)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["io"] = {key: graph.to_dict() for key, graph in self.io.items()}
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -170,11 +227,15 @@ class Manifest:
         values = {k: v for k, v in d.items() if k in known}  # newer fields are ignored
         values["input_spec"] = InputSpec.from_dict(d["input_spec"])
         values["output_spec"] = OutputSpec.from_dict(d["output_spec"])
+        values["io"] = {key: GraphIO.from_dict(graph, f"io.{key}")
+                        for key, graph in _check("io", d["io"], dict).items()}
         manifest = cls(**values)
         for name, kind in (("name", str), ("version", int), ("arch", str), ("mode", str),
-                           ("opset", int), ("recurrence", str), ("graphs", dict), ("io", dict),
+                           ("opset", int), ("recurrence", str), ("graphs", dict),
                            ("files", dict), ("hidden_size", int)):
             _check(name, getattr(manifest, name), kind)
+        for key, filename in manifest.graphs.items():
+            _check(f"graphs.{key}", filename, str)
         _check("task", manifest.task, str, TASKS)
         if manifest.output_spec.kind != manifest.output_name:
             raise PackageError(f"manifest field 'output_spec.kind' must be "
@@ -186,7 +247,7 @@ class Manifest:
         return manifest
 
 
-def _numbers(name: str, value, sizes: tuple[int, ...]) -> list[float]:
+def _numbers(name: str, value: Any, sizes: tuple[int, ...]) -> list[float]:
     if not isinstance(value, list) or len(value) not in sizes or not all(
             isinstance(v, int | float) and not isinstance(v, bool) and np.isfinite(v)
             for v in value):
@@ -195,7 +256,7 @@ def _numbers(name: str, value, sizes: tuple[int, ...]) -> list[float]:
     return value
 
 
-def check_preprocessing(d, feature_size: int) -> dict:
+def check_preprocessing(d: Any, feature_size: int) -> dict:
     """The ``preprocessing`` field of float-input packages::
 
         {"transform": {"kind": "affine", "offset": [..], "scale": [..], "description": ".."}
@@ -261,11 +322,13 @@ def check_hashes(package: str | Path, manifest: Manifest) -> None:
                                f"file {actual[:12]}...")
 
 
-def session(path: str | Path, providers: list[str] | None = None, threads: int | None = None):
+def session(path: str | Path, providers: list[str] | None = None,
+            threads: int | None = None) -> ort.InferenceSession:
     return session_from_bytes(str(path), providers, threads)
 
 
-def session_from_bytes(model, providers: list[str] | None = None, threads: int | None = None):
+def session_from_bytes(model: str | bytes, providers: list[str] | None = None,
+                       threads: int | None = None) -> ort.InferenceSession:
     """An onnxruntime session of a model file path or serialized bytes."""
     import onnxruntime as ort
 

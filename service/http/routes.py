@@ -1,0 +1,215 @@
+"""Every route the service answers: its handler and its row of the route table (method,
+path template, summary, schemas and error answers, for the dispatcher and the OpenAPI
+document alike). A handler decodes the body with its protocol's codec, asks the dataplane,
+and encodes the typed result; it names the model the request is for in ``call.held``, and
+the dataplane records there the version it held, so the dispatcher counts the request
+under it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import orjson
+from fastapi.responses import Response
+
+from ..dataplane.dataplane import DataPlane, version_param
+from ..dataplane.messages import Served
+from ..dataplane.schemas import (
+    ErrorResponse,
+    GenerateRequest,
+    GenerateResponse,
+    InferenceRequest,
+    InferenceResponse,
+    ModelMetadata,
+    PredictRequest,
+    PredictResponse,
+    RepositoryIndexRequest,
+    RepositoryModel,
+    RollbackRequest,
+    RollbackResponse,
+    ServerMetadata,
+    parse,
+)
+from ..errors import POSITION_HEADER, ClientError, ServiceError
+from ..metrics import Metrics
+from ..settings import Settings
+from . import auth
+from .codecs import oip_binary, predict_json
+from .responses import JSON, error, header
+from .routing import (
+    ADMIN_ERRORS,
+    ERRORS,
+    INFER_ERRORS,
+    ROLLBACK_ERRORS,
+    Call,
+    ErrorTable,
+    Route,
+)
+
+WARNING_HEADER = "Orthornn-Input-Warning"
+
+
+def _version_or_none(version: str | None) -> int | None:
+    """A URL's version as an integer, None when absent or not one (then the labels leave
+    it out)."""
+    try:
+        return version_param(version)
+    except ServiceError:
+        return None
+
+
+def _served(call: Call, served: Served, position: int | None = None) -> dict[str, str]:
+    """Count the request under the version that answered; its headers: the input warning
+    and the session's position, where there are some."""
+    call.held.hold(served.model, served.version)
+    headers = {} if served.warning is None else {WARNING_HEADER: served.warning}
+    if position is not None:
+        headers[POSITION_HEADER] = str(position)
+    return headers
+
+
+def _admin_body(body: bytes) -> None:
+    if body.strip():
+        try:
+            value = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise ClientError("body is not valid JSON") from None
+        if not isinstance(value, dict):
+            raise ClientError("body: must be a JSON object")
+
+
+def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
+                   draining: Callable[[], bool]) -> list[Route]:
+    """The route table's rows, their handlers bound to DATAPLANE; DRAINING says whether
+    the server is shutting down (readiness answers 503 then)."""
+    admin = auth.bearer(settings.admin_token)
+
+    async def predict(call: Call) -> Response:
+        req = predict_json.decode(call.body)
+        call.held.name(req.model)
+        result = await dataplane.predict(req, call.held)
+        return Response(predict_json.encode(result), media_type="application/json",
+                        headers=_served(call, result.served, result.position))
+
+    async def generate_text(call: Call) -> Response:
+        req = parse(GenerateRequest, call.body)
+        call.held.name(req.model)
+        result = await dataplane.generate(req, call.held)
+        _served(call, result.served)
+        return JSON(result.body)
+
+    async def infer(call: Call) -> Response:
+        name, version = call.params["name"], call.params.get("version")
+        call.held.name(name)  # counted under the model from the start
+        req = oip_binary.decode(call.body, header(call.scope, b"inference-header-content-length"),
+                                name, version)
+        result = await dataplane.infer(req, name, version, call.held)
+        head, blobs = oip_binary.encode(req, result)
+        headers = _served(call, result.served, result.position)
+        if not blobs:
+            return Response(head, media_type="application/json", headers=headers)
+        return Response(head + b"".join(blobs), media_type="application/octet-stream",
+                        headers={**headers, oip_binary.HEADER_LENGTH: str(len(head))})
+
+    async def server_metadata(call: Call) -> Response:
+        return JSON(dataplane.server_metadata())
+
+    async def live(call: Call) -> Response:
+        return JSON({"live": True})
+
+    async def ready(call: Call) -> Response:
+        if draining():
+            return error(503, "shutting down")
+        if not dataplane.ready():
+            return error(503, "models are still loading (or failed: see /v2/repository/index)")
+        return JSON({"ready": True})
+
+    async def model_metadata(call: Call) -> Response:
+        name = call.params["name"]
+        call.held.name(name)
+        result = dataplane.model_metadata(name, call.params.get("version"))
+        _served(call, result.served)
+        return JSON(result.body)
+
+    async def model_ready(call: Call) -> Response:
+        name, version = call.params["name"], call.params.get("version")
+        call.held.name(name, _version_or_none(version))
+        if dataplane.model_ready(name, version):
+            return JSON({"name": name, "ready": True})
+        return error(503, f"model {name!r}" + (f" version {version}" if version else "")
+                     + " is not ready")
+
+    async def model_config(call: Call) -> Response:
+        name = call.params["name"]
+        call.held.name(name)
+        result = dataplane.model_config(name)
+        _served(call, result.served)
+        return JSON(result.body)
+
+    async def repository_index(call: Call) -> Response:
+        admin(call.scope)
+        req = parse(RepositoryIndexRequest, call.body, allow_empty=True)
+        return JSON(await dataplane.repository_index(req))
+
+    async def load_model(call: Call) -> Response:
+        admin(call.scope)
+        _admin_body(call.body)
+        return JSON(await dataplane.load(call.params["name"]))
+
+    async def rollback_model(call: Call) -> Response:
+        admin(call.scope)
+        req = parse(RollbackRequest, call.body, allow_empty=True)
+        return JSON(await dataplane.rollback(call.params["name"], req))
+
+    async def unload_model(call: Call) -> Response:
+        admin(call.scope)
+        _admin_body(call.body)
+        return JSON(await dataplane.unload(call.params["name"]))
+
+    async def prometheus(call: Call) -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    ready_errors: ErrorTable = {**ERRORS, 503: {"model": ErrorResponse}}
+    return [
+        Route("POST", "/predict", predict, "predict from sequences or text (optionally "
+              "continuing from states or a session)", PredictResponse, PredictRequest,
+              errors=INFER_ERRORS),
+        Route("POST", "/generate", generate_text, "language models: sample text, carrying "
+              "the hidden state", GenerateResponse, GenerateRequest, errors=INFER_ERRORS),
+        Route("GET", "/v2", server_metadata, "server metadata", ServerMetadata),
+        Route("GET", "/v2/health/live", live, "liveness"),
+        Route("GET", "/v2/health/ready", ready, "readiness: every configured model loaded "
+              "and warm, not shutting down", errors=ready_errors),
+        Route("GET", "/v2/models/{name}", model_metadata, "model metadata (the version a "
+              "request without one gets: the promoted one, else the newest loaded)",
+              ModelMetadata),
+        Route("GET", "/v2/models/{name}/versions/{version}", model_metadata,
+              "model version metadata", ModelMetadata),
+        Route("GET", "/v2/models/{name}/ready", model_ready, "model readiness",
+              errors=ready_errors),
+        Route("GET", "/v2/models/{name}/versions/{version}/ready", model_ready,
+              "version readiness", errors=ready_errors),
+        Route("GET", "/v2/models/{name}/config", model_config, "Triton-style model "
+              "configuration (for tritonclient)"),
+        Route("POST", "/v2/models/{name}/infer", infer, "inference (the promoted version, "
+              "else the newest loaded; "
+              "sequence_id / sequence_start / sequence_end parameters for sequences, "
+              "sequence_position to make a chunk exactly-once)",
+              InferenceResponse, InferenceRequest, errors=INFER_ERRORS),
+        Route("POST", "/v2/models/{name}/versions/{version}/infer", infer,
+              "inference on one version", InferenceResponse, InferenceRequest,
+              errors=INFER_ERRORS),
+        Route("POST", "/v2/repository/index", repository_index, "every model version in the "
+              "repository with its state", list[RepositoryModel], RepositoryIndexRequest,
+              body_required=False, errors=ADMIN_ERRORS, admin=True),
+        Route("POST", "/v2/repository/models/{name}/load", load_model, "load (or reload) a "
+              "model now, verifying it", errors=ADMIN_ERRORS, admin=True),
+        Route("POST", "/v2/repository/models/{name}/unload", unload_model, "stop serving a "
+              "model (in-flight requests finish)", errors=ADMIN_ERRORS, admin=True),
+        Route("POST", "/v2/repository/models/{name}/rollback", rollback_model, "promote the "
+              "version promoted before the current one (or the body's version) once it "
+              "verifies, and serve it now (in-flight requests and sessions finish on theirs)",
+              RollbackResponse, RollbackRequest, body_required=False, errors=ROLLBACK_ERRORS,
+              admin=True),
+        Route("GET", "/metrics", prometheus, "Prometheus metrics", media_type="text/plain"),
+    ]

@@ -1,0 +1,260 @@
+"""The version policy: which versions of each model serve, from scans of
+REPO/<name>/<version>/ and REPO/<name>/promotion.json (``export.artifacts.repository``),
+and the repository API (load, unload, rollback).
+
+A request without a version gets the model's default version: the promoted one when it
+is loaded, else the newest loaded one. A promoted version that does not verify is never
+served: what was served keeps serving. A change of promotion.json (a promotion, a
+rollback) is found by the same scan as a new version, and swaps the same way
+(``Catalog.swap``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from orthornn.export.artifacts.repository import (
+    ACTIONS,
+    check_name,
+    read_promotion,
+    versions,
+)
+from orthornn.export.artifacts.repository import rollback as rollback_promotion
+
+from ..errors import NotFound, RollbackRefused
+from ..metrics import Metrics
+from ..settings import Settings
+from .catalog import Catalog, ModelVersion, model_names
+from .loader import Loader
+from .pins import SessionPins
+
+log = logging.getLogger("orthornn.service")
+
+
+def promotion_changes(before: dict, after: dict) -> list[str]:
+    """The actions (publish, promote, rollback; "unknown" for an entry without one) of the
+    changes of the promoted version between two readings of promotion.json: the history
+    entries added since the earlier reading (less any that re-promotes the version already
+    promoted), or, when the history was rewritten, one change if the version differs."""
+    old, new = before["history"], after["history"]
+    if len(new) > len(old) and new[:len(old)] == old:
+        added = [e for e in new[len(old):]
+                 if not (isinstance(e, dict) and e.get("previous") == e.get("version"))]
+    elif after["version"] != before["version"]:
+        added = new[-1:] or [None]
+    else:
+        return []
+    return [e["action"] if isinstance(e, dict) and e.get("action") in ACTIONS else "unknown"
+            for e in added]
+
+
+class VersionPolicy:
+    def __init__(self, settings: Settings, metrics: Metrics, catalog: Catalog,
+                 loader: Loader, pins: SessionPins):
+        self.settings = settings
+        self.metrics = metrics
+        self.catalog = catalog
+        self.loader = loader
+        self.pins = pins
+        self.repo = Path(settings.repo)
+        self._promotion: dict[str, dict] = {}  # the last readable promotion.json
+        self._promotion_error: dict[str, str] = {}  # unreadable promotion.json (logged once)
+        self._not_served: dict[str, int] = {}  # a promoted version not served (logged once)
+        self._rollback_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _read_promotion(self, name: str) -> int | None:
+        """The promoted version of NAME from promotion.json (None: no file); counts the
+        promotions since the last reading. An unreadable file (logged once) keeps the last
+        good reading: a passing read error on a shared volume must not swap to the newest
+        version, which may be one that was rolled back (None when there never was one)."""
+        try:
+            record = read_promotion(self.repo / name)
+        except ValueError as error:
+            last = self._promotion.get(name, {}).get("version")
+            if self._promotion_error.get(name) != str(error):
+                log.error("%s: %s; %s", name, error,
+                          f"keeping version {last}, the last promoted one read" if last
+                          else "serving as if no version were promoted (the newest verified)")
+                self._promotion_error[name] = str(error)
+            with self.catalog.lock:
+                self.catalog.promoted_versions[name] = last
+            return last
+        if self._promotion_error.pop(name, None) is not None:
+            log.info("%s: promotion.json is readable again", name)
+        before = self._promotion.get(name)
+        if before is not None:  # the history found at the first reading is not counted
+            for action in promotion_changes(before, record):
+                self.metrics.promotions.labels(name, action).inc()
+        if record["version"] is not None and (before is None
+                                              or before["version"] != record["version"]):
+            log.info("%s: version %d is promoted", name, record["version"])
+        self._promotion[name] = record
+        with self.catalog.lock:
+            self.catalog.promoted_versions[name] = record["version"]
+        return record["version"]
+
+    def sync_model(self, name: str) -> list[str]:
+        """Apply the version policy to one model; returns the errors of refused versions.
+
+        Under "latest" the promoted version is loaded first, then the newest others up to
+        keep_versions; when the promoted version is refused (or missing), what served
+        requests without a version keeps serving (at start-up: the newest version below
+        the promoted one, else the newest)."""
+        errors: list[str] = []
+        with self.loader.lock:
+            on_disk = sorted(versions(self.repo / name), reverse=True)
+            promoted = self._read_promotion(name)
+            current = self.catalog.versions(name)
+            served = self.catalog.default(name)
+            keep: dict[int, ModelVersion] = {}
+            s = self.settings
+
+            def take(v: int) -> None:
+                if v in keep or (s.version_policy == "latest" and len(keep) >= s.keep_versions):
+                    return
+                mv = current.get(v) or self.pins.revive(name, v)  # kept for sessions: serve it
+                if mv is None:
+                    loaded = self.loader.load(name, v)
+                    if isinstance(loaded, str):
+                        errors.append(f"version {v}: {loaded}")
+                        return
+                    mv = loaded
+                keep[v] = mv
+
+            rest = on_disk  # newest first
+            if promoted is not None and promoted in on_disk:
+                take(promoted)
+            if promoted is not None and promoted not in keep:  # refused or missing
+                if served is not None and served in on_disk:
+                    take(served)
+                rest = [v for v in on_disk if v < promoted] + \
+                    [v for v in on_disk if v > promoted]
+            for v in rest:
+                take(v)
+            default = self._default_version(name, promoted, served, keep)
+            self.catalog.swap(name, keep, default)
+        return errors
+
+    def _default_version(self, name: str, promoted: int | None, served: int | None,
+                         keep: dict[int, ModelVersion]) -> int | None:
+        """The version requests without one get: the promoted one when it is loaded, else
+        (it was refused or is missing) the one that served them, else the newest loaded
+        below it, else the newest loaded (no promotion: the newest loaded)."""
+        if not keep:
+            return None
+        if promoted is None or promoted in keep:
+            self._not_served.pop(name, None)
+            return promoted if promoted in keep else max(keep)
+        if served in keep:
+            default = served
+        else:
+            default = max((v for v in keep if v < promoted), default=max(keep))
+        if self._not_served.get(name) != promoted:
+            self._not_served[name] = promoted
+            reason = self.loader.refused(name, promoted) or "not in the repository"
+            log.error("%s: the promoted version %d is not served (%s); version %d serves "
+                      "requests without a version", name, promoted, reason, default)
+        return default
+
+    def scan(self) -> None:
+        for name in model_names(self.repo):
+            if self._stop.is_set():
+                return
+            if name not in self.catalog.unloaded:
+                self.sync_model(name)
+        gone = [n for n in self.catalog.serving() if not (self.repo / n).is_dir()]
+        for name in gone:  # models whose directory vanished
+            self.sync_model(name)
+
+    # -- the repository API ----------------------------------------------------------------
+
+    def _model_dir(self, name: str) -> Path:
+        """REPO/NAME of a model with versions in the repository; NotFound otherwise."""
+        try:
+            model_dir = self.repo / check_name(name)
+        except ValueError:
+            raise NotFound(f"model {name!r} is not in the repository") from None
+        if not model_dir.is_dir() or not versions(model_dir):
+            raise NotFound(f"model {name!r} is not in the repository")
+        return model_dir
+
+    def load(self, name: str) -> list[str]:
+        """The repository API's load: (re)load NAME now, retrying refused versions."""
+        self._model_dir(name)
+        with self.loader.lock:
+            self.catalog.unloaded.discard(name)
+            self.loader.forget(name)
+        return self.sync_model(name)
+
+    def rollback(self, name: str, version: int | None = None) -> dict:
+        """The repository API's rollback: promote VERSION (default: the version promoted
+        before the current one) once it verifies, by ``export.artifacts.repository.rollback``
+        (the rule ``orthornn rollback`` follows too), then sync NAME at once so the swap
+        does not wait for the next scan. {"model", "promoted", "previous"}; RollbackRefused
+        names the usable versions. An unloaded model stays unloaded (only its promotion
+        moves)."""
+        model_dir = self._model_dir(name)
+        with self._rollback_lock:  # one promotion change at a time from this service
+            try:
+                done = rollback_promotion(model_dir, version)
+            except ValueError as error:
+                raise RollbackRefused(str(error)) from None
+            except OSError as error:  # e.g. the repository is mounted read-only here
+                raise RollbackRefused(
+                    f"the model repository cannot be written here ({error}); mount it "
+                    f"writable for the service (Helm: persistence.readOnlyInServer=false) or "
+                    f"run `orthornn rollback --repo REPO --name {name}` where it is") from None
+        log.info("%s: rolled back to version %d (was %d) through the repository API", name,
+                 done["promoted"], done["previous"])
+        if name not in self.catalog.unloaded:
+            self.sync_model(name)
+        return done
+
+    def unload(self, name: str) -> None:
+        with self.loader.lock:
+            with self.catalog.lock:
+                if not self.catalog.versions(name) and name not in model_names(self.repo):
+                    raise NotFound(f"model {name!r} is not loaded")
+                self.catalog.unloaded.add(name)
+            self.catalog.swap(name, {})
+
+    # -- the poller ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="orthornn-repository",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        catalog = self.catalog
+        try:
+            if not catalog.configured:
+                catalog.configured = {n for n in model_names(self.repo)
+                                      if versions(self.repo / n)}
+                if not catalog.configured:
+                    log.warning(
+                        "the model repository %s holds no model versions: the service reports "
+                        "ready with nothing to serve; models published later are loaded "
+                        "%s (readiness does not wait for them; --models NAME,... makes it)",
+                        self.repo, f"within {self.settings.poll_interval_s:g} s"
+                        if self.settings.poll_interval_s > 0 else "by the repository API only")
+            self.scan()
+        except Exception:  # never let the poller die silently
+            log.exception("repository scan failed")
+        finally:
+            catalog.scanned.set()
+        interval = self.settings.poll_interval_s
+        while interval > 0 and not self._stop.wait(interval):
+            try:
+                self.scan()
+            except Exception:
+                log.exception("repository scan failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
