@@ -37,35 +37,8 @@ ORTHORNN_PY="$ROOT/.venv/bin/python"
 mkdir -p "$OUT"
 [ -x "$PY" ] || bash "$PEERS/setup.sh"
 
-# the peers' model input, and orthornn's package of the same shape
-"$PY" "$PEERS/make_model.py" --out "$OUT/model.onnx" --bodies "$OUT" --steps 128 --batch 1
-"$ORTHORNN_PY" - "$OUT" <<'EOF'
-import json, sys
-from pathlib import Path
-import numpy as np
-from orthornn.export.exporter import export_run
-from orthornn.training.config import TrainConfig
-from orthornn.training.trainer import train
-
-out = Path(sys.argv[1])
-rng = np.random.default_rng(0)
-np.savez(out / "data.npz", x=rng.normal(size=(64, 128, 9)).astype(np.float32),
-         y=rng.integers(0, 6, size=64))
-if not (out / "repo" / "bench").is_dir():
-    train(TrainConfig(arch="svdrnn", task="classify", data=str(out / "data.npz"),
-                      hidden_size=128, steps=1, batch_size=16, log_every=1,
-                      out=str(out / "run")), progress=False)
-    export_run(out / "run", out / "repo", "bench", progress=False)
-body = json.loads((out / "predict_body.json").read_text())
-(out / "orthornn_predict.json").write_text(json.dumps({"model": "bench", **body}))
-x = np.load(out / "input.npy")
-blob = x.astype("<f4").tobytes()
-head = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
-                               "parameters": {"binary_data_size": len(blob)}}],
-                   "outputs": [{"name": "logits"}]}).encode()
-(out / "oip_binary.bin").write_bytes(head + blob)
-(out / "oip_binary.header").write_text(str(len(head)))
-EOF
+# the peers' model input and bodies, and orthornn's package of the same shape
+bash "$ROOT/bench/peer_inputs.sh" "$PEERS" "$OUT"
 
 PEER_TABLE=()
 if [ "${SKIP_PEERS:-0}" != 1 ]; then
