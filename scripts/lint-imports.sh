@@ -6,7 +6,7 @@
 #   bash scripts/lint-imports.sh [VENV]
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${1:-$ROOT/.venv}"
+VENV="$(cd "${1:-$ROOT/.venv}" && pwd)"  # absolute: the check runs from inside the tree
 TREE="$ROOT/build/import-graph"
 rm -rf "$TREE"
 mkdir -p "$TREE/orthornn"
