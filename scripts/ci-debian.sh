@@ -4,6 +4,8 @@
 #   headless Chromium          chromium, chromium-driver  tests/test_docs_browser.py
 #   Redis and haproxy          redis-server, haproxy      tests/test_session_store.py and
 #                                                         the cluster tests (tests/cluster.py)
+#   Prometheus and promtool    prometheus                 tests/test_monitoring.py (the chart's
+#                                                         rules and dashboard)
 #   podman and a Debian base   podman, runc, mmdebstrap   make images, tests/test_images.py
 # Only what is missing is installed (a no-op when every program is on PATH). The tests
 # start their own processes on free loopback ports; the packages' system services are
@@ -36,6 +38,7 @@ need() {  # need "PROGRAM [ALTERNATIVE...]" PACKAGE...
 need "chromium chromium-browser google-chrome" chromium chromium-driver
 need redis-server redis-server
 need haproxy haproxy
+need prometheus prometheus  # promtool comes with it
 need podman podman
 need runc runc
 need mmdebstrap mmdebstrap

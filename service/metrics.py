@@ -8,7 +8,14 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:  # the manifests it counts (the leaf imports nothing of the service)
@@ -49,8 +56,9 @@ class Metrics:
             "orthornn_requests", "HTTP requests by model, version, endpoint and status",
             ["model", "version", "endpoint", "status"], registry=r)
         self.request_duration = Histogram(
-            "orthornn_request_duration_seconds", "time from request start to answer",
-            ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+            "orthornn_request_duration_seconds", "time from request start to answer, by "
+            "route and model (as orthornn_requests_total counts it)",
+            ["model", "endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_duration = Histogram(
             "orthornn_queue_duration_seconds", "time a request waits for its batch to start",
             ["model"], buckets=LATENCY_BUCKETS, registry=r)
@@ -66,6 +74,14 @@ class Metrics:
             "an Orthornn-Input-Warning header)", ["model", "version"], registry=r)
         self.inflight = Gauge("orthornn_inflight_requests", "requests being answered",
                               registry=r)
+        self.held = Counter(
+            "orthornn_held_connections",
+            "connections refused with 503 and then held (not read) until their Retry-After "
+            "passed (hold_refused, eager listener)", registry=r)
+        self.slow_client_closes = Counter(
+            "orthornn_slow_client_closes",
+            "connections closed because a request's head (phase=head) or body (phase=body) "
+            "did not arrive within header_timeout_s or body_timeout_s", ["phase"], registry=r)
         self.queue_depth = Gauge("orthornn_queue_depth", "sequences waiting for a batch",
                                  ["model"], registry=r)
         self.sessions_active = Gauge("orthornn_sessions_active",
@@ -102,6 +118,13 @@ class Metrics:
         self.loaded = Gauge(
             "orthornn_model_loaded", "1 for every loaded (served) model version",
             ["model", "version", "arch", "mode"], registry=r)
+        self.loads = Counter(
+            "orthornn_model_loads", "model versions loaded (verified, warmed and served, or "
+            "kept for sessions)", ["model"], registry=r)
+        self.promoted_version = Gauge(
+            "orthornn_model_promoted",
+            "1 for the promoted version of each model (promotion.json), as last read",
+            ["model", "version"], registry=r)
         self.swaps = Counter(
             "orthornn_model_swaps", "times another version took over the requests that name "
             "no version (a newer one, a promotion or a rollback)", ["model"], registry=r)
@@ -130,6 +153,9 @@ class Metrics:
             "orthornn_transition_orthogonality_error",
             "||W^T W - I||_2 of the transition matrix (from the manifest)",
             ["model", "version"], registry=r)
+        self._promoted: dict[str, str] = {}  # model -> its orthornn_model_promoted version
+        # the process's CPU, memory and file descriptors (orthornn_process_*; Linux only)
+        ProcessCollector(namespace="orthornn", registry=r)
 
     @staticmethod
     def _evaluation(manifest: Manifest) -> tuple[str, float] | None:
@@ -146,6 +172,8 @@ class Metrics:
     def model_loaded(self, manifest: Manifest) -> None:
         name, version = manifest.name, str(manifest.version)
         self.loaded.labels(name, version, manifest.arch, manifest.mode).set(1)
+        self.loads.labels(name).inc()
+        self.load_failures.labels(name)  # at 0 from the first load: increase() sees the first
         spectral = manifest.spectral or {}
         for gauge, key in ((self.sigma_min, "sigma_min"), (self.sigma_max, "sigma_max"),
                            (self.orthogonality_error, "orthogonality_error")):
@@ -166,6 +194,21 @@ class Metrics:
         if evaluation is not None:
             with contextlib.suppress(KeyError):
                 self.evaluation.remove(name, version, evaluation[0])
+
+    def promoted(self, name: str, version: int | None) -> None:
+        """The promoted version of NAME (None: none is)."""
+        label = None if version is None else str(version)
+        before = self._promoted.get(name)
+        if before == label:
+            return
+        if before is not None:
+            with contextlib.suppress(KeyError):
+                self.promoted_version.remove(name, before)
+        if label is None:
+            self._promoted.pop(name, None)
+        else:
+            self._promoted[name] = label
+            self.promoted_version.labels(name, label).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

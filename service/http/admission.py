@@ -108,6 +108,7 @@ class Admission:
                 if connection is not None:  # not read again until Retry-After
                     connection.refused = True
                     connection.hold(self.RETRY_AFTER_S + self.RETRY_JITTER_S * random.random())
+                    self.metrics.held.inc()
                 await send({"type": "http.response.start", "status": 503,
                             "headers": list(self._overloaded.raw_headers)})
                 await send({"type": "http.response.body", "body": self._overloaded.body})

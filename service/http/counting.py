@@ -17,7 +17,7 @@ class RequestCounts:
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
         self._counters: dict[tuple[str, str, str, int], Counter] = {}
-        self._durations: dict[str, Histogram] = {}
+        self._durations: dict[tuple[str, str], Histogram] = {}
 
     def record(self, endpoint: str, labels: tuple[str, str], status: int,
                start: float) -> None:
@@ -29,8 +29,8 @@ class RequestCounts:
             counter = self._counters[key] = self.metrics.requests.labels(
                 labels[0], labels[1], endpoint, str(status))
         counter.inc()
-        histogram = self._durations.get(endpoint)
+        histogram = self._durations.get((labels[0], endpoint))
         if histogram is None:
-            histogram = self._durations[endpoint] = self.metrics.request_duration.labels(
-                endpoint)
+            histogram = self._durations[(labels[0], endpoint)] = \
+                self.metrics.request_duration.labels(labels[0], endpoint)
         histogram.observe(time.perf_counter() - start)

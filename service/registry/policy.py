@@ -93,6 +93,7 @@ class VersionPolicy:
                                               or before["version"] != record["version"]):
             log.info("%s: version %d is promoted", name, record["version"])
         self._promotion[name] = record
+        self.metrics.promoted(name, record["version"])
         with self.catalog.lock:
             self.catalog.promoted_versions[name] = record["version"]
         return record["version"]

@@ -301,3 +301,10 @@ dashes as underscores. */}}
 {{- define "orthornn.nginxHeaderVariable" -}}
 {{- printf "$http_%s" (.Values.ingress.sessionAffinity.header | lower | replace "-" "_") }}
 {{- end }}
+
+{{/* PromQL label matchers of this release's series (rules and dashboard): the labels the
+ServiceMonitor's targets get from prometheus-operator (namespace, service), unless
+metrics.selector says otherwise. */}}
+{{- define "orthornn.promSelector" -}}
+{{- default (printf "namespace=\"%s\",service=\"%s\"" .Release.Namespace (include "orthornn.fullname" .)) .Values.metrics.selector }}
+{{- end }}
