@@ -168,6 +168,19 @@ class Settings(BaseSettings):
                     "the request gets 503 with Retry-After")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 31,
                                 description="request body limit (413 beyond it)")
+    header_timeout_s: float = Field(
+        10.0, ge=0, le=3600,
+        description="longest time to receive a request's head (request line and headers), "
+                    "from the connection's accept, or on a kept-alive connection from the "
+                    "next request's first byte (the wait for it is the 30 s keep-alive); "
+                    "beyond it the connection is closed, with 408 when a byte of it came, "
+                    "and counted in orthornn_slow_client_closes_total (0: no limit)")
+    body_timeout_s: float | None = Field(
+        None, ge=0, le=86_400,
+        description="longest time to receive a request's body, from its head to its last "
+                    "byte; beyond it the connection is closed, with 408 when no answer has "
+                    "started (unset: max(30, max_body_bytes / 64 KiB) s, 256 s for 16 MiB; "
+                    "0: no limit). Neither deadline covers the answer (inference, streaming)")
     inference_threads: int = Field(
         1, ge=0, le=256,
         description="onnxruntime intra-op threads per session (0: onnxruntime's default)")
@@ -204,6 +217,18 @@ class Settings(BaseSettings):
                              "uvicorn: uvicorn's own listener")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="the service's log level")
+    tracing: bool = Field(
+        False, description="OpenTelemetry traces: a server span per request with its decode, "
+                           "queue, inference and encode spans, the parent from the request's "
+                           "traceparent, exported as the OTEL_* variables say (OTLP over "
+                           "HTTP to OTEL_EXPORTER_OTLP_ENDPOINT); needs the otel extra")
+
+    def body_timeout(self) -> float:
+        """body_timeout_s, or when unset one that scales with the body limit: the limit at
+        64 KiB/s (a slow but legitimate upload), at least 30 s."""
+        if self.body_timeout_s is not None:
+            return self.body_timeout_s
+        return max(30.0, self.max_body_bytes / (64 * 1024))
 
     @field_validator("models", "providers", mode="before")
     @classmethod

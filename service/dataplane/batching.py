@@ -18,6 +18,7 @@ from ..metrics import Metrics
 from ..registry.batcher import Batcher
 from ..registry.registry import ModelVersion
 from ..settings import Settings
+from ..tracing import open_tracing
 from .outputs import prepare_rows
 
 
@@ -26,6 +27,8 @@ class Batching:
         self.settings = settings
         self.metrics = metrics
         self.executor = executor  # the inference threads, shared by every model
+        # tracing on: the queue and inference spans (ValueError when the extra is missing)
+        self.tracer = open_tracing(settings.tracing)
 
     def attach(self, mv: ModelVersion) -> None:
         """The on_load hook: MV's batchers (in the loading thread)."""
@@ -38,7 +41,7 @@ class Batching:
                         max_queue_delay_ms=s.max_queue_delay_ms,
                         max_queue_size=s.max_queue_size, workers=s.inference_workers,
                         enabled=s.batching, metrics=self.metrics, model=mv.name,
-                        prepare=prepare)
+                        prepare=prepare, tracer=self.tracer)
             b.holders = mv.on_the_way  # a batch waits only for requests on their way
             return b
         mv.batcher = batcher("model", lambda rows: prepare_rows(spec, rows))

@@ -3,10 +3,13 @@ path template, summary, schemas and error answers, for the dispatcher and the Op
 document alike). A handler decodes the body with its protocol's codec, asks the dataplane,
 and encodes the typed result; it names the model the request is for in ``call.held``, and
 the dataplane records there the version it held, so the dispatcher counts the request
-under it."""
+under it. Tracing on (``service.tracing``), every row carries the tracer and the codecs'
+decode and encode run in spans of their own (chosen once here: off costs a request
+nothing)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import orjson
@@ -33,6 +36,7 @@ from ..dataplane.schemas import (
 from ..errors import POSITION_HEADER, ClientError, ServiceError
 from ..metrics import Metrics
 from ..settings import Settings
+from ..tracing import open_tracing
 from . import auth
 from .codecs import oip_binary, predict_json
 from .responses import JSON, error, header
@@ -83,12 +87,20 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
     """The route table's rows, their handlers bound to DATAPLANE; DRAINING says whether
     the server is shutting down (readiness answers 503 then)."""
     admin = auth.bearer(settings.admin_token)
+    tracer = open_tracing(settings.tracing)  # None: off (ValueError: the extra is missing)
+    decode_predict, encode_predict = predict_json.decode, predict_json.encode
+    decode_infer, encode_infer = oip_binary.decode, oip_binary.encode
+    if tracer is not None:
+        decode_predict = tracer.wrap("decode", decode_predict)
+        encode_predict = tracer.wrap("encode", encode_predict)
+        decode_infer = tracer.wrap("decode", decode_infer)
+        encode_infer = tracer.wrap("encode", encode_infer)
 
     async def predict(call: Call) -> Response:
-        req = predict_json.decode(call.body)
+        req = decode_predict(call.body)
         call.held.name(req.model)
         result = await dataplane.predict(req, call.held)
-        return Response(predict_json.encode(result), media_type="application/json",
+        return Response(encode_predict(result), media_type="application/json",
                         headers=_served(call, result.served, result.position))
 
     async def generate_text(call: Call) -> Response:
@@ -101,10 +113,10 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
     async def infer(call: Call) -> Response:
         name, version = call.params["name"], call.params.get("version")
         call.held.name(name)  # counted under the model from the start
-        req = oip_binary.decode(call.body, header(call.scope, b"inference-header-content-length"),
-                                name, version)
+        req = decode_infer(call.body, header(call.scope, b"inference-header-content-length"),
+                           name, version)
         result = await dataplane.infer(req, name, version, call.held)
-        head, blobs = oip_binary.encode(req, result)
+        head, blobs = encode_infer(req, result)
         headers = _served(call, result.served, result.position)
         if not blobs:
             return Response(head, media_type="application/json", headers=headers)
@@ -170,7 +182,7 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         return Response(metrics.render(), media_type=metrics.content_type)
 
     ready_errors: ErrorTable = {**ERRORS, 503: {"model": ErrorResponse}}
-    return [
+    rows = [
         Route("POST", "/predict", predict, "predict from sequences or text (optionally "
               "continuing from states or a session)", PredictResponse, PredictRequest,
               errors=INFER_ERRORS),
@@ -213,3 +225,6 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
               admin=True),
         Route("GET", "/metrics", prometheus, "Prometheus metrics", media_type="text/plain"),
     ]
+    if tracer is not None:
+        rows = [dataclasses.replace(row, tracer=tracer) for row in rows]
+    return rows

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..dataplane.schemas import ErrorResponse
 from ..metrics import UNKNOWN, Held
+from ..tracing import Tracer
 from .counting import RequestCounts
 from .responses import error, error_response, read_body
 
@@ -81,6 +82,7 @@ class Route:
     errors: ErrorTable = field(default_factory=lambda: ERRORS)
     admin: bool = False  # the repository API: bearer token
     media_type: str = "application/json"  # of the 200 answer (the document says it)
+    tracer: Tracer | None = None  # tracing on: its requests' server spans (service.tracing)
 
     @property
     def pattern(self) -> re.Pattern[str]:
@@ -132,7 +134,11 @@ class Routes:
         if found is not None:
             route, params = found
             held = Held()
-            status = await self.answer(route, params, held, scope, receive, send)
+            if route.tracer is None:  # tracing off: this check is all it costs
+                status = await self.answer(route, params, held, scope, receive, send)
+            else:
+                status = await self.traced(route.tracer, route, params, held, scope,
+                                           receive, send)
             if status is not None:
                 self.counts.record(route.path, self.labels(held), status, start)
             return None
@@ -171,6 +177,19 @@ class Routes:
             response = error_response(exc, f"{scope['method']} {scope['path']}")
         await response(scope, receive, send)
         return response.status_code
+
+    @staticmethod
+    async def traced(tracer: Tracer, route: Route, params: dict[str, str], held: Held,
+                     scope: Scope, receive: Receive, send: Send) -> int | None:
+        """``answer`` inside the request's server span (tracing on), which gets the
+        route's name and, as the answer starts (the server's own span ends with its
+        body), the status and the model version held."""
+        with tracer.request(scope, route.method, route.path) as span:
+            async def send_traced(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    tracer.answered(span, message["status"], held.model, held.version)
+                await send(message)
+            return await Routes.answer(route, params, held, scope, receive, send_traced)
 
 
 def _schema_ref(model: Any, components: dict[str, Any]) -> dict[str, Any]:

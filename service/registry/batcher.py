@@ -17,12 +17,17 @@ longest sequence is at most twice their shortest, so padding stays small. The gr
 ``lengths`` and padded steps never change a result, so an answer does not depend on what
 it was batched with. More than ``max_queue_size`` waiting sequences: QueueFull (429).
 Batching off: every request runs alone, bounded by the same queue.
+
+Tracing on (a ``tracer``, ``service.tracing``): a request's context is captured when it is
+queued, and after each batch the inference thread makes its ``queue`` and ``inference``
+spans from it; off, a check of ``tracer`` per request and per batch is all it costs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
@@ -35,6 +40,9 @@ import numpy as np
 
 from ..errors import QueueFull
 from ..metrics import Metrics
+from ..tracing import Tracer
+
+log = logging.getLogger("orthornn.service")
 
 
 @dataclass
@@ -44,6 +52,7 @@ class _Item:
     future: asyncio.Future
     prepare: bool = False  # its rows go through the batcher's prepare step
     enqueued: float = field(default_factory=time.perf_counter)
+    context: Any = None  # tracing on: the request's context (its span), for its spans
 
 
 def groups(lengths: list[int], max_batch_size: int) -> list[list[int]]:
@@ -64,8 +73,10 @@ class Batcher:
                  max_batch_size: int, max_queue_delay_ms: float, max_queue_size: int,
                  workers: int, enabled: bool = True, metrics: Metrics | None = None,
                  model: str = "",
-                 prepare: Callable[[list[dict]], None] | None = None):
+                 prepare: Callable[[list[dict]], None] | None = None,
+                 tracer: Tracer | None = None):
         self.run = run
+        self.tracer = tracer  # None: tracing off
         self.prepare = prepare  # once per batch, before the posts: submit(prepare=True)
         self.executor = executor
         self.enabled = enabled
@@ -101,6 +112,8 @@ class Batcher:
         runs first, once, on the rows of all its requests that ask for it."""
         loop = asyncio.get_running_loop()
         item = _Item(sequences, post, loop.create_future(), prepare)
+        if self.tracer is not None:
+            item.context = self.tracer.context()
         with self._lock:
             if self.pending + len(sequences) > self.max_queue_size:
                 raise QueueFull(f"the queue of model {self.model!r} is full "
@@ -197,18 +210,36 @@ class Batcher:
                 if not items:  # checked and counted under one lock: no request strands
                     self._jobs -= 1
                     break
+            tracer = self.tracer
+            started = time.perf_counter() if tracer is not None else 0.0
             try:
                 self._observe_taken(items)
                 outcomes = self._execute(items)
             except BaseException as error:  # answer everyone, then go on
                 outcomes = [(False, error)] * len(items)
-            self._call(loop, self._deliver, items, outcomes)
+            if tracer is None:
+                self._call(loop, self._deliver, items, outcomes)
+            else:  # the spans after the answers are on their way
+                ended = time.perf_counter()
+                self._call(loop, self._deliver, items, outcomes)
+                self._trace(tracer, items, outcomes, started, ended)
             try:
                 self.executor.submit(self._drain, loop)
                 return
             except RuntimeError:  # the executor is shutting down: finish the queue here
                 continue
         self._call(loop, self._job_done)
+
+    def _trace(self, tracer: Tracer, items: list[_Item], outcomes: list[tuple[bool, Any]],
+               started: float, ended: float) -> None:
+        """The queue and inference spans of a batch (a failure here never stops the job)."""
+        try:
+            tracer.batch(self.model,
+                         [(item.context, item.enqueued, None if ok else value)
+                          for item, (ok, value) in zip(items, outcomes, strict=True)],
+                         sum(len(item.sequences) for item in items), started, ended)
+        except Exception:
+            log.exception("tracing: the spans of a batch of model %r failed", self.model)
 
     @staticmethod
     def _call(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any

@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from ..http.app import create_app
 from ..registry.devices import select_providers
 from ..settings import Settings
-from .listener import listen_eagerly
+from .listener import Deadlines, listen_eagerly, with_deadlines
 
 log = logging.getLogger("orthornn.service")
 
@@ -38,8 +38,10 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's startup; on the given sockets, with the eager listener in place of
         uvicorn's own server (``service.server.listener``) unless ``eager`` is off (or on
-        Windows, whose Proactor loop has no add_reader). Then, in the background, the one
-        log line that says the service is ready and where."""
+        Windows, whose Proactor loop has no add_reader). Either listener bounds the time a
+        request takes to arrive (``deadlines``). Then, in the background, the one log line
+        that says the service is ready and where."""
+        deadlines = self.deadlines()
         if sockets is not None and self.eager and sys.platform != "win32":
             await super().startup(sockets=[])  # lifespan and state, no server of its own
             # an EagerListener has what uvicorn's shutdown calls of a server (close,
@@ -47,8 +49,11 @@ class DrainingServer(uvicorn.Server):
             # refused for overload is held until its Retry-After unless hold_refused is off
             settings = getattr(self.service_app.state, "settings", None)
             self.servers = listen_eagerly(self, sockets,
-                                          hold=getattr(settings, "hold_refused", True))
+                                          hold=getattr(settings, "hold_refused", True),
+                                          deadlines=deadlines)
         else:
+            if deadlines is not None:  # uvicorn's startup builds protocols from the config
+                with_deadlines(self, deadlines)
             await super().startup(sockets)
             if sockets is None:  # uvicorn bound host and port itself
                 sockets = [s for server in getattr(self, "servers", ())
@@ -56,6 +61,21 @@ class DrainingServer(uvicorn.Server):
         if not self.should_exit:
             urls = ", ".join(address(sock) for sock in sockets)
             self._announcer = asyncio.get_running_loop().create_task(self.announce(urls))
+
+    def deadlines(self) -> Deadlines | None:
+        """The settings' deadlines for receiving a request's head and body, each closed
+        connection counted in orthornn_slow_client_closes_total{phase}; None when both
+        are off (or the app has no settings)."""
+        state = self.service_app.state
+        settings, metrics = getattr(state, "settings", None), getattr(state, "metrics", None)
+        if settings is None or metrics is None:
+            return None
+        head_s, body_s = settings.header_timeout_s, settings.body_timeout()
+        if not head_s and not body_s:
+            return None
+        # both phases at 0 from the start, so that a rate over them is defined
+        counters = {phase: metrics.slow_client_closes.labels(phase) for phase in ("head", "body")}
+        return Deadlines(head_s, body_s, lambda phase: counters[phase].inc())
 
     async def announce(self, urls: str) -> None:
         """Log at INFO, once, when every configured model is loaded: the address and the

@@ -21,6 +21,21 @@ offers admission an ``http.admission.Connection`` under ``scope["state"][CONNECT
 ``hold(seconds)`` is its protocol's: once that response is sent, the connection is not
 read until Retry-After has passed (the next request, even one already pipelined, waits in
 the kernel's buffers: TCP holds the client back at no cost); then it is read as usual.
+
+Deadlines (``deadlined``; both listeners): uvicorn has no timeout for receiving a request
+(its keep-alive timer is cancelled by the first byte and none is armed at accept), so a
+client that trickles a request, or connects and sends nothing, holds its connection for
+ever. Each connection's protocol keeps one timer (``loop.call_later``), in one of four
+phases: ``head`` from the accept, or on a kept-alive connection from the next request's
+first byte, until its head is parsed (``header_timeout_s``); ``body`` from the head until
+the body's last byte (``body_timeout_s``); none while the request is answered (inference,
+a streamed answer, a held connection) and none while idle between requests (uvicorn's
+keep-alive timer). A request whose head and body arrive in one read arms no timer. When
+the timer fires the connection is closed (408 first when a byte of the request came and
+nothing of an answer has been sent) and ``Deadlines.closed`` counts it. They use, beyond
+holding's: the protocol's ``connection_made``, ``data_received`` and
+``handle_websocket_upgrade``, its ``cycle`` (uvicorn's RequestResponseCycle: ``more_body``,
+``response_started``, ``response_complete``) and httptools' ``pipeline``.
 """
 
 from __future__ import annotations
@@ -33,6 +48,8 @@ import logging
 import socket
 import ssl as ssl_module
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 
@@ -45,6 +62,10 @@ PROTOCOL_PARAMETERS = ("config", "server_state", "app_state", "_loop")
 #: what holding uses of a protocol: methods it overrides, attributes its instances have
 PROTOCOL_METHODS = ("on_response_complete", "connection_lost")
 PROTOCOL_ATTRIBUTES = ("flow", "transport", "loop")
+#: what the deadlines use of a protocol, beyond that (its cycle's attributes: above)
+DEADLINE_METHODS = ("connection_made", "data_received", "on_response_complete",
+                    "connection_lost")
+DEADLINE_ATTRIBUTES = ("cycle", "transport", "loop")
 
 
 def surface_problems(server: uvicorn.Server) -> list[str]:
@@ -73,7 +94,8 @@ def surface_problems(server: uvicorn.Server) -> list[str]:
     return problems
 
 
-def _instance_problems(server: uvicorn.Server, protocol: type) -> list[str]:
+def _instance_problems(server: uvicorn.Server, protocol: type,
+                       attributes: tuple[str, ...] = PROTOCOL_ATTRIBUTES) -> list[str]:
     try:
         loop, own = asyncio.get_running_loop(), None
     except RuntimeError:  # called outside the server's loop (a test): a loop of its own
@@ -86,24 +108,28 @@ def _instance_problems(server: uvicorn.Server, protocol: type) -> list[str]:
     finally:
         if own is not None:
             own.close()
-    return [f"{protocol.__name__}().{name}" for name in PROTOCOL_ATTRIBUTES
+    return [f"{protocol.__name__}().{name}" for name in attributes
             if not hasattr(instance, name)]
 
 
 def listen_eagerly(server: uvicorn.Server, sockets: list[socket.socket],
-                   hold: bool = True) -> list:
+                   hold: bool = True, deadlines: Deadlines | None = None) -> list:
     """EagerListeners on ``sockets`` serving uvicorn's protocol, as uvicorn's own
     startup would build its servers (TLS included: ``config.ssl``), with ``hold`` each
-    connection's protocol able to hold a refused connection (``holding``); RuntimeError
-    naming what of uvicorn is missing."""
+    connection's protocol able to hold a refused connection (``holding``), with
+    ``deadlines`` its request's receipt bounded (``deadlined``); RuntimeError naming what
+    of uvicorn is missing."""
     problems = surface_problems(server)
     if problems:
         raise RuntimeError(f"uvicorn {uvicorn.__version__} lacks what the eager listener "
                            f"uses: {', '.join(problems)}; start with --listener uvicorn "
                            f"(ORTHORNN_LISTENER=uvicorn)")
     config = server.config
-    protocol_class = holding(config.http_protocol_class) if hold \
-        else config.http_protocol_class
+    protocol_class: type = config.http_protocol_class
+    if deadlines is not None:
+        protocol_class = deadlined(protocol_class, deadlines, server)
+    if hold:  # outside: a held connection's end of response (and phase) waits for the hold
+        protocol_class = holding(protocol_class)
 
     def create_protocol(_loop: asyncio.AbstractEventLoop | None = None
                         ) -> asyncio.Protocol:  # as uvicorn's own startup builds it
@@ -156,6 +182,138 @@ def holding(protocol_class: type) -> type:
 
     Holding.__name__ = Holding.__qualname__ = f"Holding{protocol_class.__name__}"
     return Holding
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlines:
+    """How long a connection may take to send a request's head (``head_s``) and then its
+    body (``body_s``); 0: no limit. ``closed(phase)`` counts each connection closed past
+    one, phase "head" or "body"."""
+
+    head_s: float
+    body_s: float
+    closed: Callable[[str], None]
+
+
+HEAD, BODY, BUSY, IDLE = "head", "body", "busy", "idle"  # a connection's phases
+
+
+def _timeout_answer(what: str) -> bytes:
+    setting = "header_timeout_s" if what == HEAD else "body_timeout_s"
+    body = f'{{"error": "request not received in time: its {what} took longer than '\
+           f'{setting}"}}'.encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)) + body
+
+
+TIMEOUT_ANSWERS = {HEAD: _timeout_answer("head"), BODY: _timeout_answer("body")}
+
+
+def deadline_problems(server: uvicorn.Server, protocol: type) -> list[str]:
+    """What the deadlines need of PROTOCOL (a uvicorn HTTP protocol class) and do not find,
+    each named; [] when all is there."""
+    problems = [f"{protocol.__name__}.{name}()" for name in DEADLINE_METHODS
+                if not callable(getattr(protocol, name, None))]
+    return problems or _instance_problems(server, protocol, DEADLINE_ATTRIBUTES)
+
+
+def with_deadlines(server: uvicorn.Server, deadlines: Deadlines) -> None:
+    """Deadlines in uvicorn's own listener (``--listener uvicorn``): its startup builds each
+    connection's protocol from ``config.http_protocol_class`` (a class is what
+    ``Config(http=...)`` takes too). Call after the config is loaded, before startup."""
+    config = server.config
+    if not getattr(config.http_protocol_class, "deadlines", None):
+        config.http_protocol_class = deadlined(config.http_protocol_class, deadlines, server)
+
+
+def deadlined(protocol_class: type, deadlines: Deadlines, server: uvicorn.Server) -> type:
+    """PROTOCOL_CLASS (uvicorn's httptools or h11 protocol) with a deadline for receiving
+    each request's head and one for its body (the module's docstring); RuntimeError naming
+    what of uvicorn it lacks."""
+    problems = deadline_problems(server, protocol_class)
+    if problems:
+        raise RuntimeError(f"uvicorn {uvicorn.__version__} lacks what the slow-client "
+                           f"deadlines use: {', '.join(problems)}; start with "
+                           f"--header-timeout-s 0 --body-timeout-s 0 to serve without them")
+    head_s, body_s, closed = deadlines.head_s, deadlines.body_s, deadlines.closed
+
+    class Deadlined(protocol_class):
+        _phase = HEAD
+        _timer: asyncio.TimerHandle | None = None
+        _cycle: Any = None  # the request (uvicorn's cycle) whose head came last
+        _heard = False  # a byte of the head being waited for has come
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            self._time(HEAD, head_s)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            cycle = self.cycle
+            if cycle is not self._cycle:  # a request's head was parsed
+                previous, self._cycle = self._cycle, cycle
+                if previous is not None and not previous.response_complete:
+                    self._time(BUSY)  # pipelined: timed when the answer before it is sent
+                elif cycle.more_body:
+                    self._time(BODY, body_s)
+                else:
+                    self._time(BUSY)
+            elif self._phase is BODY:
+                if not cycle.more_body:  # its last byte
+                    self._time(BUSY)
+            elif self._phase is IDLE:  # a kept-alive connection's next request begins
+                self._time(HEAD, head_s)
+                self._heard = True
+            elif self._phase is HEAD:
+                self._heard = True
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # may start a pipelined request (parsed or not)
+            cycle = self._cycle = self.cycle
+            if cycle is None or cycle.response_complete or self.transport.is_closing():
+                self._time(IDLE)  # uvicorn's keep-alive timer waits for the next one
+            elif cycle.more_body:
+                self._time(BODY, body_s)
+            else:
+                self._time(BUSY)
+
+        def handle_websocket_upgrade(self, *args: object) -> None:
+            self._time(BUSY)  # the connection is the websocket protocol's from now on
+            super().handle_websocket_upgrade(*args)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._time(BUSY)
+            super().connection_lost(exc)
+
+        def _time(self, phase: str, seconds: float = 0.0) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._phase, self._heard = phase, False
+            if seconds > 0 and not self.transport.is_closing():
+                self._timer = self.loop.call_later(seconds, self._expired)
+
+        def _expired(self) -> None:
+            self._timer = None
+            transport = self.transport
+            if transport.is_closing():
+                return
+            phase = self._phase
+            closed(phase)
+            if phase is HEAD:
+                answer = self._heard
+            else:  # nothing of an answer sent, none before it still being sent
+                answer = not self.cycle.response_started and not getattr(self, "pipeline", ())
+            if answer:
+                transport.write(TIMEOUT_ANSWERS[phase])
+            if transport.get_write_buffer_size():  # a client that reads nothing either
+                transport.abort()
+            else:
+                transport.close()
+
+    Deadlined.deadlines = deadlines
+    Deadlined.__name__ = Deadlined.__qualname__ = f"Deadlined{protocol_class.__name__}"
+    return Deadlined
 
 
 class EagerListener:
