@@ -127,3 +127,92 @@ def softmax(x: np.ndarray) -> np.ndarray:
 def golden(package: Path) -> dict[str, np.ndarray]:
     with np.load(package / "golden.npz") as f:
         return {k: f[k] for k in f.files}
+
+
+class RawConnection:
+    """One raw keep-alive HTTP/1.1 connection: what is sent on it and when, exactly (for
+    admission and read-deadline tests, where an HTTP client would hide both)."""
+
+    def __init__(self, port: int, timeout: float = 30.0):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buffer = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def trickle(self, data: bytes, pieces: int, seconds: float) -> None:
+        """DATA in PIECES writes over SECONDS."""
+        size = -(-len(data) // pieces)
+        for i in range(0, len(data), size):
+            if i:
+                time.sleep(seconds / (pieces - 1))
+            self.send(data[i:i + size])
+
+    def answer(self, timeout: float = 30.0) -> tuple[int, dict, bytes]:
+        """The next response (status, headers, body: Content-Length or chunked);
+        socket.timeout (TimeoutError) when none has come within TIMEOUT seconds."""
+        self.sock.settimeout(timeout)
+        while b"\r\n\r\n" not in self.buffer:
+            self._recv()
+        head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, v in
+                   (line.split(":", 1) for line in lines[1:])}
+        status = int(lines[0].split()[1])
+        if "content-length" in headers or headers.get("transfer-encoding") != "chunked":
+            length = int(headers.get("content-length", 0))
+            while len(self.buffer) < length:
+                self._recv()
+            body, self.buffer = self.buffer[:length], self.buffer[length:]
+            return status, headers, body
+        body = b""
+        while True:
+            while b"\r\n" not in self.buffer:
+                self._recv()
+            size_line, rest = self.buffer.split(b"\r\n", 1)
+            size = int(size_line, 16)
+            while len(rest) < size + 2:
+                self._recv()
+                rest = self.buffer.split(b"\r\n", 1)[1]
+            body, self.buffer = body + rest[:size], rest[size + 2:]
+            if size == 0:
+                return status, headers, body
+
+    def silent(self, seconds: float) -> bool:
+        """Whether nothing at all arrives within SECONDS."""
+        try:
+            self.answer(seconds)
+        except TimeoutError:
+            return True
+        return False
+
+    def closed(self, timeout: float) -> bool:
+        """Whether the server closes the connection within TIMEOUT seconds."""
+        self.sock.settimeout(timeout)
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+        except TimeoutError:
+            return False
+
+    def cut(self, timeout: float) -> tuple[float, bytes]:
+        """Wait for the server to close the connection: (when, what it sent first)."""
+        self.sock.settimeout(timeout)
+        data = self.buffer
+        try:
+            while chunk := self.sock.recv(4096):
+                data += chunk
+        except ConnectionResetError:
+            pass
+        return time.monotonic(), data
+
+    def _recv(self) -> None:
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("closed by the server")
+        self.buffer += chunk
+
+    def close(self) -> None:
+        self.sock.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -22,7 +21,7 @@ from orthornn.service.http.counting import RequestCounts
 from orthornn.service.http.routing import RouteTable
 from orthornn.service.metrics import Metrics
 
-from .service_helpers import LiveServer, make_repo
+from .service_helpers import LiveServer, RawConnection, make_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 BODY = json.dumps({"model": "digits", "inputs": [[0.1, 0.2, 0.3]]}).encode()
@@ -39,67 +38,13 @@ def post(body: bytes = BODY, path: str = "/predict") -> bytes:
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
-class Client:
-    """One raw keep-alive HTTP/1.1 connection: what is sent on it and when, exactly."""
-
-    def __init__(self, port: int):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-        self.buffer = b""
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def answer(self, timeout: float = 30.0) -> tuple[int, dict, bytes]:
-        """The next response (status, headers, body); socket.timeout (TimeoutError) when
-        none has come within TIMEOUT seconds."""
-        self.sock.settimeout(timeout)
-        while b"\r\n\r\n" not in self.buffer:
-            self._recv()
-        head, rest = self.buffer.split(b"\r\n\r\n", 1)
-        lines = head.decode("latin-1").split("\r\n")
-        headers = {k.strip().lower(): v.strip() for k, v in
-                   (line.split(":", 1) for line in lines[1:])}
-        length = int(headers.get("content-length", 0))
-        while len(rest) < length:
-            self._recv()
-            rest = self.buffer.split(b"\r\n\r\n", 1)[1]
-        self.buffer = rest[length:]
-        return int(lines[0].split()[1]), headers, rest[:length]
-
-    def silent(self, seconds: float) -> bool:
-        """Whether nothing at all arrives within SECONDS."""
-        try:
-            self.answer(seconds)
-        except TimeoutError:
-            return True
-        return False
-
-    def closed(self, timeout: float) -> bool:
-        self.sock.settimeout(timeout)
-        try:
-            return self.sock.recv(1) == b""
-        except ConnectionResetError:
-            return True
-        except TimeoutError:
-            return False
-
-    def _recv(self) -> None:
-        chunk = self.sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("closed by the server")
-        self.buffer += chunk
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 class Slot:
     """A /predict whose body stops half-way: it holds one in-flight slot until release()."""
 
     HALF = len(BODY) // 2
 
     def __init__(self, port: int):
-        self.client = Client(port)
+        self.client = RawConnection(port)
         self.client.send(post()[:-self.HALF])
 
     def release(self) -> int:
@@ -122,7 +67,7 @@ def overloaded(live: LiveServer) -> Slot:
     slot = Slot(live.settings.port)
     deadline = time.time() + 30
     while True:  # a fresh connection each try: a refused one is held
-        probe = Client(live.settings.port)
+        probe = RawConnection(live.settings.port)
         probe.send(post())
         status = probe.answer()[0]
         probe.close()
@@ -142,7 +87,7 @@ def test_a_refused_connection_is_not_read_until_retry_after_then_served(repo, ht
     with LiveServer({"http": http}, repo=repo, max_inflight_requests=1) as live:
         slot = overloaded(live)
         before = refusals(live.url)
-        client = Client(live.settings.port)
+        client = RawConnection(live.settings.port)
         client.send(post())
         status, headers, body = client.answer()
         assert status == 503 and headers["retry-after"] == "1"
@@ -169,7 +114,7 @@ def test_a_refused_connection_is_not_read_until_retry_after_then_served(repo, ht
 def test_requests_pipelined_behind_a_refusal_wait_then_are_served(repo, http):
     with LiveServer({"http": http}, repo=repo, max_inflight_requests=1) as live:
         slot = overloaded(live)
-        client = Client(live.settings.port)
+        client = RawConnection(live.settings.port)
         client.send(post() + post() + post())  # three requests in one write
         assert client.answer()[0] == 503
         refused_at = time.monotonic()
@@ -185,7 +130,7 @@ def test_health_and_metrics_stay_answered_under_overload(repo):
         slot = overloaded(live)
         held = []
         for _ in range(20):  # twenty refused (and held) connections, each retrying at once
-            client = Client(live.settings.port)
+            client = RawConnection(live.settings.port)
             client.send(post())
             assert client.answer()[0] == 503
             client.send(post())
@@ -232,7 +177,7 @@ def test_without_the_hold_a_refused_connection_is_read_at_once(repo, options):
     --no-hold-refused: refusals as before, the next request read and answered at once."""
     with LiveServer(repo=repo, max_inflight_requests=1, **options) as live:
         slot = overloaded(live)
-        client = Client(live.settings.port)
+        client = RawConnection(live.settings.port)
         client.send(post())
         status, headers, _ = client.answer()
         assert status == 503 and headers["retry-after"] == "1"
@@ -248,7 +193,7 @@ def test_shutdown_closes_a_held_connection_at_once(repo):
     live = LiveServer(repo=repo, max_inflight_requests=1)
     with live:
         slot = overloaded(live)
-        client = Client(live.settings.port)
+        client = RawConnection(live.settings.port)
         client.send(post())
         assert client.answer()[0] == 503
         slot.release()
@@ -434,7 +379,7 @@ def test_a_retry_waits_for_the_next_slot_ahead_of_new_requests():
 def test_a_retry_that_finds_the_slot_taken_waits_for_it_instead_of_a_refusal(repo):
     with LiveServer(repo=repo, max_inflight_requests=1) as live:
         slot = overloaded(live)
-        client = Client(live.settings.port)
+        client = RawConnection(live.settings.port)
         client.send(post())
         assert client.answer()[0] == 503
         refused_at = time.monotonic()
@@ -442,7 +387,7 @@ def test_a_retry_that_finds_the_slot_taken_waits_for_it_instead_of_a_refusal(rep
         client.send(post())  # the retry: read after Retry-After, the slot still taken
         assert client.silent(max(0.05, refused_at + 1.4 - time.monotonic()))
         assert refusals(live.url) == before  # read by now, and waiting: not refused
-        newcomer = Client(live.settings.port)
+        newcomer = RawConnection(live.settings.port)
         newcomer.send(post())
         assert newcomer.answer()[0] == 503  # a new request does not go ahead of it
         assert slot.release() == 200  # the slot passes to the retry

@@ -15,7 +15,6 @@ import asyncio
 import json
 import re
 import select
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import httpx
 import pytest
 from orthornn.service.settings import Settings
 
-from .service_helpers import LiveServer, free_port, wait_ready
+from .service_helpers import LiveServer, RawConnection, free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 LIVE = b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
@@ -39,73 +38,6 @@ def closes(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=10).text
     return {phase: float(value) for phase, value in re.findall(
         r'orthornn_slow_client_closes_total\{phase="(\w+)"\} ([0-9.e+]+)', text)}
-
-
-class Conn:
-    """One raw HTTP/1.1 connection: what is sent on it and when, exactly."""
-
-    def __init__(self, port: int):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.buffer = b""
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def trickle(self, data: bytes, pieces: int, seconds: float) -> None:
-        """DATA in PIECES writes over SECONDS."""
-        size = -(-len(data) // pieces)
-        for i in range(0, len(data), size):
-            if i:
-                time.sleep(seconds / (pieces - 1))
-            self.send(data[i:i + size])
-
-    def answer(self, timeout: float = 10.0) -> tuple[int, bytes]:
-        """The next response's status and body (Content-Length or chunked)."""
-        self.sock.settimeout(timeout)
-        while b"\r\n\r\n" not in self.buffer:
-            self._recv()
-        head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
-        status = int(head.split()[1])
-        length = re.search(rb"(?i)\r\ncontent-length: *([0-9]+)", head)
-        if length:
-            while len(self.buffer) < int(length.group(1)):
-                self._recv()
-            body, self.buffer = (self.buffer[:int(length.group(1))],
-                                 self.buffer[int(length.group(1)):])
-            return status, body
-        body = b""  # chunked
-        while True:
-            while b"\r\n" not in self.buffer:
-                self._recv()
-            size_line, rest = self.buffer.split(b"\r\n", 1)
-            size = int(size_line, 16)
-            while len(rest) < size + 2:
-                self._recv()
-                rest = self.buffer.split(b"\r\n", 1)[1]
-            body, self.buffer = body + rest[:size], rest[size + 2:]
-            if size == 0:
-                return status, body
-
-    def cut(self, timeout: float) -> tuple[float, bytes]:
-        """Wait for the server to close the connection: (when, what it sent first)."""
-        self.sock.settimeout(timeout)
-        data = self.buffer
-        try:
-            while chunk := self.sock.recv(4096):
-                data += chunk
-        except ConnectionResetError:
-            pass
-        return time.monotonic(), data
-
-    def _recv(self) -> None:
-        chunk = self.sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("closed by the server")
-        self.buffer += chunk
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def post(path: str, body: bytes) -> tuple[bytes, bytes]:
@@ -185,18 +117,18 @@ def test_deadlines_cover_receiving_a_request_only(tmp_path, listener, http):
     port, results, errors = live.settings.port, {}, []
 
     def silent():  # connects and sends nothing: closed at the head deadline, unanswered
-        c = Conn(port)
+        c = RawConnection(port, timeout=10)
         start = time.monotonic()
         end, data = c.cut(10)
         results["silent"] = (end - start, data)
 
     def slow_head():  # a head sent slowly, within the deadline, is served
-        c = Conn(port)
+        c = RawConnection(port, timeout=10)
         c.trickle(LIVE, pieces=4, seconds=0.6 * head_s)
-        results["slow head"] = c.answer()[0]
+        results["slow head"] = c.answer(10)[0]
         time.sleep(head_s + 0.3)  # idle between requests: not the head deadline
         c.send(LIVE)
-        results["after idle"] = c.answer()[0]
+        results["after idle"] = c.answer(10)[0]
         time.sleep(0.5)  # (were the deadline counted from the answer, the cut came early)
         c.send(LIVE[:10])  # the next request's head, begun and not finished: cut
         start = time.monotonic()
@@ -205,10 +137,11 @@ def test_deadlines_cover_receiving_a_request_only(tmp_path, listener, http):
 
     def slow_body():
         head, body = post("/test/echo", b"x" * 30)
-        c = Conn(port)  # within the deadline: served
+        c = RawConnection(port, timeout=10)  # within the deadline: served
         c.send(head)
         c.trickle(body, pieces=3, seconds=0.6 * body_s)
-        results["slow body"] = c.answer()
+        status, _, answer = c.answer(10)
+        results["slow body"] = (status, answer)
         c.send(head + body[:5])  # past it: cut, with 408
         start = time.monotonic()
         for i in range(5, 15):  # a byte each 0.4 s until the server answers or closes
@@ -219,12 +152,13 @@ def test_deadlines_cover_receiving_a_request_only(tmp_path, listener, http):
         results["body"] = (end - start, data)
 
     def long_answer(path):  # a long inference, a streamed answer: not cut
-        c = Conn(port)
+        c = RawConnection(port, timeout=10)
         start = time.monotonic()
         c.send(b"".join(post(path, b"0123456789")))
-        results[path] = (c.answer(ANSWER_S + 10), time.monotonic() - start)
+        status, _, answer = c.answer(ANSWER_S + 10)
+        results[path] = ((status, answer), time.monotonic() - start)
         c.send(LIVE)  # and the connection goes on
-        results[path + " then"] = c.answer()[0]
+        results[path + " then"] = c.answer(10)[0]
         c.close()
 
     def run(scenario, *args):
