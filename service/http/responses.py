@@ -49,7 +49,7 @@ def header(scope: Scope, name: bytes) -> str | None:
     """A request header (name in lower case) from the ASGI scope, or None."""
     for key, value in scope["headers"]:
         if key == name:
-            return str(value.decode("latin-1"))
+            return value.decode("latin-1")
     return None
 
 
