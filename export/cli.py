@@ -34,6 +34,16 @@ def add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--tolerance", default="0",
                         help="with --gate: how much worse than the promoted version the "
                              "candidate may be, in the metric's units (default 0)")
+    parser.add_argument("--rollout", action="store_true",
+                        help="with --gate: a candidate that passes is published and rolled "
+                             "out on live traffic (orthornn rollout; the flags below) "
+                             "instead of promoted at once")
+    parser.add_argument("--no-promote", action="store_true",
+                        help="with --gate: a candidate that passes is published only (roll it "
+                             "out later with orthornn rollout start)")
+    from .rollout_cli import add_rollout_flags
+
+    add_rollout_flags(parser.add_argument_group("rollout (with --gate --rollout)"))
     parser.set_defaults(run=run_export)
 
     versions = sub.add_parser(
@@ -73,10 +83,31 @@ def run_export(args: argparse.Namespace) -> int:
 
     min_metric = None if args.min_metric is None else _float("--min-metric", args.min_metric)
     tolerance = _float("--tolerance", args.tolerance)
+    if (args.rollout or args.no_promote) and not args.gate:
+        raise ValueError("--rollout and --no-promote apply only with --gate (a rollout takes "
+                         "a candidate that passed it)")
+    if args.rollout and args.no_promote:
+        raise ValueError("--rollout and --no-promote: choose one")
+    from .artifacts.repository import promoted as promoted_version
+    from .artifacts.rollout import start
+    from .rollout_cli import plan_options
+
+    options = plan_options(args) if args.rollout else {}  # bad flags: before any work
+    if args.rollout and promoted_version(Path(args.repo) / args.name) is None:
+        print("orthornn export: no version is promoted yet, so there is nothing to roll out "
+              "against: a candidate that passes is promoted at once", file=sys.stderr)
+        args.rollout = False
     try:
-        print(export_run(args.run_dir, args.repo, args.name, args.mode, args.opset,
-                         progress=not args.no_progress, gated=args.gate,
-                         min_metric=min_metric, tolerance=tolerance))
+        path = export_run(args.run_dir, args.repo, args.name, args.mode, args.opset,
+                          progress=not args.no_progress, gated=args.gate,
+                          min_metric=min_metric, tolerance=tolerance,
+                          promote=not (args.rollout or args.no_promote))
+        print(path)
+        if args.rollout:
+            plan = start(path.parent, int(path.name), **options)
+            print(f"orthornn export: rollout {plan['id']} of version {plan['candidate']} "
+                  f"started (orthornn rollout status --repo {args.repo} --name {args.name})",
+                  file=sys.stderr)
     except AlreadyPublished as same:  # not an error: the model asked for is published
         print(f"orthornn export: {same}", file=sys.stderr)
         print(same.path)
@@ -115,18 +146,19 @@ def run_versions(args: argparse.Namespace) -> int:
     from .artifacts.repository import describe, read_promotion
 
     model_dir = _model_dir(args)
-    print(f"{'version':<24} {'status':<9} {'metric':<22} {'created':<25} {'parent':<6} "
+    print(f"{'version':<24} {'status':<11} {'metric':<22} {'created':<25} {'parent':<6} "
           f"{'config':<12} {'source':<12}")
     for row in describe(model_dir):
         evaluation, lineage = row["evaluation"] or {}, row["lineage"] or {}
         metric = (f"{evaluation['metric']}={evaluation['value']:.4g}"
                   if isinstance(evaluation.get("value"), int | float)
                   else "absent" if "absent" in evaluation else "-")
-        print(f"{row['id']:<24} {row['status']:<9} {metric:<22} {_short(row['created'], 25):<25} "
+        print(f"{row['id']:<24} {row['status']:<11} {metric:<22} {_short(row['created'], 25):<25} "
               f"{_short(lineage.get('parent')):<6} {_short(lineage.get('config_sha256')):<12} "
               f"{_short(lineage.get('source_revision')):<12}")
         if row.get("reason"):
-            print(f"{'':<24} refused: {row['reason']}")
+            what = "rolled back" if row["status"] == "rolled-back" else "refused"
+            print(f"{'':<24} {what}: {row['reason']}")
     history = read_promotion(model_dir)["history"]
     if history:
         print("\npromotion history:")

@@ -45,7 +45,7 @@ def _architectures(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS = ("models", "ops", "export", "recurrence", "reproduce", "service", "streaming",
-              "threads", "codecs")
+              "threads", "codecs", "rollout")
 SOURCE_TREE = Path(__file__).resolve().parents[1]
 
 
@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     bench.set_defaults(run=_bench)
     from orthornn.export.cli import add_export_parser
+    from orthornn.export.rollout_cli import add_rollout_parser
     from orthornn.quickstart import add_quickstart_parser
     from orthornn.service.cli import add_serve_parsers
     from orthornn.training.cli import add_plot_parser, add_train_parser
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_plot_parser(sub)
     add_export_parser(sub)
+    add_rollout_parser(sub)
     add_serve_parsers(sub)
     add_quickstart_parser(sub)
     return parser

@@ -153,6 +153,25 @@ class Metrics:
             "orthornn_transition_orthogonality_error",
             "||W^T W - I||_2 of the transition matrix (from the manifest)",
             ["model", "version"], registry=r)
+        # rollouts (export.artifacts.rollout): this replica's view of the running one
+        self.rollout_stage = Gauge(
+            "orthornn_rollout_stage", "the running rollout's stage: 0 is the first (shadow, "
+            "when it has one), then one per canary step", ["model", "candidate"], registry=r)
+        self.rollout_weight = Gauge(
+            "orthornn_rollout_weight", "the percentage of new requests and sessions the "
+            "running rollout routes to its candidate (0 in shadow)", ["model", "candidate"],
+            registry=r)
+        self.shadow_agreement = Gauge(
+            "orthornn_shadow_agreement", "the candidate's top-1 agreement with the promoted "
+            "version on the requests this replica shadowed in the current stage",
+            ["model", "candidate"], registry=r)
+        self.rollout_compute = Histogram(
+            "orthornn_rollout_compute_seconds", "compute time (queue and inference) of a "
+            "rollout's two versions, by version: live requests and the candidate's shadow "
+            "runs", ["model", "version"], buckets=LATENCY_BUCKETS, registry=r)
+        self.shadow_skipped = Counter(
+            "orthornn_shadow_skipped", "shadow runs skipped because the inference queue was "
+            "busy", ["model"], registry=r)
         self._promoted: dict[str, str] = {}  # model -> its orthornn_model_promoted version
         # the process's CPU, memory and file descriptors (orthornn_process_*; Linux only)
         ProcessCollector(namespace="orthornn", registry=r)

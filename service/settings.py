@@ -115,6 +115,12 @@ class Settings(BaseSettings):
     poll_interval_s: float = Field(
         2.0, ge=0, le=3600, description="how often the repository is scanned for new versions "
                                         "(0: never; only the repository API loads)")
+    rollout_controller: Literal["auto", "on", "off"] = Field(
+        "auto", description="run rollouts (REPO/<name>/rollout.json) from this replica's own "
+                            "measurements, advancing, promoting and rolling back: on; off: "
+                            "only measure and report them to `orthornn rollout run`, which "
+                            "adds every replica's; auto: on when the repository is writable "
+                            "here (one replica on a laptop), off when mounted read-only")
     batching: bool = Field(True, description="dynamic batching on or off")
     max_batch_size: int = Field(32, ge=1, le=4096,
                                 description="sequences run together in one batch")

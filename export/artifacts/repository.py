@@ -228,12 +228,20 @@ def rollback(model_dir: str | Path, to: int | None = None) -> dict:
 
 def describe(model_dir: str | Path) -> list[dict]:
     """Every version of model_dir and every kept refused candidate, oldest first: id,
-    status (promoted | published | rejected), evaluation, lineage and, for a refused
-    candidate, why (what ``orthornn versions`` prints). Reads manifests; verifies
-    nothing."""
+    status (promoted | published | rollout | rolled-back | rejected), evaluation, lineage
+    and, for a refused or rolled-back candidate, why (what ``orthornn versions`` prints).
+    Reads manifests; verifies nothing."""
+    from .rollout import RUNNING, read_plan, rolled_back
+
     model_dir = Path(model_dir)
     on_disk = versions(model_dir)
     live = live_version(on_disk, promoted(model_dir))
+    backed = rolled_back(model_dir)
+    try:
+        plan = read_plan(model_dir)
+    except ValueError:
+        plan = None
+    rolling = plan["candidate"] if plan is not None and plan["state"] == RUNNING else None
     rows = []
     for path in [*(model_dir / str(v) for v in on_disk), *rejected(model_dir)]:
         try:
@@ -249,6 +257,11 @@ def describe(model_dir: str | Path) -> list[dict]:
                 gate = {}
             row.update(status="rejected", reason=gate.get("refused"))
         else:
-            row["status"] = "promoted" if int(path.name) == live else "published"
+            version = int(path.name)
+            row["status"] = "promoted" if version == live else "rollout" \
+                if version == rolling else "published"
+            if version in backed and version != live:  # a rollout broke a threshold
+                row.update(status="rolled-back", reason=backed[version]["reason"],
+                           breach=backed[version]["breach"])
         rows.append(row)
     return rows

@@ -148,7 +148,8 @@ def _threshold(min_metric: float | None, config: dict) -> gate.Threshold | None:
 
 def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "dense",
                opset: int = 18, progress: bool = False, *, gated: bool = False,
-               min_metric: float | None = None, tolerance: float = 0.0) -> Path:
+               min_metric: float | None = None, tolerance: float = 0.0,
+               promote: bool = True) -> Path:
     """Publish RUN_DIR's best model as REPO/NAME/<next version>/ and return its path.
     progress: report the stages (a bar on a terminal, else a line every few seconds).
     Raises AlreadyPublished when a version holds the same checkpoint already.
@@ -157,7 +158,9 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
     graph) and its lineage. gated: publish only if the candidate passes the gate (export
     .gate: --min-metric or the task's baseline, and no worse than the promoted version by
     more than ``tolerance``), else keep it under REPO/NAME/rejected/ and raise
-    GateRefused. Either way a published version becomes the promoted one."""
+    GateRefused. A passed gate is recorded in the evaluation ("gate"). Either way a
+    published version becomes the promoted one, unless ``promote`` is False (a rollout
+    takes it live, or a person does)."""
     repository.check_name(name)
     _number("min_metric", min_metric)
     _number("tolerance", tolerance, 0.0)
@@ -234,6 +237,8 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
     refusal = ""
     if gated:
         refusal = _gate(record, task, absent, config, model_dir, parent, min_metric, tolerance)
+        if not refusal:  # what `orthornn rollout start` checks
+            record = {**record, "gate": {"passed": True, "against": parent}}
 
     summary_path = run_dir / "summary.json"
     vocabulary = read_vocabulary(run_dir, config)
@@ -280,8 +285,9 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
     value = record.get("value")
     reason = (f"{record['metric']} {value:.6g} on the test split" if value is not None
               else f"evaluation absent: {absent}")
-    repository.promote(model_dir, int(path.name), "promote" if gated else "publish",
-                       ("passed the gate: " if gated else "published: ") + reason)
+    if promote:
+        repository.promote(model_dir, int(path.name), "promote" if gated else "publish",
+                           ("passed the gate: " if gated else "published: ") + reason)
     bar.update(1)
     bar.close()
     return path

@@ -9,6 +9,7 @@ is here. Whatever holds a model version for a request records it in the request'
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError
@@ -16,7 +17,8 @@ from importlib.metadata import version as dist_version
 from typing import Any
 
 import numpy as np
-from orthornn.export.artifacts.package import TensorSpec
+from orthornn.export.artifacts.package import INITIAL_STATE, TensorSpec
+from orthornn.export.artifacts.rollout import RULES, weight
 
 from ..errors import ClientError, NotFound, RollbackRefused, StateConflict
 from ..metrics import UNKNOWN, Held, Metrics
@@ -42,7 +44,9 @@ from .schemas import (
     GenerateRequest,
     RepositoryIndexRequest,
     RollbackRequest,
+    RolloutStartRequest,
 )
+from .shadow import Shadows
 
 SEQUENCE_KEYS = ("sequence_id", "sequence_start", "sequence_end", "sequence_position")
 
@@ -71,6 +75,13 @@ class DataPlane:
         self.settings, self.registry, self.metrics = settings, registry, metrics
         # server-side sessions: in this process or in a Redis the replicas share
         self.sessions = Sessions(open_store(settings, metrics), registry, metrics=metrics)
+        self.rollouts = registry.rollouts
+        self.shadows = Shadows(registry)
+
+    def observe(self, held: Held, status: int) -> None:
+        """An answered request, for the rollout's per-version error rates (a request
+        that held no version, e.g. an unreadable body, is nobody's error)."""
+        self.rollouts.count(held.model, held.version, status >= 400)
 
     def labels(self, held: Held) -> tuple[str, str]:
         """The metric labels of a request: the version it held, else the model it named
@@ -132,8 +143,18 @@ class DataPlane:
                            "preprocessing": mv.manifest.preprocessing,
                            "spectral": mv.manifest.spectral or {},
                            "promoted": None if promoted is None else str(promoted),
+                           "rollout": self._rollout_summary(name),
                            "evaluation": mv.manifest.evaluation,
                            "lineage": mv.manifest.lineage}})
+
+    def _rollout_summary(self, name: str) -> dict | None:
+        """The model's last rollout as this replica read it (None: none)."""
+        plan = self.rollouts.plan(name)
+        if plan is None:
+            return None
+        return {"id": plan["id"], "candidate": str(plan["candidate"]), "state": plan["state"],
+                "stage": str(plan["stages"][plan["stage"]]), "weight": weight(plan),
+                "reason": plan["reason"]}
 
     def model_ready(self, name: str, version: str | None) -> bool:
         """True when ready; False when in the repository but not ready; NotFound else."""
@@ -199,13 +220,31 @@ class DataPlane:
         except RollbackRefused as error:
             raise RollbackRefused(f"rollback of model {name!r}: {error}") from None
 
+    def rollout(self, name: str) -> dict:
+        """NAME's rollout plan as this replica read it, and this replica's tallies of it
+        (what ``orthornn rollout run`` adds across replicas)."""
+        if not self.registry.model_ready(name) and self.rollouts.plan(name) is None:
+            raise NotFound(f"model {name!r} is not loaded")
+        return {"model": name, "plan": self.rollouts.plan(name),
+                "report": self.rollouts.report(name)}
+
+    async def start_rollout(self, name: str, req: RolloutStartRequest) -> dict:
+        thresholds = {k: getattr(req, k) for k in RULES}
+        return await asyncio.to_thread(
+            self.registry.policy.start_rollout, name, req.candidate, req.shadow, req.steps,
+            req.interval_s, req.min_requests, thresholds)
+
+    async def end_rollout(self, name: str, action: str) -> dict:
+        return await asyncio.to_thread(self.registry.policy.end_rollout, name, action)
+
     async def unload(self, name: str) -> dict:
         await asyncio.to_thread(self.registry.unload, name)
         return {"name": name, "unloaded": True}
 
     # -- /predict --------------------------------------------------------------------------
 
-    async def predict(self, req: Prediction, held: Held) -> PredictResult:
+    async def predict(self, req: Prediction, held: Held, key: bytes = b"") -> PredictResult:
+        """KEY: the request's routing key (a rollout's canary places it by its hash)."""
         if req.session is not None:
             return await self._predict_session(req, held)
         for flag, given in (("start", req.start), ("end", req.end),
@@ -223,6 +262,8 @@ class DataPlane:
                 raise StateConflict(f"states: made by version {made_by}, the request asks "
                                     f"for version {version}; a state only continues the "
                                     f"version that made it")
+        elif version is None:
+            version = self.registry.route(req.model, key)
         with self.hold(req.model, version, held, from_states=from_states) as mv:
             seqs = self._sequences(mv, req)
             warning = self._range_warning(mv, seqs, "inputs")
@@ -237,7 +278,10 @@ class DataPlane:
                     for i, (s, st) in enumerate(zip(seqs, req.states, strict=True))]
             else:
                 batch = list(seqs)
-            outputs, _ = await self._run(mv, batch, req)
+            outputs, _, raw = await self._run(mv, batch, req)
+            if req.states is None and not req.per_step:
+                self.shadows.after(mv, lambda spec: predict_sequences(
+                    spec, req, self.settings.max_request_sequences), raw)
         return PredictResult(Served(mv.name, mv.version, warning), outputs)
 
     async def _predict_session(self, req: Prediction, held: Held) -> PredictResult:
@@ -250,7 +294,7 @@ class DataPlane:
             self._check_streaming(mv)
             seq = self._session_sequence(self._sequences(mv, req))
             warning = self._range_warning(mv, [seq], "inputs")
-            outputs, states = await self._run(mv, [Chunk(seq, state)], req)
+            outputs, states, _ = await self._run(mv, [Chunk(seq, state)], req)
             return (outputs, warning), states[0], len(seq)
         applied = await self.sessions.chunk(
             req.session, req.model, chunk, version=version_param(req.version),
@@ -263,8 +307,9 @@ class DataPlane:
         return predict_sequences(mv.spec, req, self.settings.max_request_sequences)
 
     async def _run(self, mv: ModelVersion, seqs: list, req: Prediction
-                   ) -> tuple[list[dict], list[np.ndarray]]:
-        """Batch the sequences; (the /predict outputs, the state after each sequence)."""
+                   ) -> tuple[list[dict], list[np.ndarray], list[np.ndarray]]:
+        """Batch the sequences; (the /predict outputs, the state after each sequence, the
+        graph's output per sequence)."""
         spec = mv.spec
         batcher = mv.batcher
         if req.per_step:
@@ -277,14 +322,19 @@ class DataPlane:
             batcher = mv.steps_batcher
 
         def post(rows: list[dict[str, np.ndarray]]  # in the inference thread
-                 ) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
+                 ) -> tuple[list[dict[str, Any]], list[np.ndarray], list[np.ndarray]]:
             out = shape_outputs(spec, rows, seqs, req.top_k, req.per_step,
                                         req.allow_unk)
             if req.return_state:
                 for item, row in zip(out, rows, strict=True):
                     item["state"] = encode_state(mv.name, mv.version, row["state"])
-            return out, [row["state"] for row in rows]
-        return await batcher.submit(seqs, post, prepare=True)  # one softmax per batch
+            return out, [row["state"] for row in rows], [row[spec.output_name] for row in rows]
+        if not self.rollouts.running(mv.name):
+            return await batcher.submit(seqs, post, prepare=True)  # one softmax per batch
+        start = time.perf_counter()  # a rollout compares the versions' compute times
+        done = await batcher.submit(seqs, post, prepare=True)
+        self.rollouts.time(mv.name, mv.version, time.perf_counter() - start)
+        return done
 
     # -- sessions (server-side state, /predict and OIP sequences alike: service.streaming) --
 
@@ -315,8 +365,8 @@ class DataPlane:
 
     # -- Open Inference Protocol ------------------------------------------------------------
 
-    async def infer(self, req: Inference, name: str, version: str | None, held: Held
-                    ) -> InferenceResult:
+    async def infer(self, req: Inference, name: str, version: str | None, held: Held,
+                    key: bytes = b"") -> InferenceResult:
         """An OIP inference request on model NAME (VERSION: the URL's). The request
         parameters ``sequence_id``, ``sequence_start`` and ``sequence_end`` (as tritonclient
         sends them) run it on a session; ``sequence_position`` makes the chunk exactly-once
@@ -340,7 +390,10 @@ class DataPlane:
             served = Served(applied.model, applied.version, warning)
             position = applied.position
         else:
-            with self.hold(name, version_param(version), held) as mv:
+            number = version_param(version)
+            if number is None and all(t.name != INITIAL_STATE for t in req.inputs):
+                number = self.registry.route(name, key)  # a state continues its version
+            with self.hold(name, number, held) as mv:
                 seqs, steps = self._infer_sequences(mv, req)
                 warning = self._range_warning(mv, seqs, "inputs[x]")
                 tensors = await self._infer_run(mv, req, seqs, steps)

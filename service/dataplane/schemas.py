@@ -241,6 +241,23 @@ class RollbackRequest(_Model):
                           "repository and verify")
 
 
+class RolloutStartRequest(_Model):
+    """``orthornn rollout start``'s flags (export.artifacts.rollout.start checks them)."""
+
+    candidate: int = Field(description="the version to roll out: in the repository, passed "
+                                       "the gate, verifies")
+    shadow: float = Field(0.1, description="share of requests the candidate shadows (0: no "
+                                           "shadow stage)")
+    steps: list[int] = Field([5, 25, 50, 100], description="canary percentages, ending at 100")
+    interval_s: float = Field(60.0, description="seconds per stage, at least")
+    min_requests: int = Field(100, description="requests per stage, at least")
+    min_agreement: float = Field(0.9, description="the candidate's top-1 agreement, at least")
+    max_error_rate: float = Field(0.01, description="its error rate above the promoted "
+                                                    "version's, at most")
+    max_latency_ratio: float = Field(2.0, description="its p99 compute time over the promoted "
+                                                      "version's, at most")
+
+
 class RollbackResponse(BaseModel):
     model: str
     promoted: int = Field(description="the version now promoted (and serving)")

@@ -69,6 +69,7 @@ def create_app(settings: Settings, providers: ProviderChoice | None = None) -> F
         dataplane.sessions.start()  # keeps the versions open sessions use loaded
         yield
         await dataplane.sessions.close()
+        await dataplane.shadows.close()
         await registry.close()
         executor.shutdown(wait=True)
 
@@ -90,7 +91,8 @@ def create_app(settings: Settings, providers: ProviderChoice | None = None) -> F
     add_docs(app)
     # added first: innermost, so middleware added later (by us or a user) wraps it
     counts = RequestCounts(metrics)
-    app.add_middleware(Routes, table=table, counts=counts, labels=dataplane.labels)
+    app.add_middleware(Routes, table=table, counts=counts, labels=dataplane.labels,
+                       observe=dataplane.observe)
     app.add_middleware(Admission, table=table, metrics=metrics, counts=counts,
                        max_body=settings.max_body_bytes,
                        max_inflight=settings.max_inflight_requests)

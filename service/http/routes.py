@@ -30,6 +30,7 @@ from ..dataplane.schemas import (
     RepositoryModel,
     RollbackRequest,
     RollbackResponse,
+    RolloutStartRequest,
     ServerMetadata,
     parse,
 )
@@ -72,6 +73,13 @@ def _served(call: Call, served: Served, position: int | None = None) -> dict[str
     return headers
 
 
+def routing_key(call: Call) -> bytes:
+    """What a rollout's canary places a request by: the client's X-Routing-Key, else
+    the body (the same body, retried, lands on the same version)."""
+    given = header(call.scope, b"x-routing-key")
+    return call.body if given is None else given.encode()
+
+
 def _admin_body(body: bytes) -> None:
     if body.strip():
         try:
@@ -99,7 +107,7 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
     async def predict(call: Call) -> Response:
         req = decode_predict(call.body)
         call.held.name(req.model)
-        result = await dataplane.predict(req, call.held)
+        result = await dataplane.predict(req, call.held, routing_key(call))
         return Response(encode_predict(result), media_type="application/json",
                         headers=_served(call, result.served, result.position))
 
@@ -115,7 +123,7 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         call.held.name(name)  # counted under the model from the start
         req = decode_infer(call.body, header(call.scope, b"inference-header-content-length"),
                            name, version)
-        result = await dataplane.infer(req, name, version, call.held)
+        result = await dataplane.infer(req, name, version, call.held, routing_key(call))
         head, blobs = encode_infer(req, result)
         headers = _served(call, result.served, result.position)
         if not blobs:
@@ -173,6 +181,24 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         req = parse(RollbackRequest, call.body, allow_empty=True)
         return JSON(await dataplane.rollback(call.params["name"], req))
 
+    async def rollout_status(call: Call) -> Response:
+        return JSON(dataplane.rollout(call.params["name"]))
+
+    async def rollout_start(call: Call) -> Response:
+        admin(call.scope)
+        req = parse(RolloutStartRequest, call.body)
+        return JSON(await dataplane.start_rollout(call.params["name"], req))
+
+    async def rollout_promote(call: Call) -> Response:
+        admin(call.scope)
+        _admin_body(call.body)
+        return JSON(await dataplane.end_rollout(call.params["name"], "promote"))
+
+    async def rollout_abort(call: Call) -> Response:
+        admin(call.scope)
+        _admin_body(call.body)
+        return JSON(await dataplane.end_rollout(call.params["name"], "abort"))
+
     async def unload_model(call: Call) -> Response:
         admin(call.scope)
         _admin_body(call.body)
@@ -222,6 +248,19 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
               "version promoted before the current one (or the body's version) once it "
               "verifies, and serve it now (in-flight requests and sessions finish on theirs)",
               RollbackResponse, RollbackRequest, body_required=False, errors=ROLLBACK_ERRORS,
+              admin=True),
+        Route("GET", "/v2/repository/models/{name}/rollout", rollout_status, "the model's "
+              "rollout plan (as this replica read it) and this replica's measurements of it",
+              errors=ERRORS),
+        Route("POST", "/v2/repository/models/{name}/rollout/start", rollout_start, "start "
+              "rolling out a candidate that passed the gate (shadow, then canary steps)",
+              None, RolloutStartRequest,
+              errors=ROLLBACK_ERRORS, admin=True),
+        Route("POST", "/v2/repository/models/{name}/rollout/promote", rollout_promote,
+              "promote the running rollout's candidate now", errors=ROLLBACK_ERRORS,
+              admin=True),
+        Route("POST", "/v2/repository/models/{name}/rollout/abort", rollout_abort,
+              "stop the running rollout; the promoted version stays", errors=ROLLBACK_ERRORS,
               admin=True),
         Route("GET", "/metrics", prometheus, "Prometheus metrics", media_type="text/plain"),
     ]

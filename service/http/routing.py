@@ -123,8 +123,9 @@ class Routes:
     under FastAPI's route (else "other") and no model."""
 
     def __init__(self, app: ASGIApp, table: RouteTable, counts: RequestCounts,
-                 labels: Labeller):
+                 labels: Labeller, observe: Callable[[Held, int], None]):
         self.app, self.table, self.counts, self.labels = app, table, counts, labels
+        self.observe = observe  # the dataplane's per-version tallies (rollouts)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -141,6 +142,7 @@ class Routes:
                                            receive, send)
             if status is not None:
                 self.counts.record(route.path, self.labels(held), status, start)
+                self.observe(held, status)
             return None
         allowed = self.table.methods(scope)
         if allowed:  # a route of the table, another method

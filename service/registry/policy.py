@@ -12,9 +12,11 @@ rollback) is found by the same scan as a new version, and swaps the same way
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 
+from orthornn.export.artifacts import rollout
 from orthornn.export.artifacts.repository import (
     ACTIONS,
     check_name,
@@ -22,13 +24,15 @@ from orthornn.export.artifacts.repository import (
     versions,
 )
 from orthornn.export.artifacts.repository import rollback as rollback_promotion
+from orthornn.export.artifacts.rollout import RolloutError, Thresholds, control, read_plan
 
-from ..errors import NotFound, RollbackRefused
+from ..errors import NotFound, RollbackRefused, ServiceError
 from ..metrics import Metrics
 from ..settings import Settings
 from .catalog import Catalog, ModelVersion, model_names
 from .loader import Loader
 from .pins import SessionPins
+from .rollouts import Rollouts
 
 log = logging.getLogger("orthornn.service")
 
@@ -52,13 +56,17 @@ def promotion_changes(before: dict, after: dict) -> list[str]:
 
 class VersionPolicy:
     def __init__(self, settings: Settings, metrics: Metrics, catalog: Catalog,
-                 loader: Loader, pins: SessionPins):
+                 loader: Loader, pins: SessionPins, rollouts: Rollouts):
         self.settings = settings
         self.metrics = metrics
         self.catalog = catalog
         self.loader = loader
         self.pins = pins
+        self.rollouts = rollouts
         self.repo = Path(settings.repo)
+        self.controls_rollouts = settings.rollout_controller == "on" or (
+            settings.rollout_controller == "auto" and os.access(self.repo, os.W_OK))
+        self._plan_error: dict[str, str] = {}  # unreadable rollout.json (logged once)
         self._promotion: dict[str, dict] = {}  # the last readable promotion.json
         self._promotion_error: dict[str, str] = {}  # unreadable promotion.json (logged once)
         self._not_served: dict[str, int] = {}  # a promoted version not served (logged once)
@@ -98,6 +106,40 @@ class VersionPolicy:
             self.catalog.promoted_versions[name] = record["version"]
         return record["version"]
 
+    def _read_plan(self, name: str) -> None:
+        """NAME's rollout plan into ``rollouts`` (an unreadable one, logged once, keeps the
+        last reading, as promotion.json does)."""
+        try:
+            plan = read_plan(self.repo / name)
+        except ValueError as error:
+            if self._plan_error.get(name) != str(error):
+                log.error("%s: %s; keeping the last rollout plan read", name, error)
+                self._plan_error[name] = str(error)
+            return
+        self._plan_error.pop(name, None)
+        before = self.rollouts.plan(name)
+        if plan is not None and (before is None or (before["id"], before["state"],
+                                                    before["stage"]) !=
+                                 (plan["id"], plan["state"], plan["stage"])):
+            stage = plan["stages"][plan["stage"]]
+            log.info("%s: rollout %s of version %d: %s%s", name, plan["id"], plan["candidate"],
+                     plan["state"], f" at stage {stage}" if plan["state"] == "running" else
+                     f" ({plan['reason']})")
+        self.rollouts.update(name, plan)
+
+    def control_rollout(self, name: str) -> None:
+        """The in-process controller (``controls_rollouts``): one step of NAME's running
+        rollout from this replica's tallies."""
+        report = self.rollouts.report(name)
+        if report is None:
+            return
+        try:
+            control(self.repo / name, [report])
+        except (OSError, ValueError) as error:
+            log.error("%s: the rollout controller could not write the plan: %s", name, error)
+            return
+        self.sync_model(name)
+
     def sync_model(self, name: str) -> list[str]:
         """Apply the version policy to one model; returns the errors of refused versions.
 
@@ -109,13 +151,16 @@ class VersionPolicy:
         with self.loader.lock:
             on_disk = sorted(versions(self.repo / name), reverse=True)
             promoted = self._read_promotion(name)
+            self._read_plan(name)
+            candidate = self.rollouts.candidate(name)
             current = self.catalog.versions(name)
             served = self.catalog.default(name)
             keep: dict[int, ModelVersion] = {}
             s = self.settings
 
-            def take(v: int) -> None:
-                if v in keep or (s.version_policy == "latest" and len(keep) >= s.keep_versions):
+            def take(v: int, force: bool = False) -> None:
+                if v in keep or (s.version_policy == "latest" and len(keep) >= s.keep_versions
+                                 and not force):
                     return
                 mv = current.get(v) or self.pins.revive(name, v)  # kept for sessions: serve it
                 if mv is None:
@@ -136,6 +181,8 @@ class VersionPolicy:
                     [v for v in on_disk if v > promoted]
             for v in rest:
                 take(v)
+            if candidate is not None and candidate in on_disk:  # a rollout's: beyond the keep
+                take(candidate, force=True)
             default = self._default_version(name, promoted, served, keep)
             self.catalog.swap(name, keep, default)
         return errors
@@ -167,6 +214,8 @@ class VersionPolicy:
                 return
             if name not in self.catalog.unloaded:
                 self.sync_model(name)
+                if self.controls_rollouts and self.rollouts.running(name) is not None:
+                    self.control_rollout(name)
         gone = [n for n in self.catalog.serving() if not (self.repo / n).is_dir()]
         for name in gone:  # models whose directory vanished
             self.sync_model(name)
@@ -214,6 +263,34 @@ class VersionPolicy:
         if name not in self.catalog.unloaded:
             self.sync_model(name)
         return done
+
+    def start_rollout(self, name: str, candidate: int, shadow: float, steps: list[int],
+                      interval_s: float, min_requests: int, thresholds: dict) -> dict:
+        """The repository API's rollout start (``orthornn rollout start``'s rules); the
+        plan, applied here at once."""
+        model_dir = self._model_dir(name)
+        plan = self._write_plan(name, lambda: rollout.start(
+            model_dir, candidate, shadow=shadow, steps=steps, interval_s=interval_s,
+            min_requests=min_requests, thresholds=Thresholds(**thresholds)))
+        return plan
+
+    def end_rollout(self, name: str, action: str) -> dict:
+        """The repository API's rollout promote or abort."""
+        model_dir = self._model_dir(name)
+        return self._write_plan(name, lambda: rollout.end_by_hand(model_dir, action))
+
+    def _write_plan(self, name: str, write) -> dict:  # type: ignore[no-untyped-def]
+        try:
+            plan = write()
+        except RolloutError as error:
+            raise ServiceError(f"rollout of model {name!r}: {error}", error.status) from None
+        except OSError as error:  # e.g. the repository is mounted read-only here
+            raise RollbackRefused(
+                f"the model repository cannot be written here ({error}); run `orthornn "
+                f"rollout` where it is writable") from None
+        if name not in self.catalog.unloaded:
+            self.sync_model(name)
+        return plan
 
     def unload(self, name: str) -> None:
         with self.loader.lock:

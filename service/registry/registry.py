@@ -5,7 +5,8 @@
 - ``loader``: verify, load and warm one version (a refusal recorded once);
 - ``policy``: scans of the repository and promotion.json, which versions serve, the
   repository API (load, unload, rollback);
-- ``pins``: the versions kept loaded for server-side sessions.
+- ``pins``: the versions kept loaded for server-side sessions;
+- ``rollouts``: this replica's part in rollouts (routing, shadow sampling, tallies).
 
 The registry neither builds batchers nor shapes answers: the app attaches them by hooks
 (``dataplane.batching``), as MLServer attaches adaptive batching when a model loads:
@@ -25,6 +26,7 @@ from .catalog import Catalog, ModelVersion, ReleaseHook
 from .loader import Loader, LoadHook
 from .pins import SessionPins
 from .policy import VersionPolicy
+from .rollouts import Rollouts
 
 __all__ = ["ModelVersion", "Registry"]
 
@@ -35,7 +37,9 @@ class Registry:
         self.catalog = Catalog(Path(settings.repo), metrics, set(settings.models), on_release)
         self.loader = Loader(settings, metrics, providers, on_load)
         self.pins = SessionPins(self.catalog, self.loader, metrics)
-        self.policy = VersionPolicy(settings, metrics, self.catalog, self.loader, self.pins)
+        self.rollouts = Rollouts(metrics)
+        self.policy = VersionPolicy(settings, metrics, self.catalog, self.loader, self.pins,
+                                    self.rollouts)
         self.scanned = self.catalog.scanned  # the start-up scan has finished
         # the serving table (event loop)
         self.acquire = self.catalog.acquire
@@ -58,6 +62,15 @@ class Registry:
         self.load = self.policy.load
         self.unload = self.policy.unload
         self.rollback = self.policy.rollback
+
+    def route(self, name: str, key: bytes) -> int | None:
+        """The version a new request (or session) with routing KEY gets: a running
+        rollout's candidate when KEY falls within its canary weight and it is loaded here;
+        None: the default version."""
+        candidate = self.rollouts.candidate_for(name, key)
+        if candidate is None or not self.catalog.model_ready(name, candidate):
+            return None
+        return candidate
 
     def index(self) -> list[dict]:
         """Every model version in the repository with its state (Triton's index)."""

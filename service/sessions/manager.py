@@ -141,7 +141,7 @@ class Sessions:
         must be decided from a fresh read (the session changed since, or its version is
         not loaded here)."""
         mv = self.registry.session_version(record.model, record.version)
-        if mv is None:
+        if mv is None or self.registry.rollouts.ended_on_failures(record.model, record.version):
             return None
         try:
             _hold(held, mv)
@@ -188,6 +188,8 @@ class Sessions:
                      held: Held | None) -> Applied[R] | None:
         """Open SID and apply its first chunk; None when it is open already and the chunk
         names position 0 (a retried start). A failed first chunk opens nothing."""
+        if version is None:  # a rollout's canary places new sessions by their id
+            version = self.registry.route(model, sid.encode())
         mv = self.registry.acquire(model, version)
         try:
             _hold(held, mv)
@@ -242,7 +244,14 @@ class Sessions:
 
     async def _version(self, record: SessionRecord, what: str) -> ModelVersion:
         """The session's pinned version, held for one chunk: loaded here if this replica
-        has not loaded it (in a thread); VersionGone (409 naming it) ends the session."""
+        has not loaded it (in a thread); VersionGone (409 naming it) ends the session, as
+        does a rollout of its version rolled back on errors."""
+        failed = self.registry.rollouts.ended_on_failures(record.model, record.version)
+        if failed is not None:
+            await self._forget(record.id, record.model)
+            await self._refresh_count()
+            raise VersionGone(f"{what} {record.id!r} runs on {failed}; the {what} has ended: "
+                              f"start a new one")
         mv = self.registry.session_version(record.model, record.version)
         if mv is not None:
             return mv

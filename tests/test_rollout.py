@@ -1,0 +1,306 @@
+"""Rollouts (export/artifacts/rollout.py, the service's part, the commands): the rules
+against hand-computed values and numpy, the plan's life in a real repository, bad input,
+and one in-process service that runs its rollout itself (a writable repository)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from orthornn.export.artifacts import rollout
+from orthornn.export.artifacts.repository import promote, read_promotion
+from orthornn.export.artifacts.rollout import LATENCY_BOUNDS, Side, Tally
+
+from .cluster import ROOT
+from .service_helpers import LiveServer, make_repo
+
+NOW = dt.datetime(2026, 11, 27, 12, 0, tzinfo=dt.UTC)
+
+
+def plan_of(stages=("shadow", 5, 100), stage=0, min_requests=10, interval_s=10.0,
+            **thresholds) -> dict:
+    return {"id": "p", "candidate": 2, "promoted": 1, "state": "running",
+            "stages": list(stages), "stage": stage, "stage_started": NOW.isoformat(),
+            "shadow": 0.1, "interval_s": interval_s, "min_requests": min_requests,
+            "thresholds": {**vars(rollout.Thresholds()), **thresholds}, "analysis": []}
+
+
+def side(requests=0, errors=0, times=()) -> Side:
+    s = Side(requests, errors)
+    for t in times:
+        s.time(t)
+    return s
+
+
+def later(seconds: float) -> dt.datetime:
+    return NOW + dt.timedelta(seconds=seconds)
+
+
+# -- the rules -------------------------------------------------------------------------------
+
+def test_p99_of_histograms_added_across_replicas_is_numpys_p99_to_a_bucket():
+    rng = np.random.default_rng(0)
+    times = rng.lognormal(mean=-5, sigma=1.0, size=5000)
+    a, b = side(times=times[:1800]), side(times=times[1800:])
+    a.add(b)
+    reference = np.percentile(times, 99, method="inverted_cdf")
+    i = LATENCY_BOUNDS.index(a.p99())
+    assert LATENCY_BOUNDS[i - 1] < reference <= LATENCY_BOUNDS[i]
+
+
+def test_tallies_round_trip_and_add_per_stage_only_for_their_rollout():
+    t = Tally(3, 2.5, 0.3, 1, 4, side(7, 1, [0.01]), side(9, 0, [0.02, 0.03]))
+    report = {"rollout": "p", "stages": {"0": t.to_dict(), "1": t.to_dict()}}
+    other = {"rollout": "q", "stages": {"0": t.to_dict()}}
+    total = rollout.combine(plan_of(), [report, report, other])
+    assert sorted(total) == [0, 1]
+    assert total[0].compared == 6 and total[0].agreement == 5.0
+    assert total[0].promoted.requests == 18 and sum(total[0].promoted.latency) == 4
+    with pytest.raises(ValueError, match="malformed"):
+        rollout.combine(plan_of(), [{"rollout": "p", "stages": {"0": {"compared": 1}}}])
+
+
+def test_the_stage_waits_for_its_interval_and_requests_then_advances():
+    plan = plan_of(min_requests=10, interval_s=10)
+    good = {0: Tally(12, 12.0, 0.1, 0, 0, side(), side(50, 0))}
+    assert rollout.decide(plan, good, later(5))[0] == "wait"  # too early
+    assert rollout.decide(plan, good, later(11))[0] == "advance"
+    few = {0: Tally(4, 4.0, 0.0, 0, 0, side(), side(50, 0))}
+    assert rollout.decide(plan, few, later(60))[0] == "wait"  # too few requests
+
+
+def test_agreement_below_the_threshold_rolls_back_with_the_measured_value():
+    plan = plan_of(min_agreement=0.9)
+    action, analysis = rollout.decide(plan, {0: Tally(20, 16.0, 2.0, 0, 0)}, later(1))
+    assert action == "rollback"
+    assert analysis["breach"]["rule"] == "min_agreement"
+    assert analysis["breach"]["value"] == pytest.approx(0.8)
+    assert analysis["mean_difference"] == pytest.approx(0.1)
+
+
+def test_error_rate_is_the_candidates_above_the_promoted_versions():
+    plan = plan_of(stage=1, max_error_rate=0.05)
+    # canary: 6 of 60 candidate requests failed, 5 of 100 promoted ones: 0.10 - 0.05
+    tallies = {0: Tally(promoted=side(50, 2)), 1: Tally(candidate=side(60, 6),
+                                                        promoted=side(50, 3))}
+    action, analysis = rollout.decide(plan, tallies, later(1))
+    assert action == "wait" and analysis["error_rate"] == pytest.approx(0.1)
+    assert analysis["promoted_error_rate"] == pytest.approx(0.05)  # all stages so far
+    tallies[1].candidate = side(60, 7)
+    action, analysis = rollout.decide(plan, tallies, later(1))
+    assert action == "rollback" and analysis["breach"]["rule"] == "max_error_rate"
+    assert analysis["breach"]["value"] == pytest.approx(7 / 60 - 0.05)
+
+
+def test_failures_that_already_break_the_rule_roll_back_before_min_requests():
+    plan = plan_of(stage=1, min_requests=100, max_error_rate=0.01)
+    one = {1: Tally(candidate=side(1, 1))}
+    assert rollout.decide(plan, one, later(1))[0] == "wait"  # 1 error could be the 1%
+    two = {1: Tally(candidate=side(2, 2))}
+    assert rollout.decide(plan, two, later(1))[0] == "rollback"  # > 1% of 100 whatever
+
+
+def test_latency_ratio_is_p99_over_p99():
+    plan = plan_of(stage=1, min_requests=10, max_latency_ratio=2.0)
+    slow = {1: Tally(candidate=side(20, 0, [0.05] * 20), promoted=side(20, 0, [0.01] * 20))}
+    action, analysis = rollout.decide(plan, slow, later(1))
+    assert action == "rollback" and analysis["breach"]["rule"] == "max_latency_ratio"
+    bound = LATENCY_BOUNDS[np.searchsorted(LATENCY_BOUNDS, 0.05)]
+    assert analysis["latency_ratio"] == pytest.approx(
+        bound / LATENCY_BOUNDS[np.searchsorted(LATENCY_BOUNDS, 0.01)])
+
+
+def test_routing_keys_fall_within_the_weight_in_proportion_and_always_the_same_way():
+    keys = [f"session-{i}".encode() for i in range(20000)]
+    share = np.mean([rollout.bucket(k) < 25 for k in keys])
+    assert abs(share - 0.25) < 0.015
+    assert [rollout.bucket(k) for k in keys[:50]] == [rollout.bucket(k) for k in keys[:50]]
+
+
+# -- the plan in a repository ------------------------------------------------------------------
+
+def gated(model_dir: Path, version: int) -> None:
+    """Record a passed gate in VERSION's manifest (what export --gate writes)."""
+    path = model_dir / str(version) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["evaluation"] = {**(manifest["evaluation"] or {}), "gate": {"passed": True}}
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.fixture
+def repo(service_packages, tmp_path) -> Path:
+    repo = make_repo(service_packages, tmp_path / "repo", {"adding": [1, 2, 3]})
+    promote(repo / "adding", 1, "publish", "first")
+    gated(repo / "adding", 2)
+    return repo
+
+
+def orthornn(*args: object, code: int = 0) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "orthornn", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == code, (done.stdout, done.stderr)
+    return done
+
+
+def report(plan: dict, stage: int, compared: int = 0, agreement: float = 1.0,
+           candidate: Side | None = None) -> dict:
+    tally = Tally(compared, agreement * compared, 0.0, 0, 0, candidate or Side(),
+                  side(compared, 0))
+    return {"rollout": plan["id"], "stages": {str(stage): tally.to_dict()}}
+
+
+def test_control_walks_every_stage_then_promotes_in_promotion_json(repo):
+    model_dir = repo / "adding"
+    plan = rollout.start(model_dir, 2, shadow=0.2, steps="50,100", interval_s=1,
+                         min_requests=5)
+    t = rollout._time(plan["stage_started"])
+    for stage in range(3):
+        tallies = report(plan, stage, compared=5, candidate=side(5, 0))
+        assert rollout.control(model_dir, [tallies], t + dt.timedelta(seconds=0.5))["stage"] \
+            == stage  # the interval is not over
+        t += dt.timedelta(seconds=1.5)
+        plan = rollout.control(model_dir, [tallies], t)
+    assert plan["state"] == "promoted" and plan["reason"] == "passed shadow, 50%, 100%"
+    assert [a["stage"] for a in rollout.read_plan(model_dir)["analysis"]] == ["shadow", 50, 100]
+    record = read_promotion(model_dir)
+    assert record["version"] == 2 and record["history"][-1]["action"] == "promote"
+
+
+@pytest.mark.parametrize("action", ["abort", "promote"])
+def test_abort_and_promote_by_hand_at_every_stage(repo, action):
+    model_dir = repo / "adding"
+    for stage in range(3):
+        promote(model_dir, 1, "rollback", "the test starts over")
+        plan = rollout.start(model_dir, 2, shadow=0.2, steps="50,100", interval_s=1,
+                             min_requests=1)
+        t = rollout._time(plan["stage_started"])
+        for k in range(stage):
+            t += dt.timedelta(seconds=2)
+            plan = rollout.control(model_dir, [report(plan, k, 1, candidate=side(1))], t)
+        assert plan["stage"] == stage
+        out = orthornn("rollout", action, "--repo", repo, "--name", "adding").stdout
+        where = "in shadow" if stage == 0 else f"at {plan['stages'][stage]}%"
+        assert f"by hand {where}" in out
+        expected = 1 if action == "abort" else 2
+        assert read_promotion(model_dir)["version"] == expected
+    orthornn("rollout", action, "--repo", repo, "--name", "adding", code=2)  # none running
+
+
+def test_bad_input_is_one_line_exit_2_and_leaves_the_plan_alone(repo):
+    model_dir = repo / "adding"
+    base = ["rollout", "start", "--repo", repo, "--name", "adding"]
+    broken = repo / "adding" / "4"
+    shutil.copytree(repo / "adding" / "2", broken)
+    (broken / "model.onnx").write_bytes(b"not a graph")
+    cases = [(["--candidate", "9"], "--candidate: version 9 is not in"),
+             (["--candidate", "3"], "published without --gate"),
+             (["--candidate", "1"], "already promoted"),
+             (["--candidate", "4"], "does not verify"),
+             (["--candidate", "2", "--min-agreement", "1.5"], "--min-agreement must be"),
+             (["--candidate", "2", "--max-error-rate", "x"], "--max-error-rate must be"),
+             (["--candidate", "2", "--max-latency-ratio", "0.5"], "--max-latency-ratio"),
+             (["--candidate", "2", "--shadow", "2"], "--shadow must be"),
+             (["--candidate", "2", "--steps", "50,25,100"], "--steps must be"),
+             (["--candidate", "2", "--min-requests", "0"], "--min-requests must be")]
+    for flags, message in cases:
+        done = orthornn(*base, *flags, code=2)
+        assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, \
+            done.stderr
+        assert not (model_dir / "rollout.json").exists()
+    orthornn(*base, "--candidate", "2")
+    before = (model_dir / "rollout.json").read_bytes()
+    done = orthornn(*base, "--candidate", "2", code=2)
+    assert "already running" in done.stderr
+    assert (model_dir / "rollout.json").read_bytes() == before
+    assert "--replicas" in orthornn("rollout", "run", "--repo", repo, "--name", "adding",
+                                    code=2).stderr
+
+
+def test_export_rollout_flags_need_the_gate(service_packages, tmp_path):
+    done = orthornn("export", tmp_path, "--repo", tmp_path / "r", "--name", "x", "--rollout",
+                    code=2)
+    assert "--rollout and --no-promote apply only with --gate" in done.stderr
+
+
+# -- one service running its own rollout -------------------------------------------------------
+
+def test_one_writable_replica_runs_its_rollout_and_ends_failed_sessions(repo):
+    """The admin API starts a canary; the service (a writable repository: the controller
+    is on) routes new sessions by weight; a rollback on errors ends the candidate's
+    sessions with 409 naming why, and new requests return to the promoted version."""
+    model_dir = repo / "adding"
+    with LiveServer(repo=repo) as server:
+        base = server.url
+        bad = httpx.post(base + "/v2/repository/models/adding/rollout/start",
+                         json={"candidate": 2, "max_error_rate": 3})
+        assert bad.status_code == 400 and "--max-error-rate" in bad.json()["error"]
+        r = httpx.post(base + "/v2/repository/models/adding/rollout/start",
+                       json={"candidate": 2, "shadow": 0, "steps": [50, 100],
+                             "interval_s": 600, "min_requests": 1000})
+        assert r.status_code == 200, r.text
+        assert httpx.post(base + "/v2/repository/models/adding/rollout/start",
+                          json={"candidate": 2}).status_code == 409
+        server.wait(lambda: server.app.state.registry.rollouts.running("adding") is not None)
+        meta = httpx.get(base + "/v2/models/adding").json()["parameters"]["rollout"]
+        assert meta["state"] == "running" and meta["weight"] == 50
+        sessions: dict[int, list[str]] = {1: [], 2: []}
+        seq = [[0.5, 1.0], [0.25, 0.0], [0.1, 1.0]]
+        for i in range(24):  # new sessions are placed by weight, from their id
+            sid = f"s{i}"
+            r = httpx.post(base + "/predict", json={"model": "adding", "session": sid,
+                                                    "start": True, "inputs": [seq]})
+            assert r.status_code == 200, r.text
+            sessions[r.json()["version"]].append(sid)
+            assert (rollout.bucket(sid.encode()) < 50) == (r.json()["version"] == 2)
+        assert sessions[1] and sessions[2]
+        status = httpx.get(base + "/v2/repository/models/adding/rollout").json()
+        assert status["report"]["stages"]["0"]["candidate"]["requests"] == len(sessions[2])
+        # a breach on errors, as `orthornn rollout run` would write it from the replicas'
+        plan = rollout.read_plan(model_dir)
+        failing = report(plan, 0, candidate=side(1000, 600))
+        assert rollout.control(model_dir, [failing])["state"] == "rolled_back"
+        server.wait(lambda: server.app.state.registry.rollouts.running("adding") is None)
+        for version, ids in sessions.items():
+            r = httpx.post(base + "/predict", json={"model": "adding", "session": ids[0],
+                                                    "inputs": [seq]})
+            if version == 2:
+                assert r.status_code == 409 and "rolled back" in r.json()["error"], r.text
+            else:
+                assert r.status_code == 200 and r.json()["version"] == 1
+        for i in range(10):
+            r = httpx.post(base + "/predict", json={"model": "adding", "inputs": [seq[:i % 3 + 1]]})
+            assert r.json()["version"] == 1
+        text = httpx.get(base + "/metrics").text
+        assert "orthornn_rollout_stage{" not in text  # the series ends with the rollout
+    listing = orthornn("versions", "--repo", repo, "--name", "adding").stdout
+    assert "rolled-back" in listing and "error rate" in listing
+    assert read_promotion(model_dir)["version"] == 1
+
+
+def test_one_writable_replica_promotes_on_its_own_measurements(repo):
+    """No controller process: the service advances and promotes from its own tallies."""
+    model_dir = repo / "adding"
+    # two seeds of a tiny model disagree: the rules on agreement and latency are off here
+    rollout.start(model_dir, 2, shadow=0.5, steps="50,100", interval_s=0.2, min_requests=3,
+                  thresholds=rollout.Thresholds(min_agreement=0, max_latency_ratio=1000))
+    seq = [[0.5, 1.0], [0.25, 0.0], [0.1, 1.0]]
+    with LiveServer(repo=repo) as server:
+        assert server.app.state.registry.policy.controls_rollouts
+
+        def promoted() -> bool:
+            for i in range(8):
+                httpx.post(server.url + "/predict",
+                           json={"model": "adding", "inputs": [seq[:i % 3 + 1]]})
+            return read_promotion(model_dir)["version"] == 2
+        server.wait(promoted, timeout=60)
+    plan = rollout.read_plan(model_dir)
+    assert plan["state"] == "promoted"
+    assert [a["stage"] for a in plan["analysis"]] == ["shadow", 50, 100]
+    assert plan["analysis"][0]["compared"] >= 3
