@@ -304,3 +304,39 @@ def test_one_writable_replica_promotes_on_its_own_measurements(repo):
     assert plan["state"] == "promoted"
     assert [a["stage"] for a in plan["analysis"]] == ["shadow", 50, 100]
     assert plan["analysis"][0]["compared"] >= 3
+
+
+def test_shadow_runs_compare_the_two_versions_outputs_on_the_same_inputs(repo):
+    """Every inference request shadowed (fraction 1): the tallies' mean difference is the
+    mean |candidate - promoted| of the two versions' own answers to the same inputs, and
+    the client always gets the promoted version's."""
+    model_dir = repo / "adding"
+    rollout.start(model_dir, 2, shadow=1.0, steps="100", interval_s=3600, min_requests=10**6,
+                  thresholds=rollout.Thresholds(min_agreement=0, max_latency_ratio=1000))
+    rng = np.random.default_rng(3)
+    seqs = [np.stack([rng.uniform(size=n), np.arange(n) < 2], 1).round(3).tolist()
+            for n in (2, 4, 6, 5, 3, 6)]
+    with LiveServer(repo=repo, rollout_controller="off") as server:
+        server.wait(lambda: server.app.state.registry.rollouts.running("adding") is not None)
+
+        def infer(seq: list, version: str = "") -> tuple[float, str]:
+            path = "/v2/models/adding" + (f"/versions/{version}" if version else "") + "/infer"
+            r = httpx.post(server.url + path, json={"inputs": [{
+                "name": "x", "datatype": "FP32", "shape": [1, len(seq), 2],
+                "data": sum(seq, [])}]})
+            assert r.status_code == 200, r.text
+            (value,) = [o["data"][0] for o in r.json()["outputs"] if o["name"] == "value"]
+            return value, r.json()["model_version"]
+        differences = []
+        for seq in seqs:
+            promoted, served = infer(seq)
+            assert served == "1"
+            differences.append(abs(infer(seq, "2")[0] - promoted))
+
+        def tally() -> dict:
+            report = httpx.get(server.url + "/v2/repository/models/adding/rollout").json()
+            return report["report"]["stages"]["0"]
+        server.wait(lambda: tally()["compared"] == len(seqs))
+        assert tally()["difference"] / len(seqs) == pytest.approx(np.mean(differences),
+                                                                  rel=1e-4, abs=1e-6)
+        assert tally()["shadow_failures"] == 0

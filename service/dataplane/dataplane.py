@@ -24,6 +24,7 @@ from ..errors import ClientError, NotFound, RollbackRefused, StateConflict
 from ..metrics import UNKNOWN, Held, Metrics
 from ..registry.registry import ModelVersion, Registry
 from ..registry.runtime import Chunk
+from ..registry.spec import ModelSpec
 from ..sessions.manager import Sessions
 from ..sessions.store import open_store
 from ..sessions.tokens import decode_state, encode_state, state_version
@@ -391,12 +392,15 @@ class DataPlane:
             position = applied.position
         else:
             number = version_param(version)
-            if number is None and all(t.name != INITIAL_STATE for t in req.inputs):
-                number = self.registry.route(name, key)  # a state continues its version
+            stateless = all(t.name != INITIAL_STATE for t in req.inputs)
+            if number is None and stateless:  # a state continues the version that made it
+                number = self.registry.route(name, key)
             with self.hold(name, number, held) as mv:
                 seqs, steps = self._infer_sequences(mv, req)
                 warning = self._range_warning(mv, seqs, "inputs[x]")
                 tensors = await self._infer_run(mv, req, seqs, steps)
+                if stateless:
+                    self._shadow_infer(mv, req, seqs, tensors)
             served = Served(mv.name, mv.version, warning)
         wanted = [o.name for o in req.outputs] if req.outputs else None
         outputs = [t for t in tensors if wanted is None or t.name in wanted]
@@ -441,7 +445,25 @@ class DataPlane:
         if unknown:
             raise ClientError(f"outputs: unknown output {unknown[0]!r}; the model has {names}")
         datatypes = {o.name: o.datatype for o in mv.spec.io["model"].outputs}
+        start = time.perf_counter()
         tensors = await mv.batcher.submit(
             seqs, lambda rows: outputs_to_tensors(rows, names, steps,
                                                           runtime.per_step["model"]))
+        if self.rollouts.running(mv.name):
+            self.rollouts.time(mv.name, mv.version, time.perf_counter() - start)
         return [OutputTensor(n, datatypes[n], tensors[n]) for n in names]
+
+    def _shadow_infer(self, mv: ModelVersion, req: Inference, seqs: list,
+                      tensors: list[OutputTensor]) -> None:
+        """Maybe shadow an inference request (its graph output per sequence, the padding
+        past each sequence's length cut off)."""
+        if not self.rollouts.running(mv.name):
+            return
+        (out,) = [t.data for t in tensors if t.name == mv.spec.output_name]
+        timed = mv.spec.output_name in mv.runtime.per_step["model"]
+        raw = [out[i, :len(s)] if timed else out[i] for i, s in enumerate(seqs)]
+        self.shadows.after(mv, lambda spec: self._infer_sequences_of(spec, req), raw)
+
+    def _infer_sequences_of(self, spec: ModelSpec, req: Inference) -> list:
+        return infer_sequences(spec, req, spec.io["model"],
+                               self.settings.max_request_sequences)[0]

@@ -18,7 +18,7 @@ from ..registry.registry import ModelVersion, Registry
 from ..registry.spec import ModelSpec
 
 #: the request's sequences as a version takes them (its own input checks)
-Sequences = Callable[[ModelSpec], list[np.ndarray]]
+Sequences = Callable[[ModelSpec], list]
 
 #: regression: the candidate "agrees" when within this share of the promoted value's size
 REGRESS_AGREEMENT = 0.1
