@@ -165,10 +165,6 @@ class Metrics:
             "orthornn_shadow_agreement", "the candidate's top-1 agreement with the promoted "
             "version on the requests this replica shadowed in the current stage",
             ["model", "candidate"], registry=r)
-        self.rollout_compute = Histogram(
-            "orthornn_rollout_compute_seconds", "compute time (queue and inference) of a "
-            "rollout's two versions, by version: live requests and the candidate's shadow "
-            "runs", ["model", "version"], buckets=LATENCY_BUCKETS, registry=r)
         self.shadow_skipped = Counter(
             "orthornn_shadow_skipped", "shadow runs skipped because the inference queue was "
             "busy", ["model"], registry=r)

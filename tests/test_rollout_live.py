@@ -212,17 +212,23 @@ def test_a_good_candidate_goes_through_every_stage_to_promoted(cluster_, models)
              "--min-requests", "10", "--min-agreement", "0.7", "--max-latency-ratio", "50")
     seen: dict[int, set[float]] = {0: set(), 1: set()}
     restarted = []
+    watching = threading.Event()
+
+    def watch() -> None:  # each replica's stage in its /metrics, while the rollout runs
+        while not watching.is_set():
+            for k, replica in enumerate(c.replicas):
+                try:
+                    stage = stage_metric(replica, "digits", models.good)
+                except httpx.HTTPError:  # restarting
+                    continue
+                if stage is not None:
+                    seen[k].add(stage)
+            time.sleep(0.05)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     with Load(c.lb.url, "digits", seqs, sessions=True) as load:
         run = controller(c, "digits")
         while run.poll() is None:
-            for k, replica in enumerate(c.replicas):
-                if replica.proc is not None and replica.proc.poll() is None:
-                    try:
-                        stage = stage_metric(replica, "digits", models.good)
-                    except httpx.HTTPError:
-                        continue
-                    if stage is not None:
-                        seen[k].add(stage)
             current = plan(c.repo, "digits")
             if current["state"] == "running" and current["stage"] == 2 and not restarted:
                 # a replica restarted mid-rollout takes up the same stage from the repository
@@ -231,6 +237,8 @@ def test_a_good_candidate_goes_through_every_stage_to_promoted(cluster_, models)
                 resumed = stage_metric(c.replicas[1], "digits", models.good)
                 restarted.append((current["stage"], resumed))
             time.sleep(0.05)
+        watching.set()
+        watcher.join(timeout=30)
         output = run.stdout.read()
         assert run.returncode == 0, output
         time.sleep(0.6)  # both replicas' next scans: the promoted candidate serves

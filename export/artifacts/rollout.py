@@ -86,14 +86,17 @@ class Side:
     requests: int = 0
     errors: int = 0
     latency: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS) + 1))
+    seconds: float = 0.0  # the sum of the times counted in ``latency``
 
     def add(self, other: Side) -> None:
         self.requests += other.requests
         self.errors += other.errors
         self.latency = [a + b for a, b in zip(self.latency, other.latency, strict=True)]
+        self.seconds += other.seconds
 
     def time(self, seconds: float) -> None:
         self.latency[bisect.bisect_left(LATENCY_BOUNDS, seconds)] += 1
+        self.seconds += seconds
 
     def p99(self) -> float | None:
         total = sum(self.latency)
@@ -137,7 +140,7 @@ class Tally:
     def from_dict(cls, d: dict) -> Tally:
         try:
             sides = {k: Side(int(d[k]["requests"]), int(d[k]["errors"]),
-                             [int(c) for c in d[k]["latency"]])
+                             [int(c) for c in d[k]["latency"]], float(d[k]["seconds"]))
                      for k in ("candidate", "promoted")}
             tally = cls(int(d["compared"]), float(d["agreement"]), float(d["difference"]),
                         int(d["shadow_failures"]), int(d["skipped"]), **sides)

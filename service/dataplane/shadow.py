@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from orthornn.export.artifacts.scoring import log_softmax, softmax
@@ -45,13 +46,32 @@ def compare(task: str, promoted: np.ndarray, candidate: np.ndarray) -> tuple[flo
     return agreement, float(np.mean(np.sum(np.exp(lp) * (lp - lq), axis=-1)))
 
 
+@dataclass
+class _Work:
+    """One shadowed request: its sequences as a version takes them, and what the
+    promoted version answered (one array per sequence)."""
+
+    make_sequences: Sequences
+    outputs: list[np.ndarray]
+
+
 class Shadows:
+    """Shadow work is gathered per candidate into batches of up to ``max_batch_size``
+    sequences, sent at most ``WINDOW_S`` after the first: a shadow answer is never
+    awaited, so it can wait for a full batch, where a run per request would cost an
+    onnxruntime call each."""
+
+    WINDOW_S = 0.05
+
     def __init__(self, registry: Registry):
         self.registry = registry
         self.rollouts = registry.rollouts
         self._tasks: set[asyncio.Task] = set()  # running shadow runs (kept referenced)
+        self._gathered: dict[tuple[str, str, int], list[_Work]] = {}  # (model, task, candidate)
+        self._timers: dict[tuple[str, str, int], asyncio.TimerHandle] = {}
 
-    def after(self, mv: ModelVersion, make_sequences: Sequences, outputs: list[np.ndarray]) -> None:
+    def after(self, mv: ModelVersion, make_sequences: Sequences,
+              outputs: list[np.ndarray]) -> None:
         """Maybe shadow a request MV answered with OUTPUTS (one array per sequence);
         ``make_sequences(spec)`` gives its sequences as the candidate takes them (checked
         against the candidate's own input spec: a refusal is a candidate failure)."""
@@ -62,44 +82,77 @@ class Shadows:
         if batcher.pending >= batcher.max_batch_size:  # busy: the client's work comes first
             self.rollouts.skipped(mv.name)
             return
-        task = asyncio.get_running_loop().create_task(
-            self._run(mv.name, mv.spec.task, candidate, make_sequences, outputs))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        key = (mv.name, mv.spec.task, candidate)
+        gathered = self._gathered.setdefault(key, [])
+        gathered.append(_Work(make_sequences, outputs))
+        if sum(len(w.outputs) for w in gathered) >= batcher.max_batch_size:
+            self._send(key)
+        elif key not in self._timers:
+            self._timers[key] = asyncio.get_running_loop().call_later(
+                self.WINDOW_S, self._send, key)
 
-    async def _run(self, name: str, task: str, candidate: int, make_sequences: Sequences,
-                   outputs: list[np.ndarray]) -> None:
+    def _send(self, key: tuple[str, str, int]) -> None:
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        work = self._gathered.pop(key, [])
+        if work:
+            task = asyncio.get_running_loop().create_task(self._run(*key, work))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, name: str, task: str, candidate: int, work: list[_Work]) -> None:
         try:
             cmv = self.registry.acquire(name, candidate)
         except NotFound:  # not loaded on this replica yet
             return
         try:
+            seqs, taken = [], []
+            for w in work:
+                try:
+                    mine = w.make_sequences(cmv.spec)
+                except ServiceError:  # the candidate refuses this input
+                    self.rollouts.shadow_failed(name)
+                    continue
+                seqs += mine
+                taken.append(w)
+            if not seqs:
+                return
             start = time.perf_counter()
             try:
-                seqs = make_sequences(cmv.spec)
                 rows = await cmv.batcher.submit(
                     seqs, lambda rows: [r[cmv.spec.output_name] for r in rows])
             except ServiceError as error:
-                if error.status == 429 or error.status == 503:  # its queue is full: skipped
-                    self.rollouts.skipped(name)
-                else:
-                    self.rollouts.shadow_failed(name)
+                for _ in taken:
+                    if error.status in (429, 503):  # its queue is full: skipped
+                        self.rollouts.skipped(name)
+                    else:
+                        self.rollouts.shadow_failed(name)
                 return
             except Exception:  # the candidate failed to run
-                self.rollouts.shadow_failed(name)
+                for _ in taken:
+                    self.rollouts.shadow_failed(name)
                 return
-            self.rollouts.time(name, candidate, time.perf_counter() - start)
-            for promoted_out, candidate_out in zip(outputs, rows, strict=True):
+            seconds = time.perf_counter() - start
+            at = 0
+            for w in taken:
+                mine, at = rows[at:at + len(w.outputs)], at + len(w.outputs)
+                self.rollouts.time(name, candidate, seconds)
                 try:
-                    agreement, difference = compare(task, promoted_out, candidate_out)
+                    compared = [compare(task, p, c)
+                                for p, c in zip(w.outputs, mine, strict=True)]
                 except ValueError:
                     self.rollouts.shadow_failed(name)
-                    return
-                self.rollouts.compared(name, agreement, difference)
+                    continue
+                for agreement, difference in compared:
+                    self.rollouts.compared(name, agreement, difference)
         finally:
             self.registry.release(cmv)
 
     async def close(self) -> None:
+        for key in list(self._timers):
+            self._timers.pop(key).cancel()
+        self._gathered.clear()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
