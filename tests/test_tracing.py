@@ -202,7 +202,8 @@ def test_without_a_server_span_the_dispatcher_opens_one(exporter):
         raise AssertionError("not reached")
     tracer = open_tracing(True)
     table = RouteTable([Route("GET", "/things/{name}", handler, "a thing", tracer=tracer)])
-    app = Routes(nothing, table, RequestCounts(Metrics()), lambda held: ("", ""))
+    app = Routes(nothing, table, RequestCounts(Metrics()), lambda held: ("", ""),
+                 lambda held, status: None)
     trace_id, parent = "2af7651916cd43dd8448eb211c80319c", "d7ad6b7169203331"
     r = TestClient(app).get("/things/x", headers=_traceparent(trace_id, parent))
     assert r.status_code == 503
