@@ -556,11 +556,20 @@ class FakeVersion:
     retired: bool = False
 
 
+class NoRollouts:
+    def ended_on_failures(self, name, version):
+        return None
+
+
 class FakeRegistry:
     """Versions 1 and 2 of MODEL loaded (1 the default); what Sessions asks of a registry."""
 
     def __init__(self):
         self.versions = {v: FakeVersion(MODEL, v) for v in (1, 2)}
+        self.rollouts = NoRollouts()
+
+    def route(self, name, key):  # no rollout: new sessions start on the default version
+        return None
 
     def acquire(self, name, version=None):
         if name != MODEL:
