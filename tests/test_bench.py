@@ -176,3 +176,17 @@ def test_images_benchmark_refuses_a_bad_run_count(capsys):
         _load("images").main(["--runs", "0"])
     assert exit_.value.code == 2
     assert "--runs must be at least 1" in capsys.readouterr().err
+
+
+def test_distributed_benchmark_runs(tmp_path):
+    """1 and 2 processes (torchrun's launcher), one round of toy runs: the rows and their
+    speed-ups are there (the rates of such short runs are noise, and may be missing)."""
+    out = tmp_path / "distributed.json"
+    assert _load("distributed").main(["--models", "digits", "--steps-digits", "2",
+                                      "--rounds", "1", "--wait-idle-s", "0",
+                                      "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["processes"], r["per_rank_batch"]) for r in rows] == [
+        ("digits", 1, 64), ("digits", 2, 32)]
+    assert rows[0]["speedup"] in (1.0, None)
+    assert all(r["steps_per_s"] is None or r["steps_per_s"] > 0 for r in rows)

@@ -1,11 +1,7 @@
-"""The trainer, checkpoints, resume, the command line and DDP."""
+"""The trainer, checkpoints, resume and the command line (DDP: tests/test_distributed.py)."""
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +12,6 @@ from orthornn.training.tasks import make_task
 from orthornn.training.trainer import evaluate, improves, train
 
 from orthornn.cli import main as cli
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def small(out, **kw):
@@ -172,28 +166,6 @@ def test_plot_command(tmp_path, capsys):
     train(small(run), progress=False)
     assert cli(["plot", str(run), "--out", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_ddp_two_gloo_processes_match_one_process(tmp_path):
-    args = ["train", "--arch", "svdrnn", "--task", "adding", "--seq-len", "10", "--hidden", "8",
-            "--steps", "12", "--batch-size", "8", "--log-every", "6", "--optimizer", "adam",
-            "--lr", "0.01", "--no-progress"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    torchrun = Path(sys.executable).parent / "torchrun"
-    result = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2",
-                             "-m", "orthornn", *args, "--out", str(tmp_path / "ddp")],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert cli([*args, "--out", str(tmp_path / "one")]) == 0
-    ddp, _ = checkpoint.load_model(tmp_path / "ddp", "last.safetensors")
-    one, _ = checkpoint.load_model(tmp_path / "one", "last.safetensors")
-    # Compare what the parameters compute: the 1x1 reflector H_1(u) = -1 for every u != 0
-    # has an exactly-zero gradient, so Adam turns rounding noise there into steps.
-    torch.testing.assert_close(ddp.recurrent_weight(), one.recurrent_weight(),
-                               atol=1e-5, rtol=1e-5)
-    x = torch.randn(5, 10, 2)
-    torch.testing.assert_close(ddp(x), one(x), atol=1e-5, rtol=1e-5)
-    assert json.loads((tmp_path / "ddp" / "summary.json").read_text())["processes"] == 2
 
 
 def test_build_from_config_matches_build_model(tmp_path):

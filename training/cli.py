@@ -117,6 +117,7 @@ def add_train_parser(sub) -> None:
     parser.add_argument("--show-config", action="store_true",
                         help="print the resolved configuration with the source of every "
                         "value (default, preset: PAPER, config file, flag) and exit")
+    add_distributed_flags(parser)
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "hidden_size":
@@ -138,6 +139,62 @@ def add_train_parser(sub) -> None:
         conv = int if kind.startswith("int") else float if kind.startswith("float") else str
         parser.add_argument(*flag, dest=f.name, type=conv, help=text)
     parser.set_defaults(run=run_train)
+
+
+def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
+    """Data-parallel training (training.distributed): the launcher's flags, and the two a
+    worker that torchrun started also reads (--backend, --dist-timeout-s)."""
+    group = parser.add_argument_group(
+        "data-parallel training (torch.distributed; --batch-size is the global batch)")
+    group.add_argument("--nproc-per-node", type=int, metavar="N",
+                       help="start N workers on this machine through torchrun's launcher "
+                            "(torch.distributed.run) (default: one process, no launcher)")
+    group.add_argument("--nnodes", type=int, metavar="M",
+                       help="machines in the run, each running this same command (default: 1)")
+    group.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                       help="the c10d rendezvous every machine joins, needed with --nnodes > "
+                            "1 (default: a local one)")
+    group.add_argument("--max-restarts", type=int, metavar="K",
+                       help="restart the workers up to K times after one fails; they resume "
+                            "from the last checkpoint (default: 0)")
+    group.add_argument("--force", action="store_true",
+                       help="allow --nproc-per-node above the cores (or CUDA devices); default: "
+                            "refused")
+    group.add_argument("--backend", choices=("auto", "gloo", "nccl"),
+                       help="torch.distributed backend (default: auto: nccl on CUDA, gloo on "
+                            "the CPU)")
+    group.add_argument("--dist-timeout-s", type=float, metavar="S",
+                       help="longest wait for the rendezvous or for another worker in a "
+                            "collective (default: 600)")
+
+
+LAUNCH_FLAGS = ("nnodes", "rdzv_endpoint", "max_restarts", "force")
+
+
+def launch_from_args(args: argparse.Namespace):
+    """The launcher's options when --nproc-per-node is given, else None (a single process, or
+    a worker torchrun started); ValueError for launcher flags without it."""
+    given = vars(args)
+    if "nproc_per_node" not in given:
+        stray = [name for name in LAUNCH_FLAGS if name in given]
+        if stray:
+            flag = "--" + stray[0].replace("_", "-")
+            raise ValueError(f"{flag} needs --nproc-per-node N (orthornn train starts the "
+                             f"workers through torchrun then)")
+        return None
+    import os
+
+    from .distributed import DEFAULT_TIMEOUT_S, Launch
+
+    if "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ:
+        raise ValueError("--nproc-per-node: this process already runs under torchrun "
+                         f"(WORLD_SIZE={os.environ.get('WORLD_SIZE')}); give the worker "
+                         f"count to torchrun or to orthornn train, not both")
+    return Launch(nproc_per_node=given["nproc_per_node"], nnodes=given.get("nnodes", 1),
+                  rdzv_endpoint=given.get("rdzv_endpoint"),
+                  max_restarts=given.get("max_restarts", 0), backend=given.get("backend", "auto"),
+                  timeout_s=given.get("dist_timeout_s", DEFAULT_TIMEOUT_S),
+                  force=given.get("force", False))
 
 
 def add_plot_parser(sub) -> None:
@@ -192,10 +249,25 @@ def run_train(args: argparse.Namespace) -> int:
     if getattr(args, "show_config", False):
         print(show(config, sources))
         return 0
+    resume = getattr(args, "resume", False)
+    progress = not getattr(args, "no_progress", False)
+    launch = launch_from_args(args)
+    if launch is not None:
+        from .distributed import launch_workers
+
+        return launch_workers(config, launch, resume=resume, progress=progress)
+    from .distributed import DEFAULT_TIMEOUT_S, RankError, context
     from .trainer import train
 
-    summary = train(config, resume=getattr(args, "resume", False),
-                    progress=not getattr(args, "no_progress", False))
+    try:
+        summary = train(config, resume=resume, progress=progress,
+                        backend=getattr(args, "backend", "auto"),
+                        timeout_s=getattr(args, "dist_timeout_s", DEFAULT_TIMEOUT_S))
+    except ValueError as error:
+        # every rank stops on the same bad input, and rank 0 alone says it
+        if context().rank != 0 and not isinstance(error, RankError):
+            return 2
+        raise
     if summary is not None:
         metric = summary["metric"]
         print(f"{config.out}: test {metric} = {summary['test'][metric]:.4f} (model of step "

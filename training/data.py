@@ -2,6 +2,10 @@
 
 Generated tasks (adding, copy) draw a fresh training batch per step from a seeded
 generator; dataset tasks shuffle a fixed training split once per epoch.
+
+Data-parallel (training.distributed): rank r of N trains ``rank_share`` of each global batch,
+rows r, r + N, ...; the language model's rank takes a contiguous block of the stream's
+columns instead. Either way the ranks' rows of a step are together the one-process batch.
 """
 
 from __future__ import annotations
@@ -9,6 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+def rank_share(index: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank`` of ``world``'s rows of a global batch: every world-th from its own.
+    On an epoch's permutation this is torch's DistributedSampler split (rank r reads order[r::N],
+    b = B / N at a time), so each example is read once per epoch by one rank."""
+    return index[rank::world]
 
 
 @dataclass
@@ -27,6 +38,10 @@ class Split:
         lengths = None if self.lengths is None else self.lengths[index]
         return Split(self.x[index], self.y[index], lengths)
 
+    def shard(self, rank: int, world: int) -> Split:
+        """This rank's rows of a batch (``rank_share``); the whole batch for one process."""
+        return self if world == 1 else self.take(rank_share(torch.arange(len(self)), rank, world))
+
     def batches(self, batch_size: int):
         for start in range(0, len(self), batch_size):
             yield self.take(torch.arange(start, min(start + batch_size, len(self))))
@@ -34,35 +49,44 @@ class Split:
 
 class EpochSampler:
     """Minibatches from a fixed split: a seeded permutation per epoch, the last
-    incomplete batch dropped so every step sees batch_size sequences."""
+    incomplete batch dropped so every step sees batch_size sequences (the global batch;
+    rank ``rank`` of ``world`` reads only its ``rank_share`` of it)."""
 
-    def __init__(self, split: Split, batch_size: int, seed: int):
+    def __init__(self, split: Split, batch_size: int, seed: int, rank: int = 0,
+                 world: int = 1):
         if len(split) < batch_size:
             raise ValueError(f"batch_size must be at most the training set size "
                              f"({len(split)}), got {batch_size}")
         self.split, self.batch_size, self.seed = split, batch_size, seed
+        self.rank, self.world = rank, world
         self.per_epoch = len(split) // batch_size
 
     def batch(self, step: int) -> Split:
         epoch, i = divmod(step, self.per_epoch)
         order = torch.randperm(len(self.split),
                                generator=torch.Generator().manual_seed(self.seed + epoch))
-        return self.split.take(order[i * self.batch_size:(i + 1) * self.batch_size])
+        chosen = order[i * self.batch_size:(i + 1) * self.batch_size]
+        return self.split.take(rank_share(chosen, self.rank, self.world))
 
 
 class TokenStream:
     """A long token stream cut into ``columns`` parallel streams [columns, L]; step i
     reads the window [i bptt, (i + 1) bptt] and its one-step-shifted target, so the
-    hidden state carries from one step to the next (reset at each epoch)."""
+    hidden state carries from one step to the next (reset at each epoch).
 
-    def __init__(self, tokens: torch.Tensor, columns: int, bptt: int):
+    Rank ``rank`` of ``world`` keeps the block ``rows`` of columns/world consecutive
+    columns: a contiguous part of the stream, whose hidden state it carries itself."""
+
+    def __init__(self, tokens: torch.Tensor, columns: int, bptt: int, rank: int = 0,
+                 world: int = 1):
         length = (tokens.numel() - 1) // columns
         if length < 2:
             raise ValueError(f"the token stream ({tokens.numel()} tokens) is too short for "
                              f"{columns} columns")
         self.data = tokens[: columns * length + 1]
-        self.inputs = self.data[:-1].view(columns, length)
-        self.targets = self.data[1:].view(columns, length)
+        self.rows = slice(rank * columns // world, (rank + 1) * columns // world)
+        self.inputs = self.data[:-1].view(columns, length)[self.rows]
+        self.targets = self.data[1:].view(columns, length)[self.rows]
         self.bptt = min(bptt, length)
         self.per_epoch = -(-length // self.bptt)
 

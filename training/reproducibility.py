@@ -24,10 +24,15 @@ Threads: with more threads than idle cores, every parallel region waits for a th
 the scheduler parked: beside one busy process on 2 cores, 2 threads trained the digits
 model 3x slower than 1 (bench/threads.py). ``pick_threads`` uses the cores that are
 idle now, at least 1; since results do not depend on it, this costs no repeatability.
+Beside other workers of the same run (torchrun's LOCAL_WORLD_SIZE > 1), idle cores cannot be
+sampled (they all start at once), so each takes an equal share of the cores instead. The
+cores are those the process may run on, within a container's CPU limit (cgroup v2
+``cpu.max``), which the affinity mask does not show.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -46,11 +51,23 @@ def pin_portable() -> bool:
     return True
 
 
+#: a container's CPU limit (cgroup v2): "QUOTA PERIOD" or "max PERIOD"
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+
+
 def usable_cores() -> int:
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    try:
+        with open(CGROUP_CPU_MAX) as limit:
+            quota, period = limit.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError, ZeroDivisionError):  # no cgroup v2 limit here
+        pass
+    return cores
 
 
 def idle_cores(interval_s: float = 0.2) -> float | None:
@@ -72,12 +89,15 @@ def idle_cores(interval_s: float = 0.2) -> float | None:
     return (os.cpu_count() or 1) * (idle1 - idle0) / (total1 - total0)
 
 
-def pick_threads(requested: int | None) -> int:
-    """``requested`` if given, else the idle cores now (rounded, at least 1, at most the
-    cores this process may use)."""
+def pick_threads(requested: int | None, local_world: int = 1) -> int:
+    """``requested`` if given; beside ``local_world`` - 1 other workers of the run, an equal
+    share of the cores (at least 1); else the idle cores now (rounded, at least 1, at most
+    the cores this process may use)."""
     if requested is not None:
         return requested
     cores = usable_cores()
+    if local_world > 1:
+        return max(1, cores // local_world)
     idle = idle_cores()
     if idle is None:
         return cores

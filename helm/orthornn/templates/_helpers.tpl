@@ -143,6 +143,10 @@ metadata:
     {{- end }}
 spec:
   restartPolicy: Never
+  {{- if $r.distributed.enabled }}
+  # <job>-<index>.<this subdomain>: the Indexed Job's pods find pod 0, the rendezvous
+  subdomain: {{ include "orthornn.retrainingWorkers" . }}
+  {{- end }}
   serviceAccountName: {{ include "orthornn.serviceAccountName" . }}
   automountServiceAccountToken: false
   {{- with .Values.imagePullSecrets }}
@@ -176,6 +180,14 @@ spec:
         - |
           run="/runs/${ORTHORNN_MODEL_NAME}-$(date -u +%Y%m%dT%H%M%SZ)"
           orthornn train --config /config/train.yaml --out "$run" --no-progress
+          {{- include "orthornn.distributedTrainFlags" . }}
+          {{- if $r.distributed.enabled }}
+          if [ ! -f "$run/summary.json" ]; then
+            # every pod trained; the one that ran rank 0 holds the run and exports it, once
+            echo "retraining: training done; the pod of rank 0 exports the run" >&2
+            exit 0
+          fi
+          {{- end }}
           set +e
           orthornn export "$run" --repo "$ORTHORNN_REPO" --name "$ORTHORNN_MODEL_NAME" --mode "$ORTHORNN_EXPORT_MODE"
           {{- if $gate.enabled }} --gate
@@ -198,6 +210,12 @@ spec:
           value: {{ $r.modelName | quote }}
         - name: ORTHORNN_EXPORT_MODE
           value: {{ $r.exportMode | quote }}
+        {{- if $r.distributed.enabled }}
+        - name: JOB_NAME
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.labels['batch.kubernetes.io/job-name']
+        {{- end }}
         - name: HOME
           value: /tmp
         - name: MPLCONFIGDIR
@@ -307,4 +325,25 @@ ServiceMonitor's targets get from prometheus-operator (namespace, service), unle
 metrics.selector says otherwise. */}}
 {{- define "orthornn.promSelector" -}}
 {{- default (printf "namespace=\"%s\",service=\"%s\"" .Release.Namespace (include "orthornn.fullname" .)) .Values.metrics.selector }}
+{{- end }}
+
+{{/* Data-parallel retraining (retraining.distributed.enabled): the headless Service whose
+DNS names the Indexed Job's pods (<job>-<index>.<service>) reach each other by, and the
+flags of the launcher each pod runs: torchrun's c10d rendezvous at pod 0, gloo or nccl by
+device. */}}
+{{- define "orthornn.retrainingWorkers" -}}
+{{- printf "%s-retrain" (include "orthornn.fullname" . | trunc 55 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "orthornn.distributedTrainFlags" -}}
+{{- $r := .Values.retraining }}
+{{- $d := $r.distributed }}
+{{- if $d.enabled }}
+{{- if and $r.gpu.enabled (gt (int $d.nprocPerNode) (int $r.gpu.count)) }}
+{{- fail (printf "retraining.distributed.nprocPerNode (%d) must be at most retraining.gpu.count (%d): nccl runs one worker per GPU" (int $d.nprocPerNode) (int $r.gpu.count)) }}
+{{- end -}}
+{{- printf " --nnodes %d --nproc-per-node %d" (int $d.nodes) (int $d.nprocPerNode) }}
+{{- printf " --rdzv-endpoint \"${JOB_NAME}-0.%s:%d\"" (include "orthornn.retrainingWorkers" .) (int $d.port) }}
+{{- printf " --max-restarts %d --backend %s --dist-timeout-s %d" (int $d.maxRestarts) (ternary "nccl" "gloo" $r.gpu.enabled) (int $d.timeoutSeconds) }}
+{{- end }}
 {{- end }}
