@@ -89,10 +89,19 @@ def run_export(args: argparse.Namespace) -> int:
     if args.rollout and args.no_promote:
         raise ValueError("--rollout and --no-promote: choose one")
     from .artifacts.repository import promoted as promoted_version
-    from .artifacts.rollout import start
+    from .artifacts.rollout import RUNNING, RolloutError, read_plan, start
     from .rollout_cli import plan_options
 
     options = plan_options(args) if args.rollout else {}  # bad flags: before any work
+    if args.rollout:  # a running rollout refuses the new one: before anything is published
+        try:
+            running = read_plan(Path(args.repo) / args.name)
+        except ValueError:
+            running = None  # an unreadable plan is replaced (rollout.start)
+        if running is not None and running["state"] == RUNNING:
+            raise RolloutError(f"a rollout of version {running['candidate']} is already "
+                               f"running for {args.name!r}; `orthornn rollout abort` or "
+                               f"`promote` it first (nothing was exported)")
     if args.rollout and promoted_version(Path(args.repo) / args.name) is None:
         print("orthornn export: no version is promoted yet, so there is nothing to roll out "
               "against: a candidate that passes is promoted at once", file=sys.stderr)

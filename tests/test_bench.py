@@ -77,6 +77,26 @@ def test_service_benchmark_runs(tmp_path):
         assert r["predict"]["ratio"] > 0 and r["infer_binary"]["ratio"] > 0
 
 
+def test_rollout_benchmark_runs(tmp_path):
+    out = tmp_path / "rollout.json"
+    assert _load("rollout").main(["--round-s", "0.2", "--rounds", "1", "--concurrency", "2",
+                                  "--canary", "50", "--hidden", "8", "--train-steps", "2",
+                                  "--bodies", "16", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert list(result["servers"]) == ["no rollout", "no rollout, again", "shadow 0.1",
+                                       "canary 50%"]
+    for name in result["servers"]:
+        assert row[name]["errors"] == 0 and row[name]["requests"] > 0, name
+    seen = {name: s["observed"] for name, s in result["servers"].items()}
+    assert seen["no rollout"] is None
+    # each server ran the stage it was given: shadow comparisons, or canary answers
+    assert seen["shadow 0.1"]["stage"] == "shadow" and seen["shadow 0.1"]["candidate"] == 0
+    assert seen["shadow 0.1"]["compared"] + seen["shadow 0.1"]["skipped"] > 0
+    assert seen["canary 50%"]["stage"] == 50 and seen["canary 50%"]["compared"] == 0
+    assert 0 < seen["canary 50%"]["candidate_share"] < 1
+
+
 def test_streaming_benchmark_runs(tmp_path):
     out = tmp_path / "streaming.json"
     assert _load("streaming").main(["--history", "40", "--chunk", "4", "--hidden", "8",

@@ -793,3 +793,168 @@ def test_notes_name_where_sessions_live():
     assert "service/rel-orthornn-redis" in notes("sessions.store=bundled")
     text = notes(*SESSIONS["external"])
     assert "redis://cache.ml:6379/2" in text and "with several replicas" not in text.lower()
+
+
+# ------------------------------------------------------------------------------ rollouts
+
+# retraining.rollout: export --gate --rollout, then the controller in the job (issue 32)
+ROLLOUT = ("retraining.enabled=true", "retraining.rollout.enabled=true",
+           "retraining.rollout.shadow=0.2", "retraining.rollout.steps={10,50,100}",
+           "retraining.rollout.intervalSeconds=120", "retraining.rollout.minRequests=500",
+           "retraining.rollout.minAgreement=0.95", "retraining.rollout.maxErrorRate=0.02",
+           "retraining.rollout.maxLatencyRatio=1.5", "retraining.rollout.timeoutSeconds=7200")
+
+
+def _controller_command(script: str, env: dict) -> list[str]:
+    for name, value in env.items():
+        script = script.replace(f'"${name}"', value)
+    (line,) = [x.strip() for x in script.splitlines()
+               if x.strip().startswith("orthornn rollout run ")]
+    return shlex.split(line)
+
+
+def test_retraining_rollout_exports_with_rollout_then_runs_the_controller():
+    from orthornn.export.rollout_cli import plan_options
+
+    docs = render(*ROLLOUT)
+    parser, _ = _subcommands()
+    scripts = _retraining_scripts(docs)
+    assert scripts["CronJob"] == scripts["Job"]
+    script, env = scripts["CronJob"]
+    export = _export_command(script, env)
+    assert export[:9] == ["orthornn", "export", "/runs/x", "--repo", "/models", "--name",
+                          "digits", "--mode", "dense"]
+    assert export[9:] == ["--gate", "--rollout", "--shadow", "0.2", "--steps", "10,50,100",
+                          "--interval", "120", "--min-requests", "500", "--min-agreement",
+                          "0.95", "--max-error-rate", "0.02", "--max-latency-ratio", "1.5"]
+    args = parser.parse_args(export[1:])
+    assert args.gate and args.rollout and not args.no_promote
+    plan = plan_options(args)  # the values make a valid plan
+    assert (plan["shadow"], plan["steps"], plan["interval_s"], plan["min_requests"]) == \
+        (0.2, [10, 50, 100], 120.0, 500)
+    t = plan["thresholds"]
+    assert (t.min_agreement, t.max_error_rate, t.max_latency_ratio) == (0.95, 0.02, 1.5)
+
+    # the controller polls every ready serving pod through the headless Service
+    controller = _controller_command(script, env)
+    run_args = parser.parse_args(controller[1:])
+    assert (run_args.command, run_args.action) == ("rollout", "run")
+    assert (run_args.repo, run_args.name) == ("/models", "digits")
+    assert run_args.replicas == "dns:rel-orthornn-headless.ml.svc:8000"
+    assert run_args.timeout == "7200"
+
+    # the defaults are the CLI's
+    default, default_env = _retraining_scripts(render("retraining.enabled=true",
+                                                      "retraining.rollout.enabled=true"))["Job"]
+    defaults = parser.parse_args(_export_command(default, default_env)[1:])
+    cli = parser.parse_args(["export", "/runs/x", "--repo", "/models", "--name", "digits"])
+    assert defaults.steps == cli.steps
+    for flag in ("shadow", "interval", "min_requests", "min_agreement", "max_error_rate",
+                 "max_latency_ratio"):
+        assert float(getattr(defaults, flag)) == float(getattr(cli, flag)), flag
+
+
+def test_retraining_rollout_headless_service_and_server_setting():
+    docs = render(*ROLLOUT)
+    headless = one(docs, "Service", "-headless")
+    deployment = one(docs, "Deployment")
+    assert headless["metadata"]["name"] == "rel-orthornn-headless"
+    spec = headless["spec"]
+    assert spec["clusterIP"] == "None" and spec["publishNotReadyAddresses"] is False
+    assert spec["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert spec["ports"] == [{"name": "http", "port": container["ports"][0]["containerPort"],
+                              "targetPort": "http", "protocol": "TCP"}]
+    # the replicas only measure and report: the job's controller writes the stages
+    configmap = one(docs, "ConfigMap", f"{RELEASE}-orthornn")
+    assert configmap["data"]["ORTHORNN_ROLLOUT_CONTROLLER"] == "off"
+    assert {"configMapRef": {"name": configmap["metadata"]["name"]}} in container["envFrom"]
+    assert "ORTHORNN_ROLLOUT_CONTROLLER" not in {e["name"] for e in container["env"]}
+    from orthornn.service.settings import Settings
+
+    assert Settings(repo="/models", rollout_controller="off").rollout_controller == "off"
+    # off by default: no headless Service, the replicas decide for themselves (auto)
+    plain = render("retraining.enabled=true")
+    assert [d["metadata"]["name"] for d in plain if d["kind"] == "Service"] == ["rel-orthornn"]
+    assert "ORTHORNN_ROLLOUT_CONTROLLER" not in one(plain, "ConfigMap", f"{RELEASE}-orthornn")[
+        "data"]
+
+
+def test_retraining_rollout_lint_and_kubernetes_validate(tmp_path):
+    args = [tool("helm"), "lint", "--strict", str(CHART)]
+    for item in ROLLOUT:
+        args += ["--set", item]
+    result = run(args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    validate = tool("kubernetes-validate")
+    docs = render(*ROLLOUT)
+    path = tmp_path / "rollout.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    result = run([validate, "--strict", "--kubernetes-version", KUBERNETES_VERSION, str(path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("passed") == len(docs)
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["retraining.gate.enabled=false"], "retraining.rollout.enabled needs "
+                                        "retraining.gate.enabled"),
+    (["retraining.rollout.steps={5,50}"], "retraining.rollout.steps must be increasing"),
+    (["retraining.rollout.steps={50,25,100}"], "retraining.rollout.steps must be increasing"),
+    (["retraining.rollout.timeoutSeconds=21600"], "timeoutSeconds (21600) must be below"),
+    (["retraining.rollout.shadow=1.5"], "shadow"),
+    (["retraining.rollout.minAgreement=high"], "minAgreement"),
+    (["retraining.rollout.maxLatencyRatio=0.5"], "maxLatencyRatio"),
+    (["retraining.rollout.interval=60"], "interval"),      # misspelt key
+])
+def test_bad_rollout_values_fail_at_render_time(sets, message):
+    args = [tool("helm"), "template", RELEASE, str(CHART)]
+    for item in ("retraining.enabled=true", "retraining.rollout.enabled=true", *sets):
+        args += ["--set", item]
+    result = run(args)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
+# orthornn rollout status --json: the plan of a running rollout (the script greps "state")
+RUNNING_PLAN = '{\n  "id": "abc",\n  "candidate": 2,\n  "state": "running"\n}'
+
+
+@pytest.mark.parametrize(("plan", "controller_status", "job_status", "calls"), [
+    (RUNNING_PLAN, 0, 0, ["train", "export", "rollout status", "rollout run"]),
+    (RUNNING_PLAN, 3, 0, ["train", "export", "rollout status", "rollout run"]),
+    (RUNNING_PLAN, 1, 1, ["train", "export", "rollout status", "rollout run",
+                          "rollout abort"]),
+    ("null", 0, 0, ["train", "export", "rollout status"]),   # promoted at once: no rollout
+], ids=["promoted", "rolled-back", "timeout", "no-rollout"])
+def test_retraining_job_runs_the_rollout_to_its_end(tmp_path, plan, controller_status,
+                                                   job_status, calls):
+    """The container's script with a stand-in `orthornn`: after export --gate --rollout,
+    the controller runs while a rollout is running; its exit 3 (rolled back or aborted)
+    completes the job as an outcome, any other failure aborts the rollout (none is left
+    without a controller) and fails the job."""
+    sh = shutil.which("sh")
+    if sh is None:
+        pytest.skip("no POSIX sh")
+    fake = tmp_path / "bin" / "orthornn"
+    fake.parent.mkdir()
+    (tmp_path / "plan.json").write_text(plan + "\n")
+    fake.write_text('#!/bin/sh\necho "$*" >> "$CALLS"\n'
+                    'if [ "$1 $2" = "rollout status" ]; then cat "$PLAN"; exit 0; fi\n'
+                    'if [ "$1 $2" = "rollout run" ]; then exit "$CONTROLLER_STATUS"; fi\n'
+                    'exit 0\n')
+    fake.chmod(0o755)
+    script, env = _retraining_scripts(render(*ROLLOUT))["CronJob"]
+    record = tmp_path / "calls"
+    result = subprocess.run(
+        [sh, "-ec", script], capture_output=True, text=True, timeout=60,
+        env={**env, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}",
+             "CALLS": str(record), "PLAN": str(tmp_path / "plan.json"),
+             "CONTROLLER_STATUS": str(controller_status)})
+    assert result.returncode == job_status, result.stderr
+    made = record.read_text().splitlines()
+    assert [" ".join(c.split()[:2]) if c.startswith("rollout") else c.split()[0]
+            for c in made] == calls
+    if "rollout run" in calls:
+        assert "--replicas dns:rel-orthornn-headless.ml.svc:8000" in " ".join(made)
+    ended = "ended without promoting it" in result.stderr
+    assert ended == (controller_status == 3), result.stderr

@@ -323,7 +323,7 @@ def test_shadow_runs_compare_the_two_versions_outputs_on_the_same_inputs(repo):
             path = "/v2/models/adding" + (f"/versions/{version}" if version else "") + "/infer"
             r = httpx.post(server.url + path, json={"inputs": [{
                 "name": "x", "datatype": "FP32", "shape": [1, len(seq), 2],
-                "data": sum(seq, [])}]})
+                "data": [x for step in seq for x in step]}]})
             assert r.status_code == 200, r.text
             (value,) = [o["data"][0] for o in r.json()["outputs"] if o["name"] == "value"]
             return value, r.json()["model_version"]

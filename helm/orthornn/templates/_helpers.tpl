@@ -123,12 +123,39 @@ random one (so upgrades keep it). */}}
 {{- if and .Values.ingress.sessionAffinity.enabled (not .Values.ingress.enabled) }}
 {{- fail "ingress.sessionAffinity.enabled needs ingress.enabled: the affinity is an annotation of the chart's Ingress (ingress-nginx)" }}
 {{- end }}
+{{- $rollout := .Values.retraining.rollout }}
+{{- if $rollout.enabled }}
+{{- if not .Values.retraining.gate.enabled }}
+{{- fail "retraining.rollout.enabled needs retraining.gate.enabled: a rollout takes a candidate that passed the gate (orthornn export --gate --rollout)" }}
+{{- end }}
+{{- $previous := 0 }}
+{{- range $rollout.steps }}
+{{- if le (int .) $previous }}
+{{- fail (printf "retraining.rollout.steps must be increasing percentages ending at 100 (e.g. [5, 25, 50, 100]); got %v" $rollout.steps) }}
+{{- end }}
+{{- $previous = int . }}
+{{- end }}
+{{- if ne $previous 100 }}
+{{- fail (printf "retraining.rollout.steps must be increasing percentages ending at 100 (e.g. [5, 25, 50, 100]); got %v" $rollout.steps) }}
+{{- end }}
+{{- /* the schema lets decimal strings through (helm --set keeps 0.95 a string) */}}
+{{- range $key, $range := dict "shadow" (list 0.0 1.0) "minAgreement" (list 0.0 1.0) "maxErrorRate" (list 0.0 1.0) "maxLatencyRatio" (list 1.0 1000.0) }}
+{{- $value := float64 (index $rollout $key) }}
+{{- if or (lt $value (index $range 0)) (gt $value (index $range 1)) }}
+{{- fail (printf "retraining.rollout.%s must be a number in [%v, %v]; got %v" $key (index $range 0) (index $range 1) (index $rollout $key)) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.retraining.enabled (gt (int $rollout.timeoutSeconds) 0) (ge (int $rollout.timeoutSeconds) (int .Values.retraining.activeDeadlineSeconds)) }}
+{{- fail (printf "retraining.rollout.timeoutSeconds (%d) must be below retraining.activeDeadlineSeconds (%d): the job also trains and exports before the rollout" (int $rollout.timeoutSeconds) (int .Values.retraining.activeDeadlineSeconds)) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Pod template of the retraining CronJob and Job. */}}
 {{- define "orthornn.retrainingPod" -}}
 {{- $r := .Values.retraining -}}
 {{- $gate := $r.gate -}}
+{{- $rollout := $r.rollout -}}
 metadata:
   labels:
     {{- include "orthornn.selectorLabels" . | nindent 4 }}
@@ -193,6 +220,7 @@ spec:
           {{- if $gate.enabled }} --gate
           {{- if not (kindIs "invalid" $gate.minMetric) }} --min-metric {{ $gate.minMetric | toString | quote }}{{ end }}
           {{- if $gate.tolerance }} --tolerance {{ $gate.tolerance | toString | quote }}{{ end }}
+          {{- if $rollout.enabled }} --rollout --shadow {{ $rollout.shadow | toString | quote }} --steps {{ join "," $rollout.steps | quote }} --interval {{ int $rollout.intervalSeconds | quote }} --min-requests {{ int $rollout.minRequests | quote }} --min-agreement {{ $rollout.minAgreement | toString | quote }} --max-error-rate {{ $rollout.maxErrorRate | toString | quote }} --max-latency-ratio {{ $rollout.maxLatencyRatio | toString | quote }}{{ end }}
           {{- end }}
           status=$?
           set -e
@@ -202,6 +230,29 @@ spec:
             echo "retraining: the gate refused the candidate of ${ORTHORNN_MODEL_NAME} (export exit 3); nothing published, the promoted version keeps serving" >&2
             exit 0
           fi
+          {{- if $rollout.enabled }}
+          if [ "$status" -ne 0 ]; then exit "$status"; fi
+          # export started the candidate's rollout (unless no version was promoted yet: then
+          # it promoted it at once). Its controller adds every serving replica's measurements
+          # (the headless Service) and advances, promotes or rolls back, until it ends.
+          if orthornn rollout status --repo "$ORTHORNN_REPO" --name "$ORTHORNN_MODEL_NAME" --json | grep -q '^  "state": "running"'; then
+            set +e
+            orthornn rollout run --repo "$ORTHORNN_REPO" --name "$ORTHORNN_MODEL_NAME" --replicas "$ORTHORNN_ROLLOUT_REPLICAS" --timeout {{ int $rollout.timeoutSeconds | quote }}
+            status=$?
+            set -e
+            if [ "$status" -eq 3 ]; then
+              # exit 3: rolled back (a threshold broke) or aborted by hand. An outcome, as a
+              # gate refusal: the job completes and the promoted version keeps serving.
+              echo "retraining: the rollout of ${ORTHORNN_MODEL_NAME}'s candidate ended without promoting it (rollout run exit 3, see orthornn rollout status); the promoted version keeps serving" >&2
+              exit 0
+            fi
+            if [ "$status" -ne 0 ]; then
+              # the controller gave up (--timeout) or failed: no rollout is left running
+              # without one; the promoted version keeps serving
+              orthornn rollout abort --repo "$ORTHORNN_REPO" --name "$ORTHORNN_MODEL_NAME" || true
+            fi
+          fi
+          {{- end }}
           exit "$status"
       env:
         - name: ORTHORNN_REPO
@@ -210,6 +261,10 @@ spec:
           value: {{ $r.modelName | quote }}
         - name: ORTHORNN_EXPORT_MODE
           value: {{ $r.exportMode | quote }}
+        {{- if $rollout.enabled }}
+        - name: ORTHORNN_ROLLOUT_REPLICAS
+          value: {{ printf "dns:%s.%s.svc:%d" (include "orthornn.headlessName" .) .Release.Namespace (int .Values.containerPort) | quote }}
+        {{- end }}
         {{- if $r.distributed.enabled }}
         - name: JOB_NAME
           valueFrom:
@@ -325,6 +380,12 @@ ServiceMonitor's targets get from prometheus-operator (namespace, service), unle
 metrics.selector says otherwise. */}}
 {{- define "orthornn.promSelector" -}}
 {{- default (printf "namespace=\"%s\",service=\"%s\"" .Release.Namespace (include "orthornn.fullname" .)) .Values.metrics.selector }}
+{{- end }}
+
+{{/* The headless Service of the serving pods (retraining.rollout.enabled): its DNS name
+resolves to every ready replica, which the rollout's controller polls. */}}
+{{- define "orthornn.headlessName" -}}
+{{- printf "%s-headless" (include "orthornn.fullname" . | trunc 54 | trimSuffix "-") }}
 {{- end }}
 
 {{/* Data-parallel retraining (retraining.distributed.enabled): the headless Service whose
