@@ -221,7 +221,12 @@ def run_training(config: TrainConfig, *, resume: bool = False, progress: bool = 
             torch.cuda.set_device(device)
         if own_group:
             distributed.join(backend, ctx, timeout_s)
-        return _train(config, resume, progress, threads, ctx, device, backend)
+        done = _train(config, resume, progress, threads, ctx, device, backend)
+        if own_group:  # leave together, once rank 0 has written the run: a rank whose
+            # group is torn down while a peer still works can abort at exit (SIGABRT, seen
+            # in CI: "terminate called without an active exception")
+            torch.distributed.barrier()
+        return done
     finally:
         if own_group:
             distributed.leave()
