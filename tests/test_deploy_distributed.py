@@ -11,11 +11,11 @@ import shutil
 import subprocess
 
 import pytest
-import yaml
 
 from tests.test_deploy import (
     CHART,
-    KUBERNETES_VERSION,
+    DISTRIBUTED,
+    GPU,
     RELEASE,
     _subcommands,
     one,
@@ -24,9 +24,6 @@ from tests.test_deploy import (
     tool,
 )
 
-DISTRIBUTED = ("retraining.enabled=true", "retraining.distributed.enabled=true",
-               "retraining.distributed.nodes=3", "retraining.distributed.nprocPerNode=2")
-GPU = (*DISTRIBUTED, "retraining.gpu.enabled=true", "retraining.gpu.count=2", "gpu.enabled=true")
 SERVICE = f"{RELEASE}-orthornn-retrain"
 
 
@@ -42,27 +39,6 @@ def _train_command(pod: dict, job: str = "rel-orthornn-retrain-r1") -> list[str]
     script = c["args"][0].replace('"$run"', "/runs/x").replace("${JOB_NAME}", job)
     (line,) = [x for x in script.splitlines() if x.startswith("orthornn train ")]
     return shlex.split(line)
-
-
-@pytest.mark.parametrize("sets", [DISTRIBUTED, GPU], ids=["gloo", "nccl"])
-def test_helm_lint_strict_distributed(sets):
-    args = [tool("helm"), "lint", "--strict", str(CHART)]
-    for item in sets:
-        args += ["--set", item]
-    result = run(args)
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-def test_distributed_manifests_pass_kubernetes_validate(tmp_path):
-    files = []
-    for name, sets in {"gloo": DISTRIBUTED, "nccl": GPU}.items():
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump_all(render(*sets)))
-        files.append(str(path))
-    result = run([tool("kubernetes-validate"), "--strict", "--kubernetes-version",
-                  KUBERNETES_VERSION, *files])
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("passed") == len(render(*DISTRIBUTED)) + len(render(*GPU))
 
 
 @pytest.mark.parametrize(("sets", "backend"), [(DISTRIBUTED, "gloo"), (GPU, "nccl")],
