@@ -8,7 +8,6 @@ import datetime as dt
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,7 @@ from orthornn.export.artifacts import rollout
 from orthornn.export.artifacts.repository import promote, read_promotion
 from orthornn.export.artifacts.rollout import LATENCY_BOUNDS, Side, Tally
 
-from .cluster import ROOT
+from .helpers import orthornn as run_orthornn
 from .service_helpers import LiveServer, make_repo
 
 NOW = dt.datetime(2026, 11, 27, 12, 0, tzinfo=dt.UTC)
@@ -143,10 +142,7 @@ def repo(service_packages, tmp_path) -> Path:
 
 
 def orthornn(*args: object, code: int = 0) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "orthornn", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == code, (done.stdout, done.stderr)
-    return done
+    return run_orthornn(*args, code=code, timeout=120)
 
 
 def report(plan: dict, stage: int, compared: int = 0, agreement: float = 1.0,

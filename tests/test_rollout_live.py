@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 from .cluster import ROOT, HAProxy, RedisServer, Replica
+from .helpers import orthornn as run_orthornn
 from .test_sessions_cluster import metric
 
 pytestmark = pytest.mark.timeout(900)
@@ -42,10 +43,7 @@ ADDING = ["--arch", "svdrnn", "--task", "adding", "--hidden", "8", "--batch-size
 
 
 def orthornn(*args: object, code: int = 0) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "orthornn", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
-    return done
+    return run_orthornn(*args, code=code, timeout=600)
 
 
 @dataclass

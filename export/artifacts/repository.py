@@ -236,11 +236,11 @@ def describe(model_dir: str | Path) -> list[dict]:
     model_dir = Path(model_dir)
     on_disk = versions(model_dir)
     live = live_version(on_disk, promoted(model_dir))
-    backed = rolled_back(model_dir)
     try:
         plan = read_plan(model_dir)
     except ValueError:
         plan = None
+    backed = rolled_back(plan)
     rolling = plan["candidate"] if plan is not None and plan["state"] == RUNNING else None
     rows = []
     for path in [*(model_dir / str(v) for v in on_disk), *rejected(model_dir)]:

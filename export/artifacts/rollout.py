@@ -484,13 +484,9 @@ def end_by_hand(model_dir: str | Path, action: str) -> dict:
         return _finish(model_dir, plan, ABORTED, f"aborted by hand {where}", now)
 
 
-def rolled_back(model_dir: str | Path) -> dict[int, dict]:
-    """The candidates whose rollout was rolled back, with its summary (``orthornn
-    versions``)."""
-    try:
-        plan = read_plan(model_dir)
-    except ValueError:
-        return {}
+def rolled_back(plan: dict | None) -> dict[int, dict]:
+    """The candidates whose rollout was rolled back, in PLAN (a model's rollout.json) or
+    the rollouts before it, with its summary (``orthornn versions``)."""
     if plan is None:
         return {}
     return {p["candidate"]: p for p in [*plan.get("past", []), plan]

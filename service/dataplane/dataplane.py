@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
@@ -22,6 +22,7 @@ from orthornn.export.artifacts.rollout import RULES, weight
 
 from ..errors import ClientError, NotFound, RollbackRefused, StateConflict
 from ..metrics import UNKNOWN, Held, Metrics
+from ..registry.batcher import Batcher
 from ..registry.registry import ModelVersion, Registry
 from ..registry.runtime import Chunk
 from ..registry.spec import ModelSpec
@@ -330,10 +331,14 @@ class DataPlane:
                 for item, row in zip(out, rows, strict=True):
                     item["state"] = encode_state(mv.name, mv.version, row["state"])
             return out, [row["state"] for row in rows], [row[spec.output_name] for row in rows]
-        if not self.rollouts.running(mv.name):
-            return await batcher.submit(seqs, post, prepare=True)  # one softmax per batch
-        start = time.perf_counter()  # a rollout compares the versions' compute times
-        done = await batcher.submit(seqs, post, prepare=True)
+        return await self._submit(mv, batcher, seqs, post, prepare=True)  # one softmax per batch
+
+    async def _submit(self, mv: ModelVersion, batcher: Batcher, seqs: list,
+                      post: Callable[[list[dict]], Any], *, prepare: bool = False) -> Any:
+        """``batcher.submit``, its compute time (queue and inference) told to the rollouts:
+        a running rollout compares its versions' (nothing is counted without one)."""
+        start = time.perf_counter()
+        done = await batcher.submit(seqs, post, prepare=prepare)
         self.rollouts.time(mv.name, mv.version, time.perf_counter() - start)
         return done
 
@@ -445,12 +450,9 @@ class DataPlane:
         if unknown:
             raise ClientError(f"outputs: unknown output {unknown[0]!r}; the model has {names}")
         datatypes = {o.name: o.datatype for o in mv.spec.io["model"].outputs}
-        start = time.perf_counter()
-        tensors = await mv.batcher.submit(
-            seqs, lambda rows: outputs_to_tensors(rows, names, steps,
-                                                          runtime.per_step["model"]))
-        if self.rollouts.running(mv.name):
-            self.rollouts.time(mv.name, mv.version, time.perf_counter() - start)
+        tensors = await self._submit(
+            mv, mv.batcher, seqs, lambda rows: outputs_to_tensors(rows, names, steps,
+                                                                  runtime.per_step["model"]))
         return [OutputTensor(n, datatypes[n], tensors[n]) for n in names]
 
     def _shadow_infer(self, mv: ModelVersion, req: Inference, seqs: list,

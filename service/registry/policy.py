@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from orthornn.export.artifacts import rollout
@@ -269,17 +270,18 @@ class VersionPolicy:
         """The repository API's rollout start (``orthornn rollout start``'s rules); the
         plan, applied here at once."""
         model_dir = self._model_dir(name)
-        plan = self._write_plan(name, lambda: rollout.start(
+        return self._write_plan(name, lambda: rollout.start(
             model_dir, candidate, shadow=shadow, steps=steps, interval_s=interval_s,
             min_requests=min_requests, thresholds=Thresholds(**thresholds)))
-        return plan
 
     def end_rollout(self, name: str, action: str) -> dict:
         """The repository API's rollout promote or abort."""
         model_dir = self._model_dir(name)
         return self._write_plan(name, lambda: rollout.end_by_hand(model_dir, action))
 
-    def _write_plan(self, name: str, write) -> dict:  # type: ignore[no-untyped-def]
+    def _write_plan(self, name: str, write: Callable[[], dict]) -> dict:
+        """WRITE the plan (start, promote, abort) and apply it here at once; its refusal
+        as the status it carries, an unwritable repository as 409."""
         try:
             plan = write()
         except RolloutError as error:

@@ -15,6 +15,7 @@ import threading
 
 from orthornn.export.artifacts.rollout import (
     LATENCY_BOUNDS,
+    ROLLED_BACK,
     RUNNING,
     SHADOW,
     Side,
@@ -84,7 +85,7 @@ class Rollouts:
     def ended_on_failures(self, name: str, version: int) -> str | None:
         """Why sessions on VERSION must end (409): its rollout was rolled back on errors."""
         plan = self._plans.get(name)
-        if plan is None or plan["state"] != "rolled_back" or plan["candidate"] != version or \
+        if plan is None or plan["state"] != ROLLED_BACK or plan["candidate"] != version or \
                 (plan.get("breach") or {}).get("rule") != "max_error_rate":
             return None
         return f"version {version}'s rollout was rolled back ({plan['reason']})"
