@@ -1,58 +1,77 @@
 #!/usr/bin/env bash
 # One GPU check of the Triton kernels on a lent H100 / H200 (docs/gpu.md), in under
-# 8 minutes, each step bounded so the later ones still run:
-#   1. the Triton op tests with compiled kernels (no TRITON_INTERPRET), gpu-marked included
-#   2. bench/ops.py: the headline point (T=784, n=128, B=64), then the docs' grid
+# 8 minutes, each step bounded so the later ones still run. In order of priority:
+#   1. bench/ops.py at the issue's point (T=784, n=128, B=64): the fused scan against the
+#      Python loop and cuDNN's nn.RNN(relu), the compact-WY matrix against householder_product
+#   2. the chains: householder_apply and rotation_chain (Triton kernels, the Python-loop
+#      reference) against the dense product (U built once, then one matmul)
 #   3. training throughput: steps/s of svdrnn, scornn, dizzyrnn, sgornn at T=784, n=128,
 #      B=64 (Triton kernels and the PyTorch reference) against nn.RNN(relu) and cuDNN LSTM
-#   4. the long rows of bench/reproduce.py --full that fit in the time left: DizzyRNN's
-#      copy rows (its preset's 1,000 steps, the Givens kernels inside), one seed each
+#   4. the Triton op tests with compiled kernels (no TRITON_INTERPRET), gpu-marked included,
+#      in pytest-xdist workers (compilation in parallel; a worker a device fault kills is
+#      replaced, the others go on)
+#   5. bench/ops.py over the docs' grid
+#   6. the long rows of bench/reproduce.py --full in the time left: DizzyRNN's copy rows
+#      (its preset's 1,000 steps, the Givens kernels inside), one seed each; when time runs
+#      out, the seeds that finished are tabulated (--collect)
 # Run from the checkout: OUT=/some/dir bash bench/gpu_check.sh. Writes 8 files to $OUT
 # (the most a lent machine returns): summary.json (every step's exit code and seconds),
-# env.txt, tests.log, ops.log (with the throughput log), ops.json, throughput.json,
-# reproduce.log, reproduce.json. The compile check (tests/test_triton_compile.py) needs
+# env.txt, log.txt (every step's output), ops.json (the point), ops-grid.json, chains.json,
+# throughput.json, reproduce.json. The compile check (tests/test_triton_compile.py) needs
 # no GPU and is not rerun here.
-# Environment: BUDGET (seconds, default 470), PYTHON (default python).
+# Environment: BUDGET (seconds, default 470), PYTHON (default python), SMOKE=1 (a tiny run
+# of every step on the CPU through the Triton interpreter: checks the script, not the GPU).
 set -u
 OUT=${OUT:?set OUT to the folder for logs and results}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 PYTHON=${PYTHON:-python}
 BUDGET=${BUDGET:-470}
+SMOKE=${SMOKE:-0}
 START=$(date +%s)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-unset TRITON_INTERPRET
+export PYTHONUNBUFFERED=1
 export ORTHORNN_KERNELS=auto
+if [ "$SMOKE" = 1 ]; then
+    export TRITON_INTERPRET=1 CHECK_DEVICE=cpu
+else
+    unset TRITON_INTERPRET
+    export CHECK_DEVICE=cuda
+fi
 SCRATCH=$(mktemp -d)
+LOG="$OUT/log.txt"
+: >"$LOG"
 STEPS=()
 
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 
-# step NAME LIMIT LOG CMD...: run CMD under min(LIMIT, time left), log to LOG, record it.
+# step NAME LIMIT CMD...: run CMD under min(LIMIT, time left), log to $LOG, record it.
 step() {
-    local name=$1 limit=$2 log=$3
-    shift 3
+    local name=$1 limit=$2
+    shift 2
     local remaining
     remaining=$(left)
     if [ "$remaining" -lt "$limit" ]; then limit=$remaining; fi
     if [ "$limit" -lt 15 ]; then
         STEPS+=("{\"step\": \"$name\", \"rc\": null, \"seconds\": 0, \"note\": \"no time left\"}")
-        echo "== $name: skipped, no time left" >>"$log"
+        echo "== $name: skipped, no time left" >>"$LOG"
         return
     fi
-    local t0=$(date +%s)
-    echo "== $name (limit ${limit}s): $*" >>"$log"
-    timeout --signal=INT --kill-after=15 "$limit" "$@" >>"$log" 2>&1
+    local t0
+    t0=$(date +%s)
+    echo "== $name (limit ${limit}s): $*" >>"$LOG"
+    timeout --signal=INT --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1
     local rc=$?
     local spent=$(($(date +%s) - t0))
-    echo "== $name: exit $rc after ${spent}s" >>"$log"
+    echo "== $name: exit $rc after ${spent}s" >>"$LOG"
     STEPS+=("{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $spent, \"limit\": $limit}")
 }
 
 # The package imports as orthornn.models (pyproject maps the top-level folders to it).
 # Without an install, a sitecustomize on PYTHONPATH adds the checkout to the package's
-# path, so orthornn.models is models/ whatever sys.path[0] is.
+# path, so orthornn.models is models/ whatever sys.path[0] is (worker processes too).
 if ! "$PYTHON" -c "import orthornn.models" 2>/dev/null; then
     mkdir -p "$SCRATCH/site"
     cat >"$SCRATCH/site/sitecustomize.py" <<EOF
@@ -66,40 +85,148 @@ fi
 
 {
     date -u
-    nvidia-smi 2>&1 | head -20
-    "$PYTHON" - <<'EOF'
+    timeout 30 nvidia-smi 2>&1 | head -20
+    timeout 90 "$PYTHON" - <<'EOF'
 import platform, torch
-print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "cudnn", torch.backends.cudnn.version())
 try:
     import triton
     print("triton", triton.__version__)
 except Exception as e:
     print("triton missing:", e)
-print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, "SMs", p.multi_processor_count, "memory GiB",
+          round(p.total_memory / 2**30, 1), "capability", f"{p.major}.{p.minor}")
+else:
+    print("device: no CUDA")
+try:
+    import onnxruntime
+    print("onnxruntime", onnxruntime.__version__, onnxruntime.get_available_providers())
+except Exception as e:
+    print("onnxruntime missing:", e)
 import orthornn.models
 print("orthornn.models from", orthornn.models.__file__)
 EOF
 } >"$OUT/env.txt" 2>&1
 
-# 1. compiled kernels against the reference (the tests pick CUDA when it is there)
-step tests 200 "$OUT/tests.log" "$PYTHON" -m pytest -q -p no:cacheprovider \
-    tests/test_triton_ops.py tests/test_scan.py
+if [ "$SMOKE" = 1 ]; then
+    OPS_POINT=(--smoke --reps 1)
+    OPS_GRID=(--smoke --reps 1)
+    TESTS=(-k "householder_apply or scan_every_activation")
+    REPRODUCE=(--quick --device cpu --jobs 1)
+else
+    OPS_POINT=(--steps 784 --hidden 128 --batch 64 --reps 5)
+    OPS_GRID=(--reps 3)
+    TESTS=(-n 6)
+    REPRODUCE=(--full --device cuda --jobs 3)
+fi
 
-# 2. the op benchmark: the issue's point first, then the docs' grid
-step ops_point 60 "$OUT/ops.log" "$PYTHON" bench/ops.py --steps 784 --hidden 128 --batch 64 \
-    --reps 5 --out "$OUT/ops.json"
-step ops_grid 150 "$OUT/ops.log" "$PYTHON" bench/ops.py --reps 3 --out "$SCRATCH/ops-grid.json"
-if [ -f "$SCRATCH/ops-grid.json" ]; then cp "$SCRATCH/ops-grid.json" "$OUT/ops.json"; fi
+# 1. the op benchmark at the issue's point
+step ops_point 75 "$PYTHON" bench/ops.py "${OPS_POINT[@]}" --out "$OUT/ops.json"
+
+# 2. the chains against the dense product (x @ U^T with U built once: the matmul alone,
+#    and U built by compact WY / householder_product / the Givens chain on I, plus the matmul)
+cat >"$SCRATCH/chains.py" <<'EOF'
+import datetime, json, os, statistics, sys, time
+import torch
+from orthornn.models.ops import householder_apply, householder_matrix, rotation_chain
+from orthornn.models.parametrizations import PackedGivens
+
+out = sys.argv[1]
+dev = torch.device(os.environ.get("CHECK_DEVICE", "cuda"))
+smoke = dev.type == "cpu"
+sizes, batch, reps = ((16,), 4, 1) if smoke else ((128, 256, 512), 64, 10)
+
+
+def sync():
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def ms(fn):
+    fn(), fn()  # warm-up: Triton compiles
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def both(make):
+    """(forward ms, forward+backward ms) of make(grad) -> output."""
+    def fwd():
+        with torch.no_grad():
+            make()
+
+    def fwdbwd():
+        make().sum().backward()
+    return ms(fwd), ms(fwdbwd)
+
+
+def modes(run):
+    res = {}
+    for mode in ("triton", "reference"):
+        os.environ["ORTHORNN_KERNELS"] = mode
+        res[mode] = both(run)
+    os.environ["ORTHORNN_KERNELS"] = "auto"
+    return res
+
+
+rows = []
+gen = torch.Generator().manual_seed(0)
+for n in sizes:
+    x = torch.randn(batch, n, generator=gen).to(dev).requires_grad_()
+    y = torch.randn(n, n, generator=gen).to(dev).tril().requires_grad_()
+    v = (y / y.diagonal()).detach()  # householder_product's unit-diagonal convention
+    tau = 2 / (v.tril(-1).square().sum(0) + 1)
+    v.requires_grad_()
+    u_fixed = householder_matrix(y).detach()
+    r = {"chain": "householder", "n": n, "m": n, "vectors": batch}
+    for mode, (f, fb) in modes(lambda: householder_apply(x, y)).items():
+        r[f"{mode}_fwd_ms"], r[f"{mode}_fwdbwd_ms"] = f, fb
+    r["matmul_fwd_ms"], r["matmul_fwdbwd_ms"] = both(lambda: x @ u_fixed.T)
+    r["compact_wy_then_matmul_fwd_ms"], r["compact_wy_then_matmul_fwdbwd_ms"] = both(
+        lambda: x @ householder_matrix(y).T)
+    r["householder_product_then_matmul_fwd_ms"], r["householder_product_then_matmul_fwdbwd_ms"] = \
+        both(lambda: x @ torch.linalg.householder_product(v, tau).T)
+    rows.append(r)
+    print(r, flush=True)
+
+    p = PackedGivens(n, n - 1, generator=gen)
+    cos, sin, partner = (t.detach().to(dev) for t in p.coefficients())
+    cos.requires_grad_(), sin.requires_grad_()
+    eye = torch.eye(n, device=dev)
+    xt = x.detach().T.contiguous().requires_grad_()
+    w_fixed = rotation_chain(eye, cos, sin, partner).detach()
+    r = {"chain": "givens", "n": n, "rotations": n - 1, "vectors": batch}
+    for mode, (f, fb) in modes(lambda: rotation_chain(xt, cos, sin, partner)).items():
+        r[f"{mode}_fwd_ms"], r[f"{mode}_fwdbwd_ms"] = f, fb
+    for mode, (f, fb) in modes(lambda: rotation_chain(eye, cos, sin, partner) @ xt).items():
+        r[f"{mode}_matrix_then_matmul_fwd_ms"], r[f"{mode}_matrix_then_matmul_fwdbwd_ms"] = f, fb
+    r["matmul_fwd_ms"], r["matmul_fwdbwd_ms"] = both(lambda: w_fixed @ xt)
+    rows.append(r)
+    print(r, flush=True)
+    json.dump({"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+               "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+               "reps": reps, "rows": rows}, open(out, "w"), indent=1)
+EOF
+step chains 60 "$PYTHON" "$SCRATCH/chains.py" "$OUT/chains.json"
 
 # 3. training throughput at T=784, n=128, B=64 (pixel-by-pixel MNIST's shape)
 cat >"$SCRATCH/throughput.py" <<'EOF'
-import json, os, sys, time
+import datetime, json, os, sys, time
 import torch
 from orthornn.models import build_model
 
 out = sys.argv[1]
-dev = torch.device("cuda")
-T, n, B, classes, budget = 784, 128, 64, 10, 6.0
+dev = torch.device(os.environ.get("CHECK_DEVICE", "cuda"))
+smoke = dev.type == "cpu"
+T, n, B, classes, budget = (12, 16, 4, 10, 0.2) if smoke else (784, 128, 64, 10, 4.0)
 gen = torch.Generator().manual_seed(0)
 x = torch.randn(B, T, 1, generator=gen).to(dev)
 y = torch.randint(0, classes, (B,), generator=gen).to(dev)
@@ -107,15 +234,20 @@ loss_fn = torch.nn.CrossEntropyLoss()
 rows = []
 
 
+def sync():
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def rate(step):
     for _ in range(2):
         step()  # warm-up: Triton compiles, cuDNN picks its algorithms
-    torch.cuda.synchronize()
+    sync()
     count, start = 0, time.perf_counter()
     while count < 3 or (time.perf_counter() - start < budget and count < 200):
         step()
         count += 1
-        torch.cuda.synchronize()
+        sync()
     return count / (time.perf_counter() - start)
 
 
@@ -148,10 +280,19 @@ def model_step(arch):
     return step
 
 
+def save():
+    json.dump({"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+               "T": T, "n": n, "B": B,
+               "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+               "rows": rows}, open(out, "w"), indent=1)
+
+
 for name in ("rnn", "lstm"):
-    rows.append({"model": f"nn.{'LSTM' if name == 'lstm' else 'RNN(relu)'} (cuDNN)",
+    rows.append({"model": f"nn.{'LSTM' if name == 'lstm' else 'RNN(relu)'}"
+                 + (" (cuDNN)" if dev.type == "cuda" else ""),
                  "steps_per_s": rate(baseline(name))})
     print(rows[-1], flush=True)
+    save()
 for arch in ("svdrnn", "scornn", "dizzyrnn", "sgornn"):
     for mode in ("auto", "reference"):
         os.environ["ORTHORNN_KERNELS"] = mode
@@ -161,23 +302,35 @@ for arch in ("svdrnn", "scornn", "dizzyrnn", "sgornn"):
         except Exception as e:  # one failure does not hide the other rows
             rows.append({"model": arch, "kernels": mode, "error": repr(e)[:500]})
         print(rows[-1], flush=True)
-        json.dump({"T": T, "n": n, "B": B, "device": torch.cuda.get_device_name(),
-                   "rows": rows}, open(out, "w"), indent=1)
+        save()
 EOF
-step throughput 120 "$OUT/throughput.log" "$PYTHON" "$SCRATCH/throughput.py" \
-    "$OUT/throughput.json"
-cat "$OUT/throughput.log" >>"$OUT/ops.log" 2>/dev/null && rm -f "$OUT/throughput.log"
+step throughput 110 "$PYTHON" "$SCRATCH/throughput.py" "$OUT/throughput.json"
 
-# 4. long rows of reproduce.py --full (copy T=200 is --full only), as far as time allows
-step reproduce_copy 600 "$OUT/reproduce.log" "$PYTHON" bench/reproduce.py --full \
-    --only copy --arch dizzyrnn --seeds 1 --jobs 3 --device cuda --out "$SCRATCH/reproduce" \
+# 4. compiled kernels against the reference (the tests pick CUDA when it is there)
+step tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider "${TESTS[@]}" \
+    tests/test_triton_ops.py tests/test_scan.py
+
+# 5. the op benchmark over the docs' grid
+step ops_grid 120 "$PYTHON" bench/ops.py "${OPS_GRID[@]}" --out "$OUT/ops-grid.json"
+
+# 6. long rows of reproduce.py --full (copy T=200 is --full only), as far as time allows,
+#    keeping 25 s to tabulate the seeds that finished if it is cut short
+RESERVE=25
+step reproduce_copy $(($(left) - RESERVE)) "$PYTHON" bench/reproduce.py "${REPRODUCE[@]}" \
+    --only copy --arch dizzyrnn --seeds 1 --out "$SCRATCH/reproduce" \
     --runs "$SCRATCH/reproduce-runs"
-if [ -f "$SCRATCH/reproduce/reproduce-full.json" ]; then
-    cp "$SCRATCH/reproduce/reproduce-full.json" "$OUT/reproduce.json"
+if ! ls "$SCRATCH"/reproduce/reproduce*.json >/dev/null 2>&1 && [ -d "$SCRATCH/reproduce-runs" ]
+then
+    BUDGET=$((BUDGET + RESERVE)) step reproduce_collect 20 "$PYTHON" bench/reproduce.py \
+        "${REPRODUCE[@]}" --only copy --arch dizzyrnn --seeds 1 --out "$SCRATCH/reproduce" \
+        --runs "$SCRATCH/reproduce-runs" --collect
 fi
+for f in "$SCRATCH"/reproduce/reproduce*.json; do
+    if [ -f "$f" ]; then cp "$f" "$OUT/reproduce.json"; fi
+done
 
 {
-    echo "{\"budget_s\": $BUDGET, \"wall_s\": $(($(date +%s) - START)), \"steps\": ["
+    echo "{\"budget_s\": $BUDGET, \"wall_s\": $(($(date +%s) - START)), \"smoke\": $SMOKE, \"steps\": ["
     sep=""
     for s in "${STEPS[@]}"; do echo "$sep$s"; sep=","; done
     echo "]}"
