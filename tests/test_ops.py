@@ -99,6 +99,43 @@ def test_forced_triton_rejects_unsupported_inputs(monkeypatch):
         rnn_scan(u, torch.eye(3, dtype=torch.float64))
 
 
+class _CudaLooking(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: enough for the dispatch decision."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@pytest.mark.parametrize(("mode", "n", "kernel"), [
+    ("auto", 256, True), ("auto", 512, False), ("auto", 1024, False),
+    ("triton", 256, True), ("triton", 512, True), ("triton", 1024, True),
+    ("reference", 256, False)])
+def test_scan_dispatch_by_hidden_size(monkeypatch, mode, n, kernel):
+    """auto runs the fused scan on CUDA only up to scan.MAX_AUTO_HIDDEN (measured slower
+    than the reference loop at n = 512 on an H200, docs/gpu.md); triton mode forces it
+    at any size the kernel takes."""
+    from orthornn.models.ops import scan
+
+    assert scan.MAX_AUTO_HIDDEN == 256
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setenv("ORTHORNN_KERNELS", mode)
+    u = torch.zeros(2, 3, n).as_subclass(_CudaLooking)
+    w = torch.zeros(n, n).as_subclass(_CudaLooking)
+    assert u.is_cuda and w.is_cuda
+    assert scan._triton(u, w) is kernel
+
+
+def test_slower_is_not_an_error_when_triton_is_forced(monkeypatch):
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setenv("ORTHORNN_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dispatch.use_triton("op", (torch.randn(2),), slower="is slower here")
+    monkeypatch.setenv("ORTHORNN_KERNELS", "auto")
+    assert not dispatch.use_triton("op", (torch.randn(2).as_subclass(_CudaLooking),),
+                                   slower="is slower here")
+
+
 def test_scan_rejects_bad_input():
     u = torch.randn(2, 3, 4)
     with pytest.raises(ValueError, match="activation must be one of"):

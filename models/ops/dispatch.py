@@ -1,9 +1,11 @@
 """Which implementation an op runs: the pure-PyTorch reference or a Triton kernel.
 
 ``ORTHORNN_KERNELS`` (read at every call, so tests and users can switch it):
-    auto       Triton when every tensor is on CUDA, triton imports and the op supports
-               the shape and dtype; otherwise the reference (the default)
-    triton     always Triton; an error when that is impossible. CPU tensors need
+    auto       Triton when every tensor is on CUDA, triton imports, the op supports
+               the shape and dtype and its kernel was not measured slower than the
+               reference there; otherwise the reference (the default)
+    triton     always Triton (also where it is slower); an error when that is
+               impossible. CPU tensors need
                ``TRITON_INTERPRET=1`` set before the first kernel runs in the process
                (the interpreter runs the kernels with numpy: slow, for tests only)
     reference  always the pure-PyTorch reference
@@ -48,15 +50,19 @@ def triton_available() -> bool:
     return True
 
 
-def use_triton(op: str, tensors, unsupported: str | None = None) -> bool:
+def use_triton(op: str, tensors, unsupported: str | None = None,
+               slower: str | None = None) -> bool:
     """True when ``op`` should run its Triton kernel on ``tensors`` (None entries are
-    skipped). ``unsupported`` is the op's reason it cannot take these inputs, or None."""
+    skipped). ``unsupported`` is the op's reason it cannot take these inputs, or None
+    (``triton`` mode raises it). ``slower`` is the op's reason its kernel is slower than
+    the reference on these inputs, or None: ``auto`` then picks the reference, while
+    ``triton`` mode runs the kernel anyway (it is correct there, only slower)."""
     mode = kernel_mode()
     if mode == "reference":
         return False
     on_cuda = all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor))
     if mode == "auto":
-        return on_cuda and unsupported is None and triton_available()
+        return on_cuda and unsupported is None and slower is None and triton_available()
     if not triton_available():
         raise RuntimeError(f"{ENV}=triton but triton is not installed "
                            "(pip install '.[gpu]' in a checkout of orthornn, or the dev extra)")

@@ -17,9 +17,17 @@ from ..activations import check_kind
 from . import reference
 from .dispatch import use_triton
 
-#: Hidden sizes the Triton scan takes in auto mode. Above the on-chip limit of
-#: ``triton_scan`` W is streamed from L2 each step; past this bound that stops paying.
+#: Hidden sizes the Triton scan takes (``ORTHORNN_KERNELS=triton``; an error above).
+#: Above the on-chip limit of ``triton_scan`` W is streamed from L2 each step.
 MAX_TRITON_HIDDEN = 1024
+#: Largest hidden size ``auto`` runs the Triton scan at: the largest where it was measured
+#: faster than the reference loop (docs/gpu.md, "Measured on a GPU"; H200,
+#: bench/results/gpu/ops-grid.json). At n = 256 the fused scan is 2.2x to 2.8x faster
+#: forward + backward (T = 128, B = 64: 6.2 ms against 14.7 ms); at n = 512 it is slower
+#: at every T and B measured (0.5x to 0.8x; T = 128, B = 64: 22.0 ms against 16.6 ms, and
+#: 10.5 against 7.2 ms forward alone), so auto picks the reference above this size.
+#: ``ORTHORNN_KERNELS=triton`` still runs the kernel up to ``MAX_TRITON_HIDDEN``.
+MAX_AUTO_HIDDEN = 256
 
 
 def _unsupported(u: Tensor, weight: Tensor) -> str | None:
@@ -30,8 +38,15 @@ def _unsupported(u: Tensor, weight: Tensor) -> str | None:
     return None
 
 
+def _slower(u: Tensor) -> str | None:
+    if u.shape[-1] > MAX_AUTO_HIDDEN:
+        return (f"is slower than the reference above hidden size {MAX_AUTO_HIDDEN}; "
+                f"got {u.shape[-1]}")
+    return None
+
+
 def _triton(u: Tensor, weight: Tensor, *others) -> bool:
-    return use_triton("rnn_scan", (u, weight, *others), _unsupported(u, weight))
+    return use_triton("rnn_scan", (u, weight, *others), _unsupported(u, weight), _slower(u))
 
 
 @torch.library.custom_op("orthornn::rnn_scan", mutates_args=())
