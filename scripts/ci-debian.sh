@@ -17,8 +17,11 @@
 set -euo pipefail
 
 give_up() {
+    if [ "${CI_TOOLS_STRICT:-0}" = 1 ]; then
+        echo "ci-debian: $1; cannot install ${missing[*]} (CI_TOOLS_STRICT=1: failing)" >&2
+        exit 1
+    fi
     echo "ci-debian: $1; the tests that need ${missing[*]} will be skipped" >&2
-    [ "${CI_TOOLS_STRICT:-0}" = 1 ] && exit 1
     exit 0
 }
 
