@@ -45,7 +45,7 @@ def _architectures(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS = ("models", "ops", "export", "recurrence", "reproduce", "service", "streaming",
-              "threads", "codecs", "rollout", "distributed")
+              "threads", "numerics", "codecs", "rollout", "distributed")
 SOURCE_TREE = Path(__file__).resolve().parents[1]
 
 

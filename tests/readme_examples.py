@@ -2,8 +2,11 @@
 commands they show with their answers: a `curl` command (lines joined at a trailing
 backslash) directly followed by `# ...` comment lines is an example; the comment is its
 answer. A JSON answer must match the real one as a subset (every key shown is there with
-an equal value; lists have the shown length; numbers agree within 0.02 + 3%); a text
-answer must appear in the output (case-insensitive)."""
+an equal value; lists have the shown length; numbers agree within ``TOLERANCE``); a text
+answer must appear in the output (case-insensitive). A sampled ``/generate`` answer's
+words (``SAMPLED``) vary with the CPU that trained the model (docs/training.md, "Across
+CPUs"): only their form is checked (as many ids and tokens as shown; the text a string),
+and tests/test_end_to_end.py checks that they are the model's words and the same twice."""
 
 from __future__ import annotations
 
@@ -69,15 +72,37 @@ def examples(text: str | None = None) -> list[Example]:
     return found
 
 
-def mismatch(expected, actual, where: str = "answer") -> str | None:
-    """None when ``actual`` matches ``expected`` as described above, else why not."""
+#: numbers agree within ABS + REL x |shown|. The word model's shown probabilities and
+#: perplexity spread up to 8.6% (beyond 0.02) around the shown value over the 12 numerics
+#: settings of bench/numerics.py (7 different trained weights; docs/training.md, "Across
+#: CPUs"); 15% leaves room for CPUs not measured, and a wrong model, tokenizer or softmax
+#: still moves them far more (after 3 training steps the likeliest word has 0.001)
+TOLERANCE = (0.02, 0.15)
+
+#: the fields of a sampled /generate answer (one with a finish_reason) checked by form only
+SAMPLED = ("text", "ids", "tokens")
+
+
+def mismatch(expected, actual, where: str = "answer", varies: tuple[str, ...] = ()
+             ) -> str | None:
+    """None when ``actual`` matches ``expected`` as described above, else why not. Keys in
+    ``varies`` (at any depth) need only the shown form: a list of as many items, a
+    string."""
     if isinstance(expected, dict):
         if not isinstance(actual, dict):
             return f"{where}: expected an object, got {actual!r}"
         for key, value in expected.items():
             if key not in actual:
                 return f"{where}.{key}: missing"
-            problem = mismatch(value, actual[key], f"{where}.{key}")
+            if key in varies:  # a list of the shown length; a string, any string
+                if isinstance(value, list) and (not isinstance(actual[key], list)
+                                                or len(actual[key]) != len(value)):
+                    return f"{where}.{key}: expected {len(value)} items (their values " \
+                           f"vary), got {actual[key]!r}"
+                if isinstance(value, str) and not isinstance(actual[key], str):
+                    return f"{where}.{key}: expected a string, got {actual[key]!r}"
+                continue
+            problem = mismatch(value, actual[key], f"{where}.{key}", varies)
             if problem:
                 return problem
         return None
@@ -92,7 +117,7 @@ def mismatch(expected, actual, where: str = "answer") -> str | None:
     if isinstance(expected, float) or (isinstance(actual, float) and
                                        isinstance(expected, int | float)):
         if not isinstance(actual, int | float) or abs(actual - expected) > \
-                0.02 + 0.03 * abs(expected):
+                TOLERANCE[0] + TOLERANCE[1] * abs(expected):
             return f"{where}: expected about {expected}, got {actual!r}"
         return None
     if expected != actual:
@@ -109,4 +134,5 @@ def check(example: Example, output: str) -> str | None:
         actual = json.loads(output)
     except ValueError:
         return f"not JSON: {output[:500]!r}"
-    return mismatch(expected, actual)
+    sampled = isinstance(expected, dict) and "finish_reason" in expected
+    return mismatch(expected, actual, varies=SAMPLED if sampled else ())

@@ -210,3 +210,28 @@ def test_distributed_benchmark_runs(tmp_path):
         ("digits", 1, 64), ("digits", 2, 32)]
     assert rows[0]["speedup"] in (1.0, None)
     assert all(r["steps_per_s"] is None or r["steps_per_s"] > 0 for r in rows)
+
+
+def test_numerics_benchmark_refuses_an_unknown_setting():
+    """bench/numerics.py trains the quickstart's word model once per setting (minutes each;
+    tests/test_end_to_end.py trains it under two); here only its input checks run."""
+    from bench import numerics
+
+    with pytest.raises(SystemExit) as exit_:
+        numerics.main(["--settings", "quickstart,fast"])
+    assert exit_.value.code == 2
+    with pytest.raises(SystemExit):
+        numerics.main(["--steps", "0"])
+
+
+def test_numerics_settings_change_one_knob_each(monkeypatch):
+    """Each setting's process sees only its own numerics variables, whatever the caller's."""
+    from bench.numerics import SETTINGS, VARIABLES, environment
+
+    monkeypatch.setenv("MKL_CBWR", "AVX2,STRICT")
+    assert "MKL_CBWR" not in environment("quickstart")
+    assert environment("aten-default")["ATEN_CPU_CAPABILITY"] == "default"
+    assert "MKL_CBWR" not in environment("aten-default")
+    assert environment("mkl-compatible")["MKL_CBWR"] == "COMPATIBLE,STRICT"
+    assert all(set(env) <= VARIABLES for env, _, _ in SETTINGS.values())
+    assert len(SETTINGS) >= 5  # the issue's "at least five"

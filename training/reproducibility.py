@@ -12,13 +12,14 @@ Two things made the same command with the same seed train different weights:
 With both, measured on every architecture: identical bytes for 1 and 2 threads, and
 for the same command twice (tests/test_reproducibility.py).
 
-Across CPUs, MKL and ATen pick code paths by instruction set (AVX2, AVX-512), and
-training amplifies their last-bit differences. ``PORTABLE`` pins ATen to its AVX2
-paths, which every x86-64 CPU since 2013 runs, and MKL to its COMPATIBLE branch, so a run
-is the same bytes on each of them; it costs speed on gemm-heavy models (MKL's AVX2
-branch cost up to 30% on the word LM on an Intel CPU; COMPATIBLE cost nothing measurable
-on scornn on an AMD EPYC, and is unmeasured on Intel), so only the quickstart,
-whose answers the docs show, uses it. ATen reads its variable when torch is imported.
+Across CPUs there is no such guarantee. MKL picks its branch by CPU (``MKL_CBWR``'s
+AUTO: AVX-512 here, another on an AMD EPYC), ATen its kernels by instruction set
+(``ATEN_CPU_CAPABILITY``), and training amplifies their last-bit differences: the word LM
+trained 6 different weights under 12 settings on one Intel Xeon (bench/numerics.py,
+docs/training.md "Across CPUs"), and pinning both to the AVX2/COMPATIBLE paths still
+trained other bytes on an Intel Xeon than on an AMD EPYC. So nothing is pinned for
+portability (it cost 2-4x on MKL's gemms and bought no identity); the docs' answers are
+checked within the spread those settings measured.
 
 Threads: with more threads than idle cores, every parallel region waits for a thread
 the scheduler parked: beside one busy process on 2 cores, 2 threads trained the digits
@@ -34,22 +35,7 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
-
-#: the quickstart's numerics: the same bytes on every x86-64 CPU with AVX2, Intel's or
-#: another's (MKL's AVX2 branch is Intel's only: an AMD EPYC trained other bytes with it)
-PORTABLE = {"MKL_CBWR": "COMPATIBLE,STRICT", "ATEN_CPU_CAPABILITY": "avx2"}
-
-
-def pin_portable() -> bool:
-    """The AVX2 paths of MKL and ATen for this process; False when torch is already
-    imported (ATen's choice is made then), in which case nothing changes."""
-    if "torch" in sys.modules:
-        return False
-    os.environ.update(PORTABLE)
-    return True
-
 
 #: a container's CPU limit (cgroup v2): "QUOTA PERIOD" or "max PERIOD"
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
