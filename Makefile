@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 
-.PHONY: test tools images serve lint docs bench bench-ops clean
+.PHONY: test tools images serve lint docs bench bench-ops fuzz clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,20 @@ lint: $(VENV)/.installed
 # a missing anchor or a page left out of the nav.
 docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+# Coverage-guided fuzzing (atheris) of the codecs, each target
+# for FUZZ_SECONDS from tests/fuzz/corpus/TARGET; new inputs and crash-* files go to
+# fuzz-corpus/TARGET (make test runs a short smoke of each: tests/test_fuzz.py).
+FUZZ_SECONDS ?= 600
+FUZZ_TARGETS ?= predict_json oip_json oip_binary
+fuzz: $(VENV)/.installed
+	@for target in $(FUZZ_TARGETS); do \
+		mkdir -p fuzz-corpus/$$target; \
+		echo "fuzz $$target for $(FUZZ_SECONDS) s"; \
+		$(BIN)/python tests/fuzz/fuzz.py $$target -max_total_time=$(FUZZ_SECONDS) \
+			-artifact_prefix=fuzz-corpus/$$target/ -print_final_stats=1 \
+			fuzz-corpus/$$target tests/fuzz/corpus/$$target || exit 1; \
+	done
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/models.py
