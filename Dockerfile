@@ -120,9 +120,12 @@ RUN --mount=type=bind,source=build/wheelhouse,target=/wheelhouse \
     && python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)" \
     && orthornn --help > /dev/null
 # Settings (service/settings.py reads ORTHORNN_*); the command line below repeats them.
+# ORTHORNN_ADDRESS_FILE: the server writes the URL it listens on there (in /tmp, a volume:
+# the root file system may be read-only), which the HEALTHCHECK reads.
 ENV ORTHORNN_REPO=/models \
     ORTHORNN_HOST=0.0.0.0 \
-    ORTHORNN_PORT=8000
+    ORTHORNN_PORT=8000 \
+    ORTHORNN_ADDRESS_FILE=/tmp/orthornn-address
 RUN install -d -o 10001 -g 10001 /models
 WORKDIR /tmp
 # A numeric user (no passwd entry needed): Kubernetes' runAsNonRoot can verify it.
@@ -131,7 +134,10 @@ VOLUME ["/models", "/tmp"]
 EXPOSE 8000
 # Liveness, not readiness: a draining or still-loading server is alive. Python's urllib,
 # because the image carries no curl; any HTTP error status raises and fails the check.
+# The address is the one the server wrote at start-up (ORTHORNN_ADDRESS_FILE), so the check
+# follows the port however it was set (`serve --port 9000`, ORTHORNN_PORT, the default);
+# without the file, ORTHORNN_PORT or 8000 on loopback.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/v2/health/live' % os.environ.get('ORTHORNN_PORT', '8000'), timeout=4)"]
+    CMD ["python", "-c", "import os, urllib.request; f = os.environ.get('ORTHORNN_ADDRESS_FILE', ''); url = open(f).read().strip() if f and os.path.isfile(f) else 'http://127.0.0.1:%s' % os.environ.get('ORTHORNN_PORT', '8000'); urllib.request.urlopen(url + '/v2/health/live', timeout=4)"]
 ENTRYPOINT ["orthornn"]
 CMD ["serve", "--repo", "/models", "--host", "0.0.0.0", "--port", "8000"]

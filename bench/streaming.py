@@ -38,6 +38,7 @@ import http.client
 import json
 import os
 import platform
+import secrets
 import sys
 import tempfile
 import time
@@ -81,6 +82,10 @@ def post(conn: http.client.HTTPConnection, body: dict) -> tuple[float, dict]:
     return seconds, json.loads(data)
 
 
+#: the secret this client chose for its sessions (sent with each chunk, its start too)
+SECRET = secrets.token_urlsafe(24)
+
+
 def run_way(port: int, way: str, x: np.ndarray, chunk: int) -> tuple[list[float], dict]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     latencies, state, out = [], None, None
@@ -90,7 +95,7 @@ def run_way(port: int, way: str, x: np.ndarray, chunk: int) -> tuple[list[float]
         body: dict = {"model": "stream"}
         if way == "session":
             body.update(inputs=[part], session="bench", start=k == 0,
-                        end=k == len(starts) - 1)
+                        end=k == len(starts) - 1, session_secret=SECRET)
         elif way == "state":
             body.update(inputs=[part], return_state=True)
             if state is not None:
@@ -134,9 +139,10 @@ async def _sessions_load(port: int, sids: list[str], inputs: list[bytes], chunk:
     positions = dict.fromkeys(sids, 0)
 
     def body(sid: str, k: int, start: bool) -> bytes:
-        return (b'{"model":"stream","session":"%s","start":%s,"position":%d,"inputs":%s}'
-                % (sid.encode(), b"true" if start else b"false", positions[sid],
-                   inputs[k % len(inputs)]))
+        return (b'{"model":"stream","session":"%s","session_secret":"%s","start":%s,'
+                b'"position":%d,"inputs":%s}'
+                % (sid.encode(), SECRET.encode(), b"true" if start else b"false",
+                   positions[sid], inputs[k % len(inputs)]))
 
     async def worker(mine: list[str], stop_at: float | None) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)

@@ -188,6 +188,7 @@ def run_rollback(args: argparse.Namespace) -> int:
                              f"{args.to!r}")
         to = int(args.to)
     done = rollback(model_dir, to)
-    print(f"{args.name}: version {done['promoted']} is promoted (was {done['previous']}); "
+    was = "promotion.json unreadable" if done["previous"] is None else done["previous"]
+    print(f"{args.name}: version {done['promoted']} is promoted (was {was}); "
           f"a running service swaps to it at its next repository scan")
     return 0

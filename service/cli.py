@@ -15,7 +15,8 @@ if TYPE_CHECKING:  # imported when a command runs (the serve extra may be missin
 DEFAULT_URL = "http://127.0.0.1:8000"  # where orthornn serve and the quickstart listen
 
 #: settings with no flag: a secret must not appear in a process list or shell history
-ENV_ONLY = {"admin_token": "ORTHORNN_ADMIN_TOKEN"}
+ENV_ONLY = {"admin_token": "ORTHORNN_ADMIN_TOKEN",
+            "session_store_password": "ORTHORNN_SESSION_STORE_PASSWORD"}
 
 
 def _flag_type(annotation: Any) -> Any:

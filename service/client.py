@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import POSITION_HEADER
+from .errors import POSITION_HEADER, SECRET_HEADER
 
 
 def _request_body(path: Path, model: str, version: int | None, top_k: int | None) -> dict:
@@ -93,15 +93,18 @@ class _Unreachable(ValueError):
 
 
 
-def _post(url: str, body: dict, timeout: float) -> tuple[dict, dict[str, str]]:
-    """POST BODY to URL/predict: (the JSON answer, its headers, lower-case names)."""
+def _post(url: str, body: dict, timeout: float, headers: dict[str, str] | None = None
+          ) -> tuple[dict, dict[str, str]]:
+    """POST BODY to URL/predict (with HEADERS): (the JSON answer, its headers, lower-case
+    names)."""
     import http.client
     import urllib.error
     import urllib.request
 
     request = urllib.request.Request(url.rstrip("/") + "/predict",
                                      data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             answer = json.loads(response.read())
@@ -157,7 +160,11 @@ def _stream(args: argparse.Namespace, body: dict) -> None:
     position (the time steps before it, as the previous answer's Orthornn-Session-Position
     header gave it), so a chunk whose answer was lost to a broken connection is sent once
     more, at the same position: the service applies it exactly once (a retry of a chunk it
-    applied is answered again)."""
+    applied is answered again). Each session's secret (192 random bits) is chosen here and
+    sent with every chunk, its start included (header Orthornn-Session-Secret): a retried
+    start is then recognised as this client's, and no other client can continue or end
+    the session."""
+    import secrets
     import uuid
 
     if args.chunk_size < 1:
@@ -170,6 +177,7 @@ def _stream(args: argparse.Namespace, body: dict) -> None:
     run = uuid.uuid4().hex[:12]
     for i, seq in enumerate(items):
         session = f"predict-{run}-{i}"
+        owner = {SECRET_HEADER: secrets.token_urlsafe(24)}
         starts = list(range(0, len(seq), args.chunk_size)) or [0]
         position: int | None = 0
         for k, start in enumerate(starts):
@@ -179,11 +187,11 @@ def _stream(args: argparse.Namespace, body: dict) -> None:
             if position is not None:
                 chunk["position"] = position
             try:
-                answer, headers = _post(args.url, chunk, args.timeout)
+                answer, headers = _post(args.url, chunk, args.timeout, owner)
             except _Unreachable:
                 if position is None:  # without a position a second try could apply twice
                     raise
-                answer, headers = _post(args.url, chunk, args.timeout)  # once more
+                answer, headers = _post(args.url, chunk, args.timeout, owner)  # once more
             after = headers.get(POSITION_HEADER.lower(), "")
             position = int(after) if after.isdigit() else \
                 None if position is None or texts is not None else position + len(part)

@@ -9,6 +9,10 @@ from __future__ import annotations
 #: the response header naming a session's position after a chunk (the answer of a
 #: chunk, and of a PositionConflict); ``orthornn predict --stream`` reads it
 POSITION_HEADER = "Orthornn-Session-Position"
+#: the header carrying a session's secret: the answer to its start gives it, every later
+#: chunk presents it (``session_secret`` in a /predict body or an inference request's
+#: parameters does the same)
+SECRET_HEADER = "Orthornn-Session-Secret"
 
 
 class ServiceError(Exception):

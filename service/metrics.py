@@ -39,9 +39,25 @@ class Held:
     version: int | None = None
     named: str | None = None
     named_version: int | None = None
+    # a running rollout's analysis counts only the requests it placed: the routing key of
+    # a request whose version the service chose (none named, no states; a session's id),
+    # its compute time (queue and inference), and whether the candidate refused (4xx) an
+    # input the promoted version takes (the candidate's failure, not the client's)
+    route_key: bytes | None = None
+    compute_s: float | None = None
+    candidate_refused: bool = False  # a 4xx of the candidate the promoted version takes
+
+    def refused(self) -> None:
+        self.candidate_refused = True
 
     def hold(self, model: str, version: int) -> None:
         self.model, self.version = model, version
+
+    def routed(self, key: bytes) -> None:
+        self.route_key = key
+
+    def computed(self, seconds: float) -> None:
+        self.compute_s = seconds  # a session chunk run again (another replica's write): the last
 
     def name(self, model: str, version: int | None = None) -> None:
         self.named, self.named_version = model, version
@@ -125,6 +141,12 @@ class Metrics:
             "orthornn_model_promoted",
             "1 for the promoted version of each model (promotion.json), as last read",
             ["model", "version"], registry=r)
+        self.promotion_unreadable = Gauge(
+            "orthornn_model_promotion_unreadable",
+            "1 while a model's promotion.json is there but cannot be read (empty, garbled) or "
+            "is gone after it was read: the versions it served keep serving, unchanged "
+            "(nothing, at start-up), until it is readable again (then 0)", ["model"],
+            registry=r)
         self.swaps = Counter(
             "orthornn_model_swaps", "times another version took over the requests that name "
             "no version (a newer one, a promotion or a rollback)", ["model"], registry=r)

@@ -9,9 +9,9 @@ import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
-from urllib.parse import SplitResult, urlsplit
+from urllib.parse import SplitResult, quote, urlsplit
 
-from pydantic import Field, SecretStr, ValidationInfo, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
@@ -102,6 +102,10 @@ class Settings(BaseSettings):
     repo: Path = Field(description="model repository root: REPO/<name>/<version>/")
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
+    address_file: Path | None = Field(
+        None, description="once the port is bound, write the URL the server answers on "
+                          "from this machine (http://127.0.0.1:PORT for 0.0.0.0) to this "
+                          "file; the image's HEALTHCHECK reads it (unset: none written)")
     models: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="models that must be loaded for readiness (empty: every model found in "
@@ -154,6 +158,17 @@ class Settings(BaseSettings):
     max_sessions: int = Field(10_000, ge=1, le=10_000_000,
                               description="open server-side sessions; beyond it a new one "
                                           "gets 429")
+    max_ended_sessions: int = Field(
+        10_000, ge=0, le=10_000_000,
+        description="ended sessions kept (each until its idle timeout, so that a retried "
+                    "final chunk is answered again); beyond it the oldest ended ones are "
+                    "dropped")
+    session_secrets: bool = Field(
+        True, description="a session belongs to whoever started it: the start's answer "
+                          "carries a secret (session_secret, header Orthornn-Session-Secret) "
+                          "that every later chunk must present (else 404), and a start on an "
+                          "open id gets 409; false (a trusted network only): anyone who knows "
+                          "a session id may continue or end it")
     session_idle_timeout_s: float = Field(
         300.0, gt=0, le=86_400,
         description="a session unused this long is ended (its state dropped)")
@@ -164,6 +179,11 @@ class Settings(BaseSettings):
                     "for TLS), a Redis that replicas share so a session outlives the replica "
                     "that started it; give a password through the environment variable, "
                     "not the flag")
+    session_store_password: SecretStr | None = Field(
+        None, description="the session store's Redis password, apart from its URL "
+                          "(environment only: ORTHORNN_SESSION_STORE_PASSWORD, e.g. from a "
+                          "Kubernetes Secret); percent-encoded into the URL here, so any "
+                          "character works")
     session_key_prefix: str = Field(
         "orthornn:", max_length=64, pattern=r"^[A-Za-z0-9_.:{}-]*$",
         description="prefix of the session store's Redis keys: deployments sharing one Redis "
@@ -174,6 +194,21 @@ class Settings(BaseSettings):
                     "the request gets 503 with Retry-After")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 31,
                                 description="request body limit (413 beyond it)")
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, le=1 << 26,
+        description="request head limit (request line and headers); beyond it 431 and the "
+                    "connection is closed, read no further than the limit (the h11 "
+                    "protocol answers 400)")
+    max_receiving_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024, le=1 << 40,
+        description="request body bytes being received at once over all connections "
+                    "(a request takes an in-flight slot only once its body is in); beyond "
+                    "it 503 with Retry-After (at least max_body_bytes is allowed)")
+    max_lm_output_bytes: int = Field(
+        64 * 1024 * 1024, ge=0, le=1 << 40,
+        description="budget of a request's per-step outputs (language models: B x T x "
+                    "vocabulary x 4 bytes of logits); beyond it 413 before the model runs; "
+                    "/generate reads a longer prompt in pieces within it (0: no limit)")
     header_timeout_s: float = Field(
         10.0, ge=0, le=3600,
         description="longest time to receive a request's head (request line and headers), "
@@ -268,7 +303,26 @@ class Settings(BaseSettings):
         check_store_url(value)
         return value
 
-    @field_validator("admin_token", mode="before")
+    @field_validator("admin_token", "session_store_password", mode="before")
     @classmethod
     def _empty_token(cls, value: Any) -> Any:
         return None if value == "" else value
+
+    @model_validator(mode="after")
+    def _store_password(self) -> Settings:
+        """session_store_password goes into session_store's URL, percent-encoded (a
+        password with / ? # @ % : would otherwise break the URL)."""
+        if self.session_store_password is None:
+            return self
+        parts = check_store_url(self.session_store)
+        if parts is None:
+            raise ValueError("session_store_password: set only with a Redis session_store "
+                             "(redis:// or rediss://)")
+        if parts.password is not None:
+            raise ValueError("session_store_password: the session_store URL holds a password "
+                             "already; give it once")
+        user = quote(parts.username or "", safe="")
+        password = quote(self.session_store_password.get_secret_value(), safe="")
+        host = parts.netloc.rpartition("@")[2]
+        self.session_store = parts._replace(netloc=f"{user}:{password}@{host}").geturl()
+        return self

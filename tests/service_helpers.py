@@ -216,3 +216,9 @@ class RawConnection:
 
     def close(self) -> None:
         self.sock.close()
+
+
+#: a session secret a test client chose (sent with every request of a client that starts
+#: sessions: its starts are then its own, and its later chunks present it)
+SECRET = "test-client-secret-0123456789abcdef"
+OWNER = {"Orthornn-Session-Secret": SECRET}

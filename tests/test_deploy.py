@@ -7,6 +7,7 @@ with the reason; everything else is asserted.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -160,6 +161,54 @@ def test_serving_image_command_port_and_healthcheck():
     compile(probe[2], "HEALTHCHECK", "exec")
     env = " ".join(instructions("serve", "ENV"))
     assert "ORTHORNN_REPO=/models" in env and "ORTHORNN_PORT=8000" in env
+    # the server writes the address it listens on where the check reads it (/tmp: a volume)
+    assert "ORTHORNN_ADDRESS_FILE=/tmp/orthornn-address" in env
+    assert "ORTHORNN_ADDRESS_FILE" in probe[2]
+
+
+def _healthcheck(env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The image's HEALTHCHECK command, run here with this Python and ENV."""
+    (health,) = instructions("serve", "HEALTHCHECK")
+    probe = json.loads(health.split(" CMD ", 1)[1])
+    return subprocess.run([sys.executable, *probe[1:]], capture_output=True, text=True,
+                          timeout=30, env=env)
+
+
+def test_healthcheck_follows_the_port_however_it_was_set(tmp_path):
+    """`serve --port P` (the flag over ORTHORNN_PORT), ORTHORNN_PORT alone: the check
+    probes the port the server bound, read from ORTHORNN_ADDRESS_FILE as the image sets
+    it; without the file it falls back to ORTHORNN_PORT (the default's case: 8000)."""
+    from .service_helpers import free_port, wait_ready
+
+    orthornn = tool("orthornn")
+    repo = tmp_path / "models"
+    repo.mkdir()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ORTHORNN_")}
+    for i, flags in enumerate([["--host", "0.0.0.0", "--port"], []]):
+        port, other = free_port(), free_port()
+        address = tmp_path / f"address-{i}"
+        env = {**base, "ORTHORNN_ADDRESS_FILE": str(address), "ORTHORNN_ADMIN_TOKEN": "t",
+               "ORTHORNN_PORT": str(other if flags else port)}
+        args = [orthornn, "serve", "--repo", str(repo), *flags, *([str(port)] if flags else [])]
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_ready(proc, f"http://127.0.0.1:{port}", timeout=60)
+            assert address.read_text() == f"http://127.0.0.1:{port}\n"
+            check = _healthcheck(env)
+            assert check.returncode == 0, check.stderr
+            # the check follows the file, not ORTHORNN_PORT (nothing listens on OTHER)
+            if flags:
+                assert _healthcheck({**env, "ORTHORNN_ADDRESS_FILE": ""}).returncode != 0
+            # no file (a server that could not write it): ORTHORNN_PORT, then 8000
+            fallback = {**env, "ORTHORNN_ADDRESS_FILE": str(tmp_path / "none"),
+                        "ORTHORNN_PORT": str(port)}
+            assert _healthcheck(fallback).returncode == 0
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    # a server gone: the check fails
+    assert _healthcheck({**base, "ORTHORNN_ADDRESS_FILE": str(address)}).returncode != 0
 
 
 def _blocked_main(argv: list[str]) -> subprocess.CompletedProcess:
@@ -200,13 +249,24 @@ def test_image_command_is_a_known_subcommand():
 
 # ------------------------------------------------------------------------------ Helm chart
 
+# helm template (and lint) have no cluster to find a generated secret in, so the chart
+# requires them given there (test_secrets_are_required_without_a_cluster): every render of
+# these tests gives them first (a later --set of the same key wins)
+SECRETS = ("auth.adminToken=test-admin-token-0123456789abcdef",
+           "sessions.bundled.password=test-redis-password")
+
+
+def template(*sets: str, secrets: bool = True) -> subprocess.CompletedProcess:
+    """`helm template` of the chart with SETS (after SECRETS unless told not to)."""
+    args = [tool("helm"), "template", RELEASE, str(CHART), "--namespace", "ml"]
+    for item in (*SECRETS, *sets) if secrets else sets:
+        args += ["--set", item]
+    return run(args)
+
+
 @cache
 def render(*sets: str) -> tuple[dict, ...]:
-    helm = tool("helm")
-    args = [helm, "template", RELEASE, str(CHART), "--namespace", "ml"]
-    for item in sets:
-        args += ["--set", item]
-    result = run(args)
+    result = template(*sets)
     assert result.returncode == 0, result.stderr
     return tuple(d for d in yaml.safe_load_all(result.stdout) if d)
 
@@ -224,7 +284,7 @@ def kinds(docs) -> list[str]:
 @pytest.mark.parametrize("sets", list(VARIANTS.values()), ids=list(VARIANTS))
 def test_helm_lint_strict(sets):
     args = [tool("helm"), "lint", "--strict", str(CHART)]
-    for item in sets:
+    for item in (*SECRETS, *sets):
         args += ["--set", item]
     result = run(args)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -248,7 +308,7 @@ def test_rendered_manifests_pass_kubernetes_validate(tmp_path):
 
 def test_default_render():
     docs = render()
-    assert kinds(docs) == ["ConfigMap", "Deployment", "PersistentVolumeClaim",
+    assert kinds(docs) == ["ConfigMap", "Deployment", "NetworkPolicy", "PersistentVolumeClaim",
                            "PodDisruptionBudget", "Secret", "Service", "ServiceAccount"]
     pvc = one(docs, "PersistentVolumeClaim")
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
@@ -301,11 +361,9 @@ def test_server_probes_lifecycle_and_settings():
     secret = one(docs, "Secret")
     assert token["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"],
                                                   "key": "admin-token"}
-    assert len(secret["data"]["admin-token"]) > 40  # a generated random token, base64
+    assert base64.b64decode(secret["data"]["admin-token"]).decode() == SECRETS[0].split("=")[1]
     # the pod listens beyond loopback, where the service refuses an open repository API:
     # with the chart's token it starts
-    import base64
-
     from orthornn.service.settings import Settings
 
     host = config["data"]["ORTHORNN_HOST"]
@@ -354,9 +412,9 @@ def test_security_contexts(sets):
 def test_full_render_gpu_autoscaling_monitoring_retraining():
     docs = render(*FULL)
     assert kinds(docs) == ["ConfigMap", "ConfigMap", "CronJob", "Deployment",
-                           "HorizontalPodAutoscaler", "Job", "PersistentVolumeClaim",
-                           "PodDisruptionBudget", "Secret", "Service", "ServiceAccount",
-                           "ServiceMonitor"]
+                           "HorizontalPodAutoscaler", "Job", "NetworkPolicy", "NetworkPolicy",
+                           "PersistentVolumeClaim", "PodDisruptionBudget", "Secret", "Service",
+                           "ServiceAccount", "ServiceMonitor"]
     deployment = one(docs, "Deployment")
     assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
     pods = _pods(docs)
@@ -534,6 +592,138 @@ def test_existing_secret_replaces_the_chart_secret():
     assert token["valueFrom"]["secretKeyRef"] == {"name": "my-token", "key": "token"}
 
 
+def test_secrets_are_required_without_a_cluster():
+    """helm template (Argo CD) has no cluster to find the release's Secret in: a generated
+    token or password would change at every render, so the chart fails, saying how to give
+    one; a given value (or auth.existingSecret) renders, the same at every render. (helm
+    install generates them once and upgrades read them back: that needs a cluster.)"""
+    result = template(secrets=False)
+    assert result.returncode != 0
+    assert "auth.adminToken is empty" in result.stderr
+    assert "auth.existingSecret" in result.stderr and "openssl rand" in result.stderr
+    result = template("sessions.store=bundled", "auth.existingSecret=admin", secrets=False)
+    assert result.returncode != 0 and "sessions.bundled.password is empty" in result.stderr
+    # an existing Secret needs no value; given values are kept as they are
+    assert template("auth.existingSecret=admin", secrets=False).returncode == 0
+    given = ("auth.adminToken=t0ken", "sessions.store=bundled", "sessions.bundled.password=pw")
+    first, again = template(*given, secrets=False), template(*given, secrets=False)
+    assert first.returncode == 0 and first.stdout == again.stdout
+    docs = [d for d in yaml.safe_load_all(first.stdout) if d]
+    assert base64.b64decode(one(docs, "Secret", "orthornn")["data"]["admin-token"]) == b"t0ken"
+    assert base64.b64decode(one(docs, "Secret", "-redis")["data"]["redis-password"]) == b"pw"
+    # the generated path (helm install) is the one that finds a cluster
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    assert 'lookup "v1" "Secret" .Release.Namespace ""' in helpers
+    assert 'else if include "orthornn.clusterReachable" $root }}\n{{- randAlphaNum' in helpers
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """Whether a NetworkPolicy's podSelector (matchLabels only) selects a pod of LABELS."""
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _pod_labels(docs) -> dict[str, dict]:
+    """The pod template labels of each workload: server, sessions, retraining."""
+    out = {}
+    for d in docs:
+        if d["kind"] == "Deployment":
+            labels = d["spec"]["template"]["metadata"]["labels"]
+        elif d["kind"] in ("Job", "CronJob"):
+            spec = d["spec"]["jobTemplate"]["spec"] if d["kind"] == "CronJob" else d["spec"]
+            labels = spec["template"]["metadata"]["labels"]
+        else:
+            continue
+        out[f"{d['kind']}/{labels['app.kubernetes.io/component']}"] = labels
+    return out
+
+
+def _allowed(policy: dict, labels: dict) -> list[dict]:
+    """The ingress rules of POLICY a pod of LABELS (this namespace) matches as a peer."""
+    return [rule for rule in policy["spec"].get("ingress", [])
+            if any("podSelector" in peer and "namespaceSelector" not in peer
+                   and _selects(peer["podSelector"], labels) for peer in rule["from"])]
+
+
+def test_network_policies_default():
+    """On by default: the serving pods' port takes the release's namespace; nothing else
+    is opened (and without retraining or Redis there is nothing else to guard)."""
+    docs = render()
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    pods = _pod_labels(docs)
+    assert _selects(policy["spec"]["podSelector"], pods["Deployment/server"])
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}],
+                                          "from": [{"podSelector": {}}]}]
+    assert "NetworkPolicy" not in kinds(render("networkPolicy.enabled=false"))
+
+
+def test_network_policies_rendezvous_redis_and_named_peers():
+    """Only the retraining pods reach the training pods (the rendezvous port and every
+    other); only the serving pods reach the bundled Redis; the service port takes only what
+    networkPolicy.ingressFrom names (plus the chart's own retraining pods, whose rollout
+    controller polls the replicas, and the ingress controller with ingress.enabled)."""
+    sets = (*DISTRIBUTED, "retraining.rollout.enabled=true", "sessions.store=bundled",
+            "ingress.enabled=true",
+            "networkPolicy.ingressFrom[0].namespaceSelector.matchLabels.team=clients",
+            "networkPolicy.redisFrom[0].podSelector.matchLabels.role=redis-admin")
+    docs = render(*sets)
+    pods = _pod_labels(docs)
+    policies = {p["metadata"]["name"]: p for p in docs if p["kind"] == "NetworkPolicy"}
+    assert set(policies) == {f"{RELEASE}-orthornn", f"{RELEASE}-orthornn-redis",
+                             f"{RELEASE}-orthornn-retrain"}
+    server, redis, training = (policies[f"{RELEASE}-orthornn{s}"]
+                               for s in ("", "-redis", "-retrain"))
+    # each policy selects its pods and no other's
+    for policy, component in ((server, "server"), (redis, "sessions"),
+                              (training, "retraining")):
+        chosen = {k for k, labels in pods.items() if _selects(policy["spec"]["podSelector"],
+                                                               labels)}
+        assert chosen == {k for k in pods if k.endswith("/" + component)}, policy
+    # the training pods: from the retraining pods alone, on any port (rendezvous included)
+    (rule,) = training["spec"]["ingress"]
+    assert "ports" not in rule
+    for kind, labels in pods.items():
+        assert bool(_allowed(training, labels)) == kind.endswith("/retraining"), kind
+    service = one(docs, "Service", "-retrain")
+    assert service["spec"]["ports"][0]["port"] == 29400
+    # Redis: from the serving pods, and what redisFrom names
+    (rule,) = redis["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "redis", "protocol": "TCP"}]
+    for kind, labels in pods.items():
+        assert bool(_allowed(redis, labels)) == kind.endswith("/server"), kind
+    assert {"podSelector": {"matchLabels": {"role": "redis-admin"}}} in rule["from"]
+    # the service port: the named namespace, the ingress controller, the retraining pods
+    (rule,) = server["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert rule["from"][:2] == [
+        {"namespaceSelector": {"matchLabels": {"team": "clients"}}},
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}]
+    for kind, labels in pods.items():
+        assert bool(_allowed(server, labels)) == kind.endswith("/retraining"), kind
+    assert {"podSelector": {}} not in rule["from"]  # not the whole namespace any more
+    # nothing named, nothing else to let in: no ingress at all
+    result = run([tool("helm"), "template", RELEASE, str(CHART),
+                  *[a for item in SECRETS for a in ("--set", item)],
+                  "--set-json", "networkPolicy.ingressFrom=[]"])
+    assert result.returncode == 0, result.stderr
+    (policy,) = [d for d in yaml.safe_load_all(result.stdout) if d and d["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["ingress"] == []
+    # the values are checked: a peer is a podSelector, namespaceSelector or ipBlock
+    bad = template("networkPolicy.ingressFrom[0].pods=all")
+    assert bad.returncode != 0 and "schema" in bad.stderr
+
+
+def test_network_policies_pass_kubernetes_validate(tmp_path):
+    validate = tool("kubernetes-validate")
+    docs = [d for d in render(*DISTRIBUTED, "sessions.store=bundled", "ingress.enabled=true")
+            if d["kind"] == "NetworkPolicy"]
+    assert len(docs) == 3
+    path = tmp_path / "policies.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    result = run([validate, "--strict", "--kubernetes-version", KUBERNETES_VERSION, str(path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 @pytest.mark.parametrize(("sets", "message"), [
     (["replicaCount=-1"], "replicaCount"),
     (["gpu.enable=true"], "enable"),                      # misspelt switch
@@ -560,10 +750,7 @@ def test_existing_secret_replaces_the_chart_secret():
     (["ingress.pathType=Regex"], "pathType"),
 ])
 def test_bad_values_fail_at_render_time(sets, message):
-    args = [tool("helm"), "template", RELEASE, str(CHART)]
-    for item in sets:
-        args += ["--set", item]
-    result = run(args)
+    result = template(*sets)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
 
@@ -588,13 +775,15 @@ def test_readme_helm_examples_render():
     for words in commands:
         _, _, release, chart, *flags = words
         assert chart == "helm/orthornn"
-        result = run([tool("helm"), "template", release, str(CHART), *flags])
+        # helm install generates the secrets an example leaves out; helm template cannot
+        secrets = [a for item in SECRETS for a in ("--set", item)]
+        result = run([tool("helm"), "template", release, str(CHART), *secrets, *flags])
         assert result.returncode == 0, f"{' '.join(words)}: {result.stderr}"
 
 
 def test_notes_render_for_an_install():
     result = run([tool("helm"), "install", RELEASE, str(CHART), "--dry-run=client",
-                  "--namespace", "ml", *[a for s in FULL for a in ("--set", s)]])
+                  "--namespace", "ml", *[a for s in (*SECRETS, *FULL) for a in ("--set", s)]])
     assert result.returncode == 0, result.stderr
     notes = result.stdout.split("NOTES:", 1)[1]
     assert "rollout status deployment/rel-orthornn" in notes
@@ -607,7 +796,7 @@ def test_notes_render_for_an_install():
 @pytest.mark.parametrize("name", list(SESSIONS))
 def test_helm_lint_strict_sessions(name):
     args = [tool("helm"), "lint", "--strict", str(CHART)]
-    for item in SESSIONS[name]:
+    for item in (*SECRETS, *SESSIONS[name]):
         args += ["--set", item]
     result = run(args)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -634,36 +823,40 @@ def _server(docs) -> dict:
     return c
 
 
-def _store_url(container: dict, password: str | None = None) -> str | None:
-    """ORTHORNN_SESSION_STORE as the pod sees it: $(REDIS_PASSWORD) expanded by Kubernetes
-    from the variable defined before it (None when not set)."""
+PASSWORD_ENV = "ORTHORNN_SESSION_STORE_PASSWORD"
+
+
+def _store_url(container: dict) -> str | None:
+    """ORTHORNN_SESSION_STORE as the pod sees it (None when not set): never a password."""
     names = [e["name"] for e in container["env"]]
     if "ORTHORNN_SESSION_STORE" not in names:
         return None
     value = container["env"][names.index("ORTHORNN_SESSION_STORE")]["value"]
-    if "$(REDIS_PASSWORD)" in value:
-        assert names.index("REDIS_PASSWORD") < names.index("ORTHORNN_SESSION_STORE")
-        value = value.replace("$(REDIS_PASSWORD)", password or "")
+    assert "$(" not in value and "@" not in value, value
     return value
 
 
 def _session_settings(docs, password: str | None = None):
-    """The service's Settings from the rendered ConfigMap and the pod's session env."""
+    """The service's Settings from the rendered ConfigMap and the pod's session env (the
+    password as Kubernetes would set it from the Secret)."""
     from orthornn.service.settings import Settings
 
     data = one(docs, "ConfigMap", f"{RELEASE}-orthornn")["data"]
     values = {k.removeprefix("ORTHORNN_").lower(): v for k, v in data.items()
               if k.startswith("ORTHORNN_SESSION")}
-    url = _store_url(_server(docs), password)
+    c = _server(docs)
+    url = _store_url(c)
     if url is not None:
         values["session_store"] = url
+    if PASSWORD_ENV in {e["name"] for e in c["env"]}:
+        values["session_store_password"] = password
     return Settings(repo="/models", **values)
 
 
 def test_memory_sessions_are_the_default():
     docs = render()
     c = _server(docs)
-    assert not {"ORTHORNN_SESSION_STORE", "REDIS_PASSWORD"} & {e["name"] for e in c["env"]}
+    assert not {"ORTHORNN_SESSION_STORE", PASSWORD_ENV} & {e["name"] for e in c["env"]}
     assert not [d for d in docs if d["metadata"]["name"].endswith("-redis")]
     assert "Ingress" not in kinds(docs)
     assert _session_settings(docs).session_store == "memory"
@@ -676,10 +869,9 @@ def test_external_redis_sessions_take_the_password_from_the_secret():
 
     docs = render(*SESSIONS["external"])
     c = _server(docs)
-    (password,) = [e for e in c["env"] if e["name"] == "REDIS_PASSWORD"]
+    (password,) = [e for e in c["env"] if e["name"] == PASSWORD_ENV]
     assert password["valueFrom"]["secretKeyRef"] == {"name": "cache", "key": "password"}
-    raw = _store_url(c)
-    assert raw == "redis://:@cache.ml:6379/2"  # unexpanded: no password in the manifest
+    assert _store_url(c) == "redis://cache.ml:6379/2"  # no password in the manifest
     assert not [d for d in docs if d["metadata"]["name"].endswith("-redis")]
     settings = _session_settings(docs, password="s3cret")
     assert settings.session_store == "redis://:s3cret@cache.ml:6379/2"
@@ -688,17 +880,30 @@ def test_external_redis_sessions_take_the_password_from_the_secret():
     assert (parts.hostname, parts.port, parts.password, parts.path) == \
         ("cache.ml", 6379, "s3cret", "/2")
     assert isinstance(open_store(settings), RedisStore)  # the client connects lazily
+    # any character: the service percent-encodes the password into the URL
+    import redis
+
+    odd = "p@ss/w:rd%#?+ "
+    settings = _session_settings(docs, password=odd)
+    assert "@cache.ml:6379/2" in settings.session_store
+    assert redis.connection.parse_url(settings.session_store)["password"] == odd
+    assert redis.connection.parse_url(settings.session_store)["host"] == "cache.ml"
+    from orthornn.service.settings import Settings
+
+    with pytest.raises(ValueError, match="holds a password already"):
+        Settings(repo="/models", session_store="redis://:a@cache:6379",
+                 session_store_password="b")
+    with pytest.raises(ValueError, match="only with a Redis session_store"):
+        Settings(repo="/models", session_store_password="b")
 
     docs = render(*SESSIONS["external-no-password"])
     c = _server(docs)
-    assert "REDIS_PASSWORD" not in {e["name"] for e in c["env"]}
+    assert PASSWORD_ENV not in {e["name"] for e in c["env"]}
     assert _store_url(c) == "rediss://cache.example.com:6380"
     assert _session_settings(docs).session_store == "rediss://cache.example.com:6380"
 
 
 def test_bundled_redis_sessions():
-    import base64
-
     docs = render(*SESSIONS["bundled"])
     redis = one(docs, "Deployment", "-redis")
     service = one(docs, "Service", "-redis")
@@ -711,19 +916,28 @@ def test_bundled_redis_sessions():
     assert re.fullmatch(r"[0-9]+\.[0-9]+\.[0-9]+-alpine", values["image"]["tag"])  # pinned
     args = c["args"]
     assert args[0] == "redis-server"
-    options = dict(zip(args[1::2], args[2::2], strict=True))
-    assert options == {"--save": "", "--appendonly": "no", "--requirepass": "$(REDIS_PASSWORD)",
+    # the password is in a configuration file from the Secret, never on the command line
+    assert args[1] == "/etc/orthornn-redis/redis.conf"
+    options = dict(zip(args[2::2], args[3::2], strict=True))
+    assert options == {"--save": "", "--appendonly": "no",
                        "--maxmemory": "256mb", "--maxmemory-policy": "noeviction"}
-    assert c["env"] == [{"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
-        "name": secret["metadata"]["name"], "key": "redis-password"}}}]
+    assert "env" not in c
     password = base64.b64decode(secret["data"]["redis-password"]).decode()
-    assert re.fullmatch(r"[A-Za-z0-9]{32}", password)  # generated, URL-safe
+    assert password == SECRETS[1].split("=")[1]  # helm template: given (no cluster)
+    conf = base64.b64decode(secret["data"]["redis.conf"]).decode()
+    assert conf == f'requirepass "{password}"\n'
+    (config,) = [v for v in pod["volumes"] if v["name"] == "config"]
+    assert config["secret"] == {"secretName": secret["metadata"]["name"], "defaultMode": 0o440,
+                                "items": [{"key": "redis.conf", "path": "redis.conf"}]}
+    assert {"name": "config", "mountPath": "/etc/orthornn-redis", "readOnly": True} in \
+        c["volumeMounts"]
     # the same hardening as the server's pod; the only writable paths are volumes
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["automountServiceAccountToken"] is False
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/data", "/tmp"}
+    assert {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")} == \
+        {"/data", "/tmp"}
     assert c["readinessProbe"]["tcpSocket"] == {"port": "redis"}
     # its Service selects the Redis pod only; the server's Service and PDB never select it
     redis_labels = redis["spec"]["template"]["metadata"]["labels"]
@@ -738,7 +952,7 @@ def test_bundled_redis_sessions():
         assert not selector.items() <= redis_labels.items(), kind
     # the server reaches it by the Service's name, with the Secret's password
     c = _server(docs)
-    (env,) = [e for e in c["env"] if e["name"] == "REDIS_PASSWORD"]
+    (env,) = [e for e in c["env"] if e["name"] == PASSWORD_ENV]
     assert env["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"],
                                                 "key": "redis-password"}
     settings = _session_settings(docs, password)
@@ -759,7 +973,8 @@ def test_bundled_redis_sessions():
 def test_bundled_redis_with_everything_on():
     docs = render(*SESSIONS["bundled-full"])
     assert kinds(docs) == ["ConfigMap", "ConfigMap", "CronJob", "Deployment", "Deployment",
-                           "HorizontalPodAutoscaler", "Ingress", "Job", "PersistentVolumeClaim",
+                           "HorizontalPodAutoscaler", "Ingress", "Job", "NetworkPolicy",
+                           "NetworkPolicy", "NetworkPolicy", "PersistentVolumeClaim",
                            "PodDisruptionBudget", "Secret", "Secret", "Service", "Service",
                            "ServiceAccount", "ServiceMonitor"]
     # the HPA, the ServiceMonitor and the GPU settings are the server's alone
@@ -798,7 +1013,7 @@ def test_ingress_session_affinity_hashes_the_session_header(header, variable):
 def test_notes_name_where_sessions_live():
     def notes(*sets):
         result = run([tool("helm"), "install", RELEASE, str(CHART), "--dry-run=client",
-                      *[a for item in sets for a in ("--set", item)]])
+                      *[a for item in (*SECRETS, *sets) for a in ("--set", item)]])
         assert result.returncode == 0, result.stderr
         return result.stdout.split("NOTES:", 1)[1]
 
@@ -903,7 +1118,7 @@ def test_retraining_rollout_headless_service_and_server_setting():
 ])
 def test_bad_rollout_values_fail_at_render_time(sets, message):
     args = [tool("helm"), "template", RELEASE, str(CHART)]
-    for item in ("retraining.enabled=true", "retraining.rollout.enabled=true", *sets):
+    for item in (*SECRETS, "retraining.enabled=true", "retraining.rollout.enabled=true", *sets):
         args += ["--set", item]
     result = run(args)
     assert result.returncode != 0

@@ -17,6 +17,7 @@ from tests.test_deploy import (
     DISTRIBUTED,
     GPU,
     RELEASE,
+    SECRETS,
     _subcommands,
     one,
     render,
@@ -128,7 +129,7 @@ def test_only_the_pod_that_ran_rank_0_exports(tmp_path, rank0):
 ])
 def test_bad_distributed_values_fail_at_render_time(sets, message):
     args = [tool("helm"), "template", RELEASE, str(CHART)]
-    for item in sets:
+    for item in (*SECRETS, *sets):
         args += ["--set", item]
     result = run(args)
     assert result.returncode != 0

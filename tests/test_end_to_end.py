@@ -224,7 +224,8 @@ def test_retrained_versions_swap_in_without_a_failed_request(tmp_path):
                 versions = []
                 for i in range(4):
                     body = {"model": "adder", "inputs": [chunk], "session": f"s{k}",
-                            "start": i == 0, "end": i == 3}
+                            "start": i == 0, "end": i == 3,
+                            "session_secret": "e2e-client-secret-0123456789"}
                     try:
                         r = http.post(url + "/predict", json=body)
                     except httpx.HTTPError as error:

@@ -11,7 +11,12 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 from orthornn.export.artifacts import repository
-from orthornn.export.artifacts.package import PackageError, session_from_bytes, verify_package
+from orthornn.export.artifacts.package import (
+    PackageError,
+    session_from_bytes,
+    sha256,
+    verify_package,
+)
 from orthornn.export.builder import functions
 from orthornn.export.builder.exporter import export_run
 from orthornn.export.builder.graph import DOMAIN, IR_VERSION
@@ -265,6 +270,37 @@ def test_lm_package_has_step_graph_and_vocabulary(runs, tmp_path):
     assert manifest.vocabulary_file == "vocab.txt"
     assert (path / "vocab.txt").read_text().split("\n")[:2] == ["<unk>", "<eos>"]
     assert manifest.recurrence == "lstm"
+    assert manifest.files["vocab.txt"] == sha256(path / "vocab.txt")  # hashed like the rest
+
+
+def test_vocabulary_file_is_confined_to_the_package_and_hashed(runs, tmp_path):
+    """A manifest's vocabulary_file is a plain file name of the package folder, listed
+    with its sha256 in ``files``: "/etc/passwd", "../x" or a link out are refused."""
+    path = export_run(runs / "lm", tmp_path / "repo", "words")
+    original = json.loads((path / "manifest.json").read_text())
+
+    def refused(match: str, **changes) -> None:
+        (path / "manifest.json").write_text(json.dumps({**original, **changes}))
+        with pytest.raises(PackageError, match=match):
+            verify_package(path)
+
+    outside = tmp_path / "x"
+    outside.write_text("<unk>\n<eos>\n")
+    for name in ("/etc/passwd", "../x", "sub/vocab.txt", "..", "C:x", 7):
+        refused("vocabulary_file" + ("' must be str" if name == 7 else
+                                     ".* plain file name inside the package folder"),
+                vocabulary_file=name)
+    # a name the package holds but the manifest does not hash
+    refused(r"no sha256 for vocabulary_file 'vocab2\.txt'", vocabulary_file="vocab2.txt")
+    # hashed, but changed
+    refused(r"sha256 mismatch for 'vocab\.txt'",
+            files={**original["files"], "vocab.txt": "0" * 64})
+    # a symbolic link out of the folder, even with the right hash
+    (path / "vocab2.txt").symlink_to(outside)
+    refused(r"'vocab2\.txt' .* leads outside the package folder", vocabulary_file="vocab2.txt",
+            files={**original["files"], "vocab2.txt": sha256(outside)})
+    (path / "manifest.json").write_text(json.dumps(original))
+    assert verify_package(path).vocabulary_file == "vocab.txt"
 
 
 def test_tampered_package_fails_verification(runs, tmp_path):

@@ -38,10 +38,10 @@ MAX_SERVE_MIB = 400
 
 
 def helm_template(*sets: str) -> c.Rendered:
-    from .test_deploy import tool
+    from .test_deploy import SECRETS, tool
 
     args = [tool("helm"), "template", "rel", str(CHART)]
-    for item in sets:
+    for item in (*SECRETS, *sets):
         args += ["--set", item]
     out = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

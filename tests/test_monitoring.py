@@ -35,7 +35,16 @@ import pytest
 import yaml
 
 from tests.cluster import RedisServer, Replica, free_port, require, stop_pid, wait_port
-from tests.test_deploy import CHART, KUBERNETES_VERSION, RELEASE, one, render, run, tool
+from tests.test_deploy import (
+    CHART,
+    KUBERNETES_VERSION,
+    RELEASE,
+    SECRETS,
+    one,
+    render,
+    run,
+    tool,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "deployment.md"
@@ -78,7 +87,7 @@ def test_monitoring_is_off_by_default():
 
 def test_helm_lint_strict_with_monitoring():
     args = [tool("helm"), "lint", "--strict", str(CHART)]
-    for item in (*MONITORING, "autoscaling.enabled=true",
+    for item in (*SECRETS, *MONITORING, "autoscaling.enabled=true",
                  "autoscaling.queueComputeRatio.enabled=true"):
         args += ["--set", item]
     result = run(args)
@@ -432,7 +441,8 @@ def sessions(url: str, name: str, chunks: int = 3) -> list[int]:
         for i in range(chunks):
             flags = {"start": True} if i == 0 else {"end": True} if i == chunks - 1 else {}
             statuses.append(client.post("/predict", json={
-                "model": "adding", "session": name, "inputs": [SEQ], **flags}).status_code)
+                "model": "adding", "session": name, "inputs": [SEQ], **flags,
+                "session_secret": f"{name}-client-secret-0123456789"}).status_code)
     return statuses
 
 

@@ -8,6 +8,7 @@ import datetime as dt
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -18,7 +19,7 @@ from orthornn.export.artifacts.repository import promote, read_promotion
 from orthornn.export.artifacts.rollout import LATENCY_BOUNDS, Side, Tally
 
 from .helpers import orthornn as run_orthornn
-from .service_helpers import LiveServer, make_repo
+from .service_helpers import SECRET, LiveServer, make_repo
 
 NOW = dt.datetime(2026, 11, 27, 12, 0, tzinfo=dt.UTC)
 
@@ -251,7 +252,8 @@ def test_one_writable_replica_runs_its_rollout_and_ends_failed_sessions(repo):
         for i in range(24):  # new sessions are placed by weight, from their id
             sid = f"s{i}"
             r = httpx.post(base + "/predict", json={"model": "adding", "session": sid,
-                                                    "start": True, "inputs": [seq]})
+                                                    "start": True, "inputs": [seq],
+                                                    "session_secret": SECRET})
             assert r.status_code == 200, r.text
             sessions[r.json()["version"]].append(sid)
             assert (rollout.bucket(sid.encode()) < 50) == (r.json()["version"] == 2)
@@ -265,7 +267,7 @@ def test_one_writable_replica_runs_its_rollout_and_ends_failed_sessions(repo):
         server.wait(lambda: server.app.state.registry.rollouts.running("adding") is None)
         for version, ids in sessions.items():
             r = httpx.post(base + "/predict", json={"model": "adding", "session": ids[0],
-                                                    "inputs": [seq]})
+                                                    "inputs": [seq], "session_secret": SECRET})
             if version == 2:
                 assert r.status_code == 409 and "rolled back" in r.json()["error"], r.text
             else:
@@ -336,3 +338,87 @@ def test_shadow_runs_compare_the_two_versions_outputs_on_the_same_inputs(repo):
         assert tally()["difference"] / len(seqs) == pytest.approx(np.mean(differences),
                                                                   rel=1e-4, abs=1e-6)
         assert tally()["shadow_failures"] == 0
+
+
+def test_only_requests_the_rollout_placed_count_and_never_a_clients_4xx(repo):
+    """The probe replayed: 4xx on /v2/models/adding/versions/2/infer (the candidate named
+    in the URL) rolled back a rollout at 100% on max_error_rate. Now requests that name
+    their version (URL or body), continue states, or fail on the client's fault (a bad
+    body, a wrong shape, a missing model or session) are not counted; the ones the
+    rollout placed are, by their routing key. The controller runs (a writable repository)
+    and the rollout stays running, until the candidate refuses a placed request the
+    promoted version takes: that 4xx is the candidate's, and rolls it back."""
+    model_dir = repo / "adding"
+    # the candidate narrows its input: at most 3 steps (the promoted version takes 6)
+    manifest = json.loads((model_dir / "2" / "manifest.json").read_text())
+    manifest["input_spec"]["max_length"] = 3
+    (model_dir / "2" / "manifest.json").write_text(json.dumps(manifest))
+    plan = rollout.start(model_dir, 2, shadow=0, steps="50,100", interval_s=3600,
+                         min_requests=2, thresholds=rollout.Thresholds(min_agreement=0,
+                                                                   max_latency_ratio=1000))
+    seq = [[0.5, 1.0], [0.25, 0.0], [0.1, 1.0]]
+    x = {"name": "x", "datatype": "FP32", "shape": [1, 3, 2],
+         "data": [v for step in seq for v in step]}
+    to_candidate = next(f"k{i}" for i in range(100) if rollout.bucket(f"k{i}".encode()) < 50)
+    to_promoted = next(f"k{i}" for i in range(100) if rollout.bucket(f"k{i}".encode()) >= 50)
+    sid_on_promoted = next(f"s{i}" for i in range(100) if rollout.bucket(f"s{i}".encode()) >= 50)
+    with LiveServer(repo=repo) as server:
+        base = server.url
+        assert server.app.state.registry.policy.controls_rollouts
+        server.wait(lambda: server.app.state.registry.rollouts.running("adding") is not None)
+
+        def tally() -> dict:
+            report = httpx.get(base + "/v2/repository/models/adding/rollout").json()["report"]
+            stage = report["stages"].get("0", {})
+            return {k: (stage[k]["requests"], stage[k]["errors"]) if stage else (0, 0)
+                    for k in ("candidate", "promoted")}
+
+        def post(path: str, body: dict | bytes, key: str | None = None) -> int:
+            headers = {"X-Routing-Key": key} if key else {}
+            if isinstance(body, bytes):
+                return httpx.post(base + path, content=body, headers=headers).status_code
+            return httpx.post(base + path, json=body, headers=headers).status_code
+        explicit = "/v2/models/adding/versions/2/infer"
+        for _ in range(3):  # the candidate named in the URL: 4xx and 200 alike
+            assert post(explicit, b"{not json") == 400
+            assert post(explicit, {"inputs": [{**x, "shape": [1, 2, 2]}]}) == 400
+            assert post(explicit, {"inputs": [x]}) == 200
+            assert post("/v2/models/adding/versions/1/infer", {"inputs": [x]}) == 200
+            # named in the body, on /predict; and a client's 4xx on either version
+            assert post("/predict", {"model": "adding", "version": 2, "inputs": [seq]}) == 200
+            assert post("/predict", {"model": "adding", "version": 2, "inputs": [[[1.0]]]}) \
+                == 400
+            for key in (to_candidate, to_promoted):  # routed, but the client's fault
+                assert post("/predict", {"model": "adding", "inputs": [[[1.0, 2.0, 3.0]]]},
+                            key) == 400
+                assert post("/v2/models/adding/infer", {"inputs": [{**x, "datatype": "INT8"}]},
+                            key) == 400
+                assert post("/predict", {"model": "adding", "session": "nobody",
+                                         "inputs": [seq]}, key) == 404
+            assert post("/predict", {"model": "nope", "inputs": [seq]}, to_candidate) == 404
+            # a session started on the candidate by name, its id placing it elsewhere
+            sid = f"{sid_on_promoted}-{_}"
+            if rollout.bucket(sid.encode()) >= 50:
+                assert post("/predict", {"model": "adding", "session": sid, "start": True,
+                                         "version": 2, "inputs": [seq],
+                                         "session_secret": SECRET}) == 200
+        assert tally() == {"candidate": (0, 0), "promoted": (0, 0)}
+        # what the rollout placed counts: by key, on the version the key falls on
+        assert post("/predict", {"model": "adding", "inputs": [seq]}, to_candidate) == 200
+        assert post("/v2/models/adding/infer", {"inputs": [x]}, to_promoted) == 200
+        assert post("/v2/models/adding/infer", {"inputs": [x]}, to_candidate) == 200
+        assert tally() == {"candidate": (2, 0), "promoted": (1, 0)}
+        time.sleep(1.0)  # several scans: the controller judged and left it running
+        plan = rollout.read_plan(model_dir)
+        assert plan["state"] == "running" and plan["stage"] == 0, plan
+        assert plan["current"]["errors"] == 0 and plan["current"]["requests"] == 2
+        # a 4xx that is the candidate's: it refuses what the promoted version takes
+        longer = [*seq, [0.3, 0.0]]
+        assert post("/predict", {"model": "adding", "inputs": [longer]}, to_promoted) == 200
+        assert post("/predict", {"model": "adding", "version": 2, "inputs": [longer]}) == 400
+        assert tally() == {"candidate": (2, 0), "promoted": (2, 0)}
+        assert post("/predict", {"model": "adding", "inputs": [longer]}, to_candidate) == 400
+        server.wait(lambda: rollout.read_plan(model_dir)["state"] == "rolled_back")
+        final = rollout.read_plan(model_dir)
+        assert final["breach"]["rule"] == "max_error_rate"
+        assert (final["analysis"][-1]["requests"], final["analysis"][-1]["errors"]) == (3, 1)

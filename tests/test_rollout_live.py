@@ -152,7 +152,7 @@ class Load:
                 versions, last = set(), None
                 for k in range(4):
                     body = {"model": self.model, "session": sid, "start": k == 0,
-                            "end": k == 3, "position": 16 * k,
+                            "end": k == 3, "position": 16 * k, "session_secret": sid * 2,
                             "inputs": [seq[16 * k:16 * (k + 1)]]}
                     r = client.post(self.url + "/predict", json=body)
                     if r.status_code != 200:
@@ -206,7 +206,7 @@ def test_a_good_candidate_goes_through_every_stage_to_promoted(cluster_, models)
     c, inputs = cluster_, digits_inputs()
     seqs = [x.reshape(64, 1).tolist() for x in inputs[:300]]
     orthornn("rollout", "start", "--repo", c.repo, "--name", "digits", "--candidate",
-             models.good, "--shadow", "0.3", "--steps", "5,25,50,100", "--interval", "1.5",
+             models.good, "--shadow", "0.3", "--steps", "5,25,50,100", "--interval", "3",
              "--min-requests", "10", "--min-agreement", "0.7", "--max-latency-ratio", "50")
     seen: dict[int, set[float]] = {0: set(), 1: set()}
     restarted = []

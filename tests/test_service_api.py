@@ -26,7 +26,8 @@ def repo(service_packages, tmp_path_factory):
 def client(repo):
     app = create_app(Settings(repo=repo, keep_versions=2, poll_interval_s=0,
                               max_request_sequences=8, max_body_bytes=200_000))
-    with TestClient(app, raise_server_exceptions=False) as c:
+    # the Host a client on loopback sends (no token: the repository API answers no other)
+    with TestClient(app, raise_server_exceptions=False, base_url="http://127.0.0.1") as c:
         app.state.registry.scanned.wait(60)
         assert app.state.registry.ready()
         yield c
@@ -292,8 +293,10 @@ ERROR_CASES = [
     ("post", "/v2/models/words/infer", {"inputs": [
         {"name": "tokens", "shape": [1, 2], "datatype": "INT64", "data": [1, 400]}]},
      400, "token ids must be in"),
-    ("post", "/v2/repository/models/nope/load", None, 404, "not in the repository"),
-    ("post", "/v2/repository/models/nope/rollback", None, 404, "not in the repository"),
+    ("post", "/v2/repository/models/nope/load", {}, 404, "not in the repository"),
+    ("post", "/v2/repository/models/nope/rollback", {}, 404, "not in the repository"),
+    ("post", "/v2/repository/models/nope/load", None, 415, "application/json"),
+    ("post", "/v2/repository/models/nope/load", b"{}", 415, "application/json"),
     ("post", "/v2/repository/models/adding/rollback", {"version": 0}, 400, "version"),
     ("get", "/no/such/path", None, 404, "Not Found"),
     ("delete", "/predict", None, 405, "Method Not Allowed"),

@@ -1,6 +1,7 @@
 """The service on a real uvicorn server on 127.0.0.1: tritonclient, dynamic batching under
 concurrency, hot-swap under load, refused versions, the predict client, SIGTERM."""
 
+import asyncio
 import itertools
 import json
 import os
@@ -27,6 +28,8 @@ from orthornn.service.settings import Settings
 from orthornn.cli import main as cli
 
 from .service_helpers import (
+    OWNER,
+    SECRET,
     LiveServer,
     free_port,
     golden,
@@ -117,19 +120,24 @@ def test_tritonclient_round_trip(service_packages, tmp_path):
                                    reference(repo / "words" / "1", [tokens[0]])[0]["state"],
                                    atol=1e-6)
         # a sequence through the OIP sequence parameters: chunks of one sequence_id end
-        # where the whole sequence ends
+        # where the whole sequence ends; its secret (chosen here) goes with every chunk, as
+        # a header (the start) or a parameter (the others): tritonclient sends both
         seq = x[:1, :lengths[0]]
         whole = reference(repo / "digits" / "1", [seq[0]])[0]
         bounds = [0, 3, 4, seq.shape[1]]
         for k, (a, b) in enumerate(itertools.pairwise(bounds)):
             chunk = triton.InferInput("x", [1, b - a, 1], "FP32")
             chunk.set_data_from_numpy(np.ascontiguousarray(seq[:, a:b]))
+            owner = {"headers": OWNER} if k == 0 else \
+                {"parameters": {"session_secret": SECRET}}
             result = client.infer("digits", [chunk], sequence_id=42, sequence_start=k == 0,
-                                  sequence_end=b == seq.shape[1])
+                                  sequence_end=b == seq.shape[1], **owner)
+            if k == 0:  # the answer to the start gives the secret back
+                assert result.get_response()["parameters"]["session_secret"] == SECRET
         np.testing.assert_allclose(result.as_numpy("state")[0], whole["state"], atol=1e-5)
         np.testing.assert_allclose(result.as_numpy("logits")[0], whole["logits"], atol=1e-5)
         with pytest.raises(triton.InferenceServerException, match="session '42' is not open"):
-            client.infer("digits", [chunk], sequence_id=42)
+            client.infer("digits", [chunk], sequence_id=42, headers=OWNER)
         with pytest.raises(triton.InferenceServerException, match="unknown input"):
             bad = triton.InferInput("y", [1, 3], "INT64")
             bad.set_data_from_numpy(tokens)
@@ -305,7 +313,7 @@ def test_corrupt_or_half_written_versions_are_refused(service_packages, tmp_path
         assert failed() == 3 and registry.serving() == {"adding": [1]}
         assert _predict(http, probe)["version"] == 1
         # the explicit load API reports why; the half-written version, once complete, loads
-        r = http.post("/v2/repository/models/adding/load")
+        r = http.post("/v2/repository/models/adding/load", json={})
         assert r.status_code == 200 and "version 4" in " ".join(r.json()["refused"])
         for item in (stage / "4").iterdir():
             (half / item.name).write_bytes(item.read_bytes())
@@ -513,10 +521,25 @@ def test_middleware_root_path_and_admission_apply_to_every_route(service_package
         assert httpx.get(srv.url + "/openapi.json").status_code == 200
         assert seen == ["/predict", "/v2/models/digits/infer", "/v2/models/digits",
                         "/openapi.json"]
-        # one request half-way through its body holds the only slot
+        # one request whose body is in and whose answer waits holds the only slot (a body
+        # still arriving holds none: admission takes the slot once the body is in)
         go_on, half, answers = threading.Event(), threading.Event(), []
-        slow = threading.Thread(target=_slow_request, args=(srv.settings.port, body, half,
-                                                            go_on, answers))
+        predict = srv.app.state.dataplane.predict
+
+        async def gated(req, *args, **kwargs):
+            if req.top_k == 1:
+                half.set()
+                while not go_on.is_set():
+                    await asyncio.sleep(0.005)
+            return await predict(req, *args, **kwargs)
+
+        def waiting() -> None:
+            held = json.dumps({"model": "digits", "inputs": [[0.1, 0.2]], "top_k": 1})
+            answer = httpx.post(srv.url + "/predict", content=held, timeout=30)
+            answers.append((answer.status_code, answer.json()))
+
+        srv.app.state.dataplane.predict = gated
+        slow = threading.Thread(target=waiting)
         slow.start()
         assert half.wait(30)
         time.sleep(0.2)

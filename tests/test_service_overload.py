@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -39,16 +40,32 @@ def post(body: bytes = BODY, path: str = "/predict") -> bytes:
 
 
 class Slot:
-    """A /predict whose body stops half-way: it holds one in-flight slot until release()."""
+    """A /predict that holds one in-flight slot until release(): its body is in and its
+    answer waits, the service's dataplane gated for it (the request's top_k numbers its
+    gate). A body sent slowly holds no slot: admission takes one once the body is in."""
 
-    HALF = len(BODY) // 2
+    def __init__(self, live: LiveServer):
+        dataplane = live.app.state.dataplane
+        gates = getattr(dataplane, "test_gates", None)
+        if gates is None:
+            gates = dataplane.test_gates = {}
+            predict = dataplane.predict
 
-    def __init__(self, port: int):
-        self.client = RawConnection(port)
-        self.client.send(post()[:-self.HALF])
+            async def gated(req, *args, **kwargs):
+                gate = gates.get(req.top_k)
+                while gate is not None and not gate.is_set():
+                    await asyncio.sleep(0.005)
+                return await predict(req, *args, **kwargs)
+
+            dataplane.predict = gated
+        number = len(gates) + 1
+        self.gate = gates[number] = threading.Event()
+        self.client = RawConnection(live.settings.port)
+        self.client.send(post(json.dumps({"model": "digits", "inputs": [[0.1, 0.2, 0.3]],
+                                          "top_k": number}).encode()))
 
     def release(self) -> int:
-        self.client.send(BODY[-self.HALF:])
+        self.gate.set()
         status = self.client.answer()[0]
         self.client.close()
         return status
@@ -64,7 +81,7 @@ def refusals(url: str) -> int:
 
 def overloaded(live: LiveServer) -> Slot:
     """Take the only slot (max_inflight_requests=1) and wait until admission refuses."""
-    slot = Slot(live.settings.port)
+    slot = Slot(live)
     deadline = time.time() + 30
     while True:  # a fresh connection each try: a refused one is held
         probe = RawConnection(live.settings.port)
@@ -151,7 +168,7 @@ def test_health_and_metrics_stay_answered_under_overload(repo):
 
 def test_nothing_is_refused_while_a_slot_is_free(repo):
     with LiveServer(repo=repo, max_inflight_requests=3) as live:
-        slots = [Slot(live.settings.port), Slot(live.settings.port)]  # two of three taken
+        slots = [Slot(live), Slot(live)]  # two of three taken
         time.sleep(0.2)
         with httpx.Client(base_url=live.url, timeout=10) as http:
             for _ in range(10):  # the third slot, again and again, health probes beside

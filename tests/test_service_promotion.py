@@ -21,7 +21,7 @@ from orthornn.service.registry.policy import promotion_changes
 from orthornn.service.settings import Settings
 from prometheus_client.parser import text_string_to_metric_families
 
-from .service_helpers import LiveServer, make_repo, publish_copy, reference
+from .service_helpers import OWNER, LiveServer, make_repo, publish_copy, reference
 
 TOKEN = {"Authorization": "Bearer tok"}
 SEQS = [np.array([[0.5, 1.0], [0.25, 0.0], [0.1, 1.0]]), np.array([[0.9, 0.0], [0.3, 1.0]])]
@@ -249,26 +249,54 @@ def test_rollback_on_a_read_only_repository_is_a_409_naming_the_fix(repo, monkey
         assert predict(client)["version"] == 4
 
 
-def test_unreadable_promotion_serves_the_newest_and_is_logged(repo, caplog):
-    (repo / "adding" / "promotion.json").write_text("{broken")
+def test_an_unreadable_promotion_never_serves_the_newest_and_is_reported(repo, caplog):
+    """promotion.json there but unreadable (garbled, empty: a node crash with a writer
+    that did not fsync) or gone after it was read: what serves keeps serving, unchanged,
+    reported in the log (once), a metric, the model's metadata and the index; never the
+    newest version (5 here, which may be one that was rolled back)."""
+    model_dir = repo / "adding"
+    (model_dir / "promotion.json").write_text("{broken")
     app, client = start(repo)
     with caplog.at_level(logging.ERROR, logger="orthornn.service"), client:
         registry = app.state.registry
         assert registry.scanned.wait(60)
-        assert predict(client)["version"] == 5
-        assert client.get("/v2/models/adding").json()["parameters"]["promoted"] is None
+        # a fresh replica: nothing of the model serves (not the newest), and it says why
+        assert "adding" not in registry.serving() and not registry.ready()
+        r = client.post("/predict", json={"model": "adding", "inputs": [[[0.1, 0.0]]]})
+        assert r.status_code == 404, r.text
+        rows = [m for m in client.post("/v2/repository/index", headers=TOKEN).json()
+                if m["name"] == "adding"]
+        assert {m["state"] for m in rows} == {"UNAVAILABLE"}
+        assert all("promotion.json" in m["reason"] and "cannot be read" in m["reason"]
+                   for m in rows), rows
+        m = metrics(client.get("/metrics").text)
+        assert m[("orthornn_model_promotion_unreadable", ("model", "adding"))] == 1
         registry.scan()  # logged once, not at every scan
         logged = [r.getMessage() for r in caplog.records if "promotion.json" in r.getMessage()]
-        assert len(logged) == 1 and "cannot be read" in logged[0], logged
-        promote(repo / "adding", 4, "rollback", "repaired")  # replaces the broken file
+        assert len(logged) == 1 and "serving nothing of it" in logged[0], logged
+        promote(model_dir, 4, "rollback", "repaired")  # replaces the broken file
         registry.scan()
-        assert predict(client)["version"] == 4
-        # unreadable again after a good reading (a passing error on a shared volume): the
-        # last promoted version keeps serving, not the newest (5, which was rolled back)
-        (repo / "adding" / "promotion.json").write_text("{broken")
-        registry.scan()
-        assert predict(client)["version"] == 4
-        assert "keeping version 4" in caplog.records[-1].getMessage()
+        assert predict(client)["version"] == 4 and registry.ready()
+        assert client.get("/v2/models/adding").json()["parameters"]["promotion_error"] is None
+        m = metrics(client.get("/metrics").text)
+        assert m[("orthornn_model_promotion_unreadable", ("model", "adding"))] == 0
+        # unreadable again while serving (empty, garbage, gone): version 4 keeps serving
+        for damage in ("", "\x00" * 64, '{"version": "five"}', None):
+            if damage is None:
+                (model_dir / "promotion.json").unlink()
+            else:
+                (model_dir / "promotion.json").write_text(damage)
+            registry.scan()
+            answer = predict(client)
+            assert answer["version"] == 4
+            np.testing.assert_allclose(values(answer), expected(repo, 4), atol=1e-6)
+            meta = client.get("/v2/models/adding").json()["parameters"]
+            assert meta["promoted"] == "4" and meta["promotion_error"], meta
+            m = metrics(client.get("/metrics").text)
+            assert m[("orthornn_model_promotion_unreadable", ("model", "adding"))] == 1
+            assert "keeping version 4 serving" in caplog.records[-1].getMessage()
+        assert "is gone" in client.get("/v2/models/adding").json()["parameters"][
+            "promotion_error"]
 
 
 def test_promotion_changes_counts_new_history_entries():
@@ -359,13 +387,13 @@ def test_promotion_changes_swap_under_load_and_sessions_keep_their_version(
         assert load.served[1] == load.served[3] == 0
         # a session opened on version 2 before the swap
         r = http.post("/predict", json={"model": "adding", "inputs": [whole[:3].tolist()],
-                                        "session": "pinned", "start": True})
+                                        "session": "pinned", "start": True}, headers=OWNER)
         assert r.status_code == 200 and r.json()["version"] == 2
         promote(model_dir, 3, "promote", "passed the gate")  # found by the next scan
         load.wait_for(srv, 3)
         assert registry.serving() == {"adding": [3]}
         r = http.post("/predict", json={"model": "adding", "inputs": [whole[3:].tolist()],
-                                        "session": "pinned", "end": True})
+                                        "session": "pinned", "end": True}, headers=OWNER)
         assert r.status_code == 200 and r.json()["version"] == 2
         assert r.json()["outputs"][0]["value"] == pytest.approx(
             reference(model_dir / "2", [whole])[0]["value"][0], abs=1e-5)

@@ -9,6 +9,7 @@ the reason where it is not installed)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -31,7 +32,7 @@ from orthornn.service.settings import Settings
 from orthornn.cli import main as cli
 
 from .cluster import RedisServer
-from .service_helpers import LiveServer, make_repo, reference
+from .service_helpers import OWNER, LiveServer, make_repo, reference
 
 SEQ = [[0.5, 1.0], [0.25, 0.0], [0.1, 1.0], [0.7, 0.0], [0.3, 1.0], [0.9, 0.0]]
 POSITION = "orthornn-session-position"
@@ -64,7 +65,7 @@ def serving(repo: Path, store: str = "memory", reconcile_s: float = 1.0,
     app = create_app(Settings(repo=repo, poll_interval_s=0, session_store=store,
                               **settings))
     app.state.dataplane.sessions.reconcile_interval_s = reconcile_s
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with TestClient(app, raise_server_exceptions=False, headers=OWNER) as c:
         app.state.registry.scanned.wait(60)
         assert app.state.registry.ready()
         yield c
@@ -182,6 +183,205 @@ def test_the_inference_route_takes_sequence_position(repo):
         assert last.status_code == 200 and last.headers[POSITION] == "6"
         value = {o["name"]: o["data"] for o in last.json()["outputs"]}["value"][0]
         assert value == pytest.approx(value_of(repo / "adding" / "4", SEQ), abs=1e-5)
+
+
+# -- a session belongs to whoever started it --------------------------------------------------
+
+SECRET_HEADER = "orthornn-session-secret"
+
+
+def unowned(c: TestClient) -> TestClient:
+    """C without the secret its requests carry by default (OWNER): each request names
+    its own."""
+    c.headers.pop(SECRET_HEADER, None)
+    return c
+
+
+def rss() -> int:
+    """This process's resident memory (bytes) in live objects: collected, and the free
+    memory the C allocator holds given back first (malloc_trim), so that a transient
+    4 MiB body does not count."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # glibc only
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_another_client_can_neither_continue_nor_end_nor_restart_a_session(repo, store_url):
+    """Client A starts sensor-17 and is given its secret; client B (no secret, a wrong one,
+    or one in the body) gets 404 for a chunk and for an end, as for an id never started,
+    and 409 for a start (never a reset); A's session goes on from A's own state, unharmed,
+    and ends as the whole sequence does. With Redis, through two replicas."""
+    with contextlib.ExitStack() as stack:
+        a = unowned(stack.enter_context(serving(repo, store_url)))
+        b = unowned(stack.enter_context(serving(repo, store_url))) \
+            if store_url != "memory" else a
+        start = chunk(a, "sensor-17", SEQ[:2], start=True, version=4)
+        secret = ok(start)["session_secret"]
+        assert start.headers[SECRET_HEADER] == secret and len(secret) >= 32
+        mine = {SECRET_HEADER: secret}
+        never = chunk(b, "sensor-99", SEQ[2:3]).json()["error"]
+        for headers, body in (({}, {}), ({SECRET_HEADER: "x" * 32}, {}),
+                              ({SECRET_HEADER: secret[:-1]}, {}),
+                              ({}, {"session_secret": secret.upper()})):
+            for extra in ({}, {"end": True}, {"position": 2}, {"position": 2, "end": True}):
+                r = b.post("/predict", headers=headers, json={
+                    "model": "adding", "inputs": [SEQ[2:3]], "session": "sensor-17",
+                    **body, **extra})
+                assert r.status_code == 404, r.text
+                assert r.json()["error"] == never.replace("sensor-99", "sensor-17")
+                assert POSITION not in r.headers and SECRET_HEADER not in r.headers
+            for extra in ({}, {"position": 0}):  # a start on the open id: 409, no reset
+                r = b.post("/predict", headers=headers, json={
+                    "model": "adding", "inputs": [SEQ[:1]], "session": "sensor-17",
+                    "start": True, **body, **extra})
+                assert r.status_code == 409, r.text
+                assert "session 'sensor-17' is already open" in r.json()["error"]
+        # B's chunks applied nothing and ended nothing: A goes on from its own state
+        second = a.post("/predict", headers=mine, json={
+            "model": "adding", "inputs": [SEQ[2:4]], "session": "sensor-17", "position": 2})
+        assert ok(second)["position"] == 4 and "session_secret" not in ok(second)
+        assert SECRET_HEADER not in second.headers
+        # the secret in the body works as the header does; both, differing: 400
+        r = a.post("/predict", headers={SECRET_HEADER: "y" * 32}, json={
+            "model": "adding", "inputs": [SEQ[4:]], "session": "sensor-17",
+            "session_secret": secret})
+        assert r.status_code == 400 and "give the secret once" in r.json()["error"]
+        final = b.post("/predict", json={"model": "adding", "inputs": [SEQ[4:]],
+                                         "session": "sensor-17", "end": True,
+                                         "position": 4, "session_secret": secret})
+        assert ok(final)["outputs"][0]["value"] == pytest.approx(
+            value_of(repo / "adding" / "4", SEQ), abs=1e-5)
+        # the retried final chunk: its owner's only
+        assert ok(chunk(a, "sensor-17", SEQ[4:], end=True, position=4,
+                        session_secret=secret)) == ok(final)
+        r = chunk(b, "sensor-17", SEQ[4:], end=True, position=4)
+        assert r.status_code == 404 and r.json()["error"] == never.replace("sensor-99",
+                                                                           "sensor-17")
+        # ended: the id is free again, for anyone (a new session, a new secret)
+        again = chunk(b, "sensor-17", SEQ[:1], start=True, end=True)
+        assert ok(again)["session_secret"] not in (secret, None)
+        # a secret the client chose: used for its session, a retried start recognised
+        chosen = "c" * 22
+        first = chunk(a, "chosen", SEQ[:2], start=True, position=0, session_secret=chosen)
+        assert ok(first)["session_secret"] == chosen
+        assert ok(chunk(a, "chosen", SEQ[:2], start=True, position=0,
+                        session_secret=chosen)) == ok(first)
+        r = chunk(b, "chosen", SEQ[:2], start=True, position=0)
+        assert r.status_code == 409, r.text
+        ok(chunk(b, "chosen", SEQ[2:], end=True, session_secret=chosen))
+        for bad in ("short", "x" * 21, "not a secret at all, with spaces", "é" * 30):
+            r = chunk(a, "bad", SEQ[:1], start=True, session_secret=bad)
+            assert r.status_code == 400 and "session_secret" in r.json()["error"], r.text
+        r = chunk(a, "bad", SEQ[:1], start=True, session_secret="x" * 129)
+        assert r.status_code == 400 and "session_secret" in r.text
+        r = a.post("/predict", json={"model": "adding", "inputs": [SEQ],
+                                     "session_secret": chosen})
+        assert r.status_code == 400 and "only with 'session'" in r.json()["error"]
+
+
+def test_another_client_cannot_take_an_oip_sequence(repo, store_url):
+    """The same on the inference route with tritonclient's small integer ids
+    (sequence_id 1): the start's answer gives the secret (a parameter and the header);
+    later requests present it as the parameter session_secret or the header."""
+    with serving(repo, store_url) as c:
+        unowned(c)
+
+        def infer(steps, headers=None, **params):
+            return c.post("/v2/models/adding/versions/4/infer", headers=headers or {}, json={
+                "inputs": [{"name": "x", "shape": [1, len(steps), 2], "datatype": "FP32",
+                            "data": [v for s in steps for v in s]}],
+                "parameters": {"sequence_id": 1, **params}})
+        start = infer(SEQ[:2], sequence_start=True)
+        assert start.status_code == 200, start.text
+        secret = start.json()["parameters"]["session_secret"]
+        assert start.headers[SECRET_HEADER] == secret
+        for headers, params in (({}, {}), ({SECRET_HEADER: "z" * 40}, {}),
+                                ({}, {"session_secret": "z" * 40})):
+            for extra in ({}, {"sequence_end": True}, {"sequence_position": 2}):
+                r = infer(SEQ[2:3], headers, **params, **extra)
+                assert r.status_code == 404, r.text
+                assert "session '1' is not open (never started" in r.json()["error"]
+            r = infer(SEQ[:1], headers, sequence_start=True, **params)
+            assert r.status_code == 409 and "already open" in r.json()["error"], r.text
+        r = infer(SEQ[2:3], {SECRET_HEADER: secret}, session_secret=5)
+        assert r.status_code == 400 and "parameters.session_secret" in r.text
+        middle = infer(SEQ[2:4], {SECRET_HEADER: secret}, sequence_position=2)
+        assert middle.status_code == 200 and middle.headers[POSITION] == "4"
+        assert "parameters" not in middle.json()
+        last = infer(SEQ[4:], sequence_end=True, session_secret=secret)
+        assert last.status_code == 200 and last.headers[POSITION] == "6"
+        value = {o["name"]: o["data"] for o in last.json()["outputs"]}["value"][0]
+        assert value == pytest.approx(value_of(repo / "adding" / "4", SEQ), abs=1e-5)
+        r = c.post("/v2/models/adding/versions/4/infer", json={
+            "inputs": [{"name": "x", "shape": [1, 1, 2], "datatype": "FP32",
+                        "data": [0.0, 0.0]}], "parameters": {"session_secret": secret}})
+        assert r.status_code == 400 and "only with sequence_id" in r.json()["error"]
+
+
+def test_session_ids_have_one_bound_before_they_cost_memory(repo):
+    """A sequence_id of 4 MiB (or of 129 characters, or an integer beyond 64 bits) gets
+    400 and is never stored: the store stays empty, and ten such starts leave memory
+    where it was; /predict's session has the same bound."""
+    with serving(repo) as c:
+        store = c.app.state.dataplane.sessions.store  # type: ignore[attr-defined]
+        x = {"name": "x", "shape": [1, 1, 2], "datatype": "FP32", "data": [0.1, 0.0]}
+
+        def start(sid) -> int:
+            r = c.post("/v2/models/adding/versions/4/infer", json={
+                "inputs": [x], "parameters": {"sequence_id": sid, "sequence_start": True}})
+            assert r.status_code == 400, r.text[:300]
+            assert "parameters.sequence_id" in r.json()["error"]
+            return r.status_code
+        huge = "s" * (4 << 20)
+        for _ in range(2):  # warm: the allocator's high-water mark of such bodies
+            start(huge)
+        before = rss()
+        for i in range(10):
+            start(f"{i}{huge[1:]}")
+        grown = rss() - before
+        assert grown < 2 << 20, grown  # ten stored ids would be 40 MiB and more
+        for sid in ("s" * 129, 2**64, -2**63 - 1):
+            start(sid)
+        assert asyncio.run(store.count()) == 0
+        assert not store._open and not store._ended  # type: ignore[attr-defined]
+        r = c.post("/v2/models/adding/versions/4/infer", json={
+            "inputs": [x], "parameters": {"sequence_id": "s" * 128, "sequence_start": True,
+                                          "sequence_end": True}})
+        assert r.status_code == 200, r.text  # 128 characters: the bound itself
+        r = chunk(c, "s" * 129, SEQ[:1], start=True)
+        assert r.status_code == 400 and "session" in r.json()["error"]
+
+
+def test_with_session_secrets_off_anyone_who_names_a_session_continues_it(repo, store_url):
+    """session_secrets off (a trusted network): no secret is given or asked for; any
+    client that names the session continues or ends it (the behaviour before secrets); a
+    second start of an open id is still 409."""
+    with serving(repo, store_url, session_secrets=False) as c:
+        unowned(c)
+        start = chunk(c, "shared", SEQ[:2], start=True, version=4)
+        assert "session_secret" not in ok(start) and SECRET_HEADER not in start.headers
+        ok(chunk(c, "shared", SEQ[2:4]))  # another client, no secret
+        ok(chunk(c, "shared", SEQ[4:5], session_secret="anything"))  # ignored
+        r = chunk(c, "shared", SEQ[:1], start=True)
+        assert r.status_code == 409 and "already open" in r.json()["error"]
+        final = ok(chunk(c, "shared", SEQ[5:], end=True))
+        assert final["outputs"][0]["value"] == pytest.approx(
+            value_of(repo / "adding" / "4", SEQ), abs=1e-5)
+        r = c.post("/v2/models/adding/versions/4/infer", json={
+            "inputs": [{"name": "x", "shape": [1, 1, 2], "datatype": "FP32",
+                        "data": [0.1, 0.0]}],
+            "parameters": {"sequence_id": 3, "sequence_start": True}})
+        assert r.status_code == 200 and "parameters" not in r.json()
+        r = c.post("/v2/models/adding/versions/4/infer", json={
+            "inputs": [{"name": "x", "shape": [1, 1, 2], "datatype": "FP32",
+                        "data": [0.1, 0.0]}],
+            "parameters": {"sequence_id": 3, "sequence_end": True}})
+        assert r.status_code == 200, r.text
 
 
 # -- replicas sharing one Redis -------------------------------------------------------------

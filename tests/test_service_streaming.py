@@ -22,7 +22,7 @@ from orthornn.service.metrics import Metrics
 from orthornn.service.sessions.memory import MemoryStore
 from orthornn.service.settings import Settings
 
-from .service_helpers import golden, make_repo, publish_copy, reference, softmax
+from .service_helpers import OWNER, golden, make_repo, publish_copy, reference, softmax
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def repo(service_packages, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(repo):
     app = create_app(Settings(repo=repo, keep_versions=2, poll_interval_s=0, max_sessions=4))
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with TestClient(app, raise_server_exceptions=False, headers=OWNER) as c:
         app.state.registry.scanned.wait(60)
         assert app.state.registry.ready()
         yield c
@@ -279,7 +279,7 @@ def test_session_keeps_its_version_across_a_hot_swap(service_packages, tmp_path)
     repo = make_repo(service_packages, tmp_path, {"adding": [1]})
     app = create_app(Settings(repo=repo, poll_interval_s=0.05))
     seq = [[0.5, 1.0], [0.25, 0.0], [0.1, 1.0]]
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with TestClient(app, raise_server_exceptions=False, headers=OWNER) as c:
         registry = app.state.registry
         registry.scanned.wait(60)
         assert _post(c, {"model": "adding", "inputs": [seq[:1]], "session": "pin",
@@ -373,7 +373,7 @@ def test_every_architecture_and_mode_streams_through_http(every_arch):
     repo, names = every_arch
     app = create_app(Settings(repo=repo, poll_interval_s=0))
     seq = np.random.default_rng(2).normal(size=(9, 2)).round(3).tolist()
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with TestClient(app, raise_server_exceptions=False, headers=OWNER) as c:
         app.state.registry.scanned.wait(120)
         for name in names:
             whole = _post(c, {"model": name, "inputs": [seq]})["outputs"][0]

@@ -103,6 +103,50 @@ def test_open_store_picks_the_store(url, kind):
     run(main())
 
 
+def test_the_store_keeps_a_digest_of_the_secret_and_a_bounded_number_of_ended(url, kind):
+    """A session's record keeps the digest its start gave (never the secret itself: the
+    store is given only the digest), an ended one too; at most max_ended_sessions ended
+    records are kept, the oldest ended dropped first, while open sessions are untouched and
+    an id ended and started again is not counted as ended."""
+    from orthornn.service.sessions import owners
+
+    async def main():
+        async with stores(url) as make:
+            store = make(max_ended_sessions=3)
+            secret = owners.new_secret()
+            record = await store.create("owned", MODEL, 4, owners.digest(secret))
+            assert record.secret == owners.digest(secret) != secret
+            assert (await store.get("owned")).secret == owners.digest(secret)
+            assert owners.matches(record.secret, owners.digest(secret))
+            assert not owners.matches(record.secret, owners.digest("another"))
+            assert not owners.matches(None, owners.digest(secret))
+            ended = await store.finish("owned", 0, vec(1.0), 1)
+            assert ended.ended and ended.secret == owners.digest(secret)
+            await store.create("open", MODEL, 4)
+            for i in range(6):
+                await store.create(f"e{i}", MODEL, 4)
+                await store.finish(f"e{i}", 0, vec(float(i)), 1)
+                if i == 0:  # e0 ends and starts again: open, no more among the ended
+                    await store.create("e0", MODEL, 4)
+            for sid in ("owned", "e1", "e2"):  # the oldest ended: dropped
+                with pytest.raises(UnknownSession):
+                    await store.get(sid)
+            for sid in ("e3", "e4", "e5"):
+                assert (await store.get(sid)).ended
+            assert not (await store.get("e0")).ended
+            assert not (await store.get("open")).ended
+            assert await store.count() == 2
+            if kind == "redis":
+                assert store._client is not None  # the ended set holds three ids
+                assert await store._client.zcard(store._ended) == 3
+            none = make(max_ended_sessions=0, session_key_prefix="none:")
+            await none.create("x", MODEL, 4)
+            assert (await none.finish("x", 0, vec(1.0), 1)).ended  # answered, then dropped
+            with pytest.raises(UnknownSession):
+                await none.get("x")
+    run(main())
+
+
 def test_create_get_delete(url):
     async def main():
         async with stores(url) as make:
@@ -601,6 +645,9 @@ def toy_chunk(inputs: list[float]):
     return run
 
 
+#: the secret the script's client chose for its sessions (sent with every chunk)
+SECRET = "script-client-secret-0123456789"
+
 # (replica, session, inputs, options) in order; ("delete", replica, session) ends one
 # from that replica's store; ("sleep", seconds) lets sessions expire
 SCRIPT: list[tuple] = [
@@ -667,7 +714,8 @@ async def play_script(stores_by_replica: dict[str, SessionStore]) -> tuple[list,
         before = reads[0]
         try:
             applied = await replicas[replica].chunk(
-                sid, options.pop("model", MODEL), toy_chunk(inputs), held=held, **options)
+                sid, options.pop("model", MODEL), toy_chunk(inputs), held=held,
+                secret=options.pop("secret", SECRET), **options)
             outcomes.append(("ok", applied, (held.model, held.version)))
         except ServiceError as e:
             outcomes.append((type(e).__name__, e.status, str(e), getattr(e, "position", None),

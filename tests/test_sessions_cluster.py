@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import secrets
 import threading
 import time
 import uuid
@@ -165,6 +166,8 @@ class Stream:
     answers: list[tuple[int, list[float], int | None]] = field(default_factory=list)
     retries: int = 0
     statuses: list[int] = field(default_factory=list)  # every status it was answered
+    # the session's secret, chosen by the client and sent with every chunk (its start too)
+    secret: str = field(default_factory=lambda: secrets.token_urlsafe(24))
 
     def request(self, k: int) -> tuple[str, dict]:
         a, b = self.bounds[k]
@@ -172,12 +175,14 @@ class Stream:
         part = self.seq[a:b]
         if self.route == "predict":
             return "/predict", {"model": self.model, "session": self.sid, "start": start,
-                                "end": end, "position": a, "inputs": [part.tolist()]}
+                                "end": end, "position": a, "inputs": [part.tolist()],
+                                "session_secret": self.secret}
         return f"/v2/models/{self.model}/infer", {
             "inputs": [{"name": "x", "shape": [1, *part.shape], "datatype": "FP32",
                         "data": part.ravel().tolist()}],
             "parameters": {"sequence_id": self.sid, "sequence_start": start,
-                           "sequence_end": end, "sequence_position": a}}
+                           "sequence_end": end, "sequence_position": a,
+                           "session_secret": self.secret}}
 
     def record(self, response: httpx.Response) -> None:
         from .service_helpers import softmax

@@ -242,6 +242,10 @@ class Manifest:
                                f"{manifest.output_name!r} for task {manifest.task!r}")
         if manifest.input_spec.kind == "tokens" and not manifest.vocabulary_file:
             raise PackageError("manifest field 'vocabulary_file' is required for token inputs")
+        for key, filename in manifest.graphs.items():
+            plain_file_name(f"graphs.{key}", filename)
+        if manifest.vocabulary_file is not None:
+            plain_file_name("vocabulary_file", manifest.vocabulary_file)
         if manifest.preprocessing is not None:
             check_preprocessing(manifest.preprocessing, manifest.input_spec.feature_size)
         return manifest
@@ -284,6 +288,35 @@ def check_preprocessing(d: Any, feature_size: int) -> dict:
     return d
 
 
+def plain_file_name(field_name: str, name: Any) -> str:
+    """NAME, a file name of the package folder itself: a string with no folder part (no
+    ``/``, ``\\``, ``..``, absolute path or drive), else PackageError naming FIELD_NAME."""
+    _check(field_name, name, str)
+    if (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name
+            or ":" in name or Path(name).name != name):
+        raise PackageError(f"manifest field {field_name!r} must be a plain file name inside "
+                           f"the package folder (no folder, '..' or absolute path); got "
+                           f"{name[:200]!r}")
+    return name
+
+
+def package_file(package: str | Path, field_name: str, name: str) -> Path:
+    """The path of the package's file NAME, checked to be a plain file name whose path,
+    symbolic links resolved, stays inside the package folder (PackageError otherwise)."""
+    package = Path(package)
+    path = package / plain_file_name(field_name, name)
+    try:
+        inside = path.resolve(strict=True).is_relative_to(package.resolve(strict=True))
+    except (OSError, RuntimeError):  # missing, or a loop of links
+        raise PackageError(f"package file {name!r} is missing") from None
+    if not inside:
+        raise PackageError(f"package file {name!r} ({field_name}) leads outside the "
+                           "package folder")
+    if not path.is_file():
+        raise PackageError(f"package file {name!r} is missing")
+    return path
+
+
 def sha256(path: str | Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -312,10 +345,15 @@ def check_hashes(package: str | Path, manifest: Manifest) -> None:
     for name in manifest.graphs.values():
         if name not in files:
             raise PackageError(f"manifest lists no sha256 for graph {name!r}")
+    vocabulary = manifest.vocabulary_file
+    if vocabulary is not None and vocabulary not in files:
+        raise PackageError(f"manifest lists no sha256 for vocabulary_file {vocabulary!r}")
     for name, expected in files.items():
-        path = package / name
-        if Path(name).name != name or not path.is_file():
+        if not isinstance(name, str) or not isinstance(expected, str):
+            raise PackageError("manifest field 'files' must map file names to sha256 strings")
+        if Path(name).name != name:
             raise PackageError(f"package file {name!r} is missing")
+        path = package_file(package, f"files.{name}", name)
         actual = sha256(path)
         if actual != expected:
             raise PackageError(f"sha256 mismatch for {name!r}: manifest {expected[:12]}..., "

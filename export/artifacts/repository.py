@@ -17,6 +17,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from . import records
+
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -75,15 +77,19 @@ def publish(repo: str | Path, name: str, build: Callable[[Path, int], None]) -> 
 
 # -- promotion: which version of a model is live ----------------------------------------
 #
-# REPO/<name>/promotion.json, replaced atomically (write a temporary file, os.replace):
+# REPO/<name>/promotion.json:
 #   {"version": 3, "history": [{"version": 1, "action": "publish", "time": ISO-8601,
-#                               "reason": "..."}, ...]}
+#                               "reason": "...", "previous": None}, ...]}
 # "version" is the promoted version (what the service serves by default); "history" lists
 # every change, oldest first, with its action: publish (an export without --gate),
-# promote (an export whose candidate passed --gate), rollback. A model without the file
-# has no promotion: the service serves its newest verified version (as before promotion
-# existed). Refused candidates are kept, for a person to inspect, under
-# REPO/<name>/rejected/<id>/ (not a version number, so the service never loads them).
+# promote (an export whose candidate passed --gate, or a rollout's last step), rollback.
+# Every writer (export, rollback from the command or the admin API, the rollout) holds the
+# model's one lock and replaces the file crash-safe (``records``): a reader never sees a
+# partial or empty file. A model without the file has no promotion: the service serves its
+# newest verified version (as before promotion existed); a file that is there but cannot be
+# read is no promotion of the newest: the service keeps what it serves. Refused candidates
+# are kept, for a person to inspect, under REPO/<name>/rejected/<id>/ (not a version
+# number, so the service never loads them).
 
 PROMOTION = "promotion.json"
 REJECTED = "rejected"
@@ -107,7 +113,8 @@ def read_promotion(model_dir: str | Path) -> dict:
 
 def promoted(model_dir: str | Path) -> int | None:
     """The promoted version of model_dir, or None (no promotion file, or an unreadable
-    one: the caller falls back to the newest version)."""
+    one: for the commands' listings and lineage; the service keeps what it serves on an
+    unreadable one, ``read_promotion``'s ValueError)."""
     try:
         return read_promotion(model_dir)["version"]
     except ValueError:
@@ -123,23 +130,31 @@ def live_version(on_disk: list[int], promoted_version: int | None) -> int | None
 
 
 def promote(model_dir: str | Path, version: int, action: str, reason: str = "") -> dict:
-    """Make ``version`` the promoted one (atomically) and record why; returns the new
-    promotion record. The caller has checked that the version exists and verifies."""
+    """Make ``version`` the promoted one and record why; returns the new promotion record.
+    Under the model's lock, from the record as it is then (no change of another writer is
+    lost), crash-safe (``records.update_json``). An unreadable file is replaced, a copy of
+    it kept beside it as promotion.json.unreadable-<time>. The caller has checked that the
+    version exists and verifies."""
     if action not in ACTIONS:
         raise ValueError(f"action must be one of {', '.join(ACTIONS)}; got {action!r}")
     model_dir = Path(model_dir)
-    try:
-        record = read_promotion(model_dir)
-    except ValueError:  # an unreadable file is replaced, its history lost (logged by caller)
-        record = {"version": None, "history": []}
-    entry = {"version": version, "action": action,
-             "time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "reason": reason,
-             "previous": record["version"]}
-    record = {"version": version, "history": [*record["history"], entry]}
-    tmp = model_dir / f".{PROMOTION}.{uuid.uuid4().hex[:8]}"
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, model_dir / PROMOTION)
-    return record
+    now = dt.datetime.now(dt.UTC)
+
+    def change(path: Path) -> dict:
+        note = reason
+        try:
+            record = read_promotion(model_dir)
+        except ValueError as error:  # kept for a person; the history starts over
+            kept = path.with_name(f"{PROMOTION}.unreadable-{now.strftime('%Y%m%dT%H%M%S.%fZ')}")
+            shutil.copyfile(path, kept)
+            record = {"version": None, "history": []}
+            note = f"{reason} ({error}; kept as {kept.name})".lstrip()
+        entry = {"version": version, "action": action,
+                 "time": now.isoformat(timespec="seconds"), "reason": note,
+                 "previous": record["version"]}
+        return {"version": version, "history": [*record["history"], entry]}
+    result: dict = records.update_json(model_dir, PROMOTION, change)
+    return result
 
 
 def keep_rejected(repo: str | Path, name: str, build: Callable[[Path, int], None],
@@ -175,16 +190,32 @@ def rollback(model_dir: str | Path, to: int | None = None) -> dict:
     """Move the promotion of model_dir back: to ``to``, or one step (the version promoted
     before the current one, else the newest below it). The target must be on disk and
     verify (sha256 and golden outputs); ValueError names the versions that could be used.
-    Returns {"model", "promoted", "previous"}."""
-    from .package import PackageError, verify_package
-
+    Decided and written under the model's lock (``records.locked``), so that the step back
+    is from the promotion as it is, never from one another writer has just replaced. An
+    unreadable promotion.json takes an explicit ``to`` (it is replaced, a copy kept).
+    Returns {"model", "promoted", "previous"} (previous None: the file was unreadable)."""
     model_dir = Path(model_dir)
-    on_disk = versions(model_dir)
-    if not on_disk:
-        raise ValueError(f"{str(model_dir)!r} holds no versions")
-    record = read_promotion(model_dir)
-    current = live_version(on_disk, record["version"])
-    assert current is not None  # on_disk is not empty
+    with records.locked(model_dir):
+        on_disk = versions(model_dir)
+        if not on_disk:
+            raise ValueError(f"{str(model_dir)!r} holds no versions")
+        try:
+            record: dict | None = read_promotion(model_dir)
+        except ValueError as error:
+            if to is None:
+                raise ValueError(f"{error}; name the version to promote (--to V) to replace "
+                                 f"it") from None
+            record = None
+        current = None if record is None else live_version(on_disk, record["version"])
+        target = _rollback_target(model_dir, on_disk, record, current, to)
+        promote(model_dir, target, "rollback", f"rolled back from version {current}"
+                if current is not None else "rolled back (promotion.json was unreadable)")
+    return {"model": model_dir.name, "promoted": target, "previous": current}
+
+
+def _rollback_target(model_dir: Path, on_disk: list[int], record: dict | None,
+                     current: int | None, to: int | None) -> int:
+    from .package import PackageError, verify_package
 
     def usable() -> str:
         good = []
@@ -199,6 +230,7 @@ def rollback(model_dir: str | Path, to: int | None = None) -> dict:
         return ", ".join(good) or "none"
 
     if to is None:
+        assert record is not None and current is not None  # on_disk is not empty
         # what was live before current went live (not before a rollback to it: rolling
         # back twice goes two steps back, never forth again)
         earlier = [e.get("previous") for e in reversed(record["history"])
@@ -222,8 +254,7 @@ def rollback(model_dir: str | Path, to: int | None = None) -> dict:
     except PackageError as error:
         raise ValueError(f"version {target} does not verify ({error}); versions it could "
                          f"use: {usable()}") from None
-    promote(model_dir, target, "rollback", f"rolled back from version {current}")
-    return {"model": model_dir.name, "promoted": target, "previous": current}
+    return target
 
 
 def describe(model_dir: str | Path) -> list[dict]:

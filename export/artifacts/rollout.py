@@ -1,7 +1,8 @@
 """Rollouts on live traffic, torch-free: the plan in the repository, the tallies replicas
 measure, and the analysis that advances, promotes or rolls back a candidate.
 
-REPO/<name>/rollout.json (beside promotion.json, replaced atomically under a lock file):
+REPO/<name>/rollout.json (beside promotion.json; both written under the model's one lock,
+replaced crash-safe: ``records``):
 
     {"id": "...", "candidate": 4, "promoted": 3, "state": "running",
      "stages": ["shadow", 5, 25, 50, 100], "stage": 1, "stage_started": ISO-8601,
@@ -18,24 +19,24 @@ counts a ``Tally`` per stage; a controller (``orthornn rollout run``, or the ser
 when it may write the repository) adds the replicas' tallies (``combine``), and ``decide``
 says whether the stage waits, advances, or breaks a threshold. ``control`` applies that to
 the plan: the last step promotes the candidate (promotion.json), a breach stops the
-rollout and leaves the promoted version untouched.
+rollout and leaves the promoted version untouched. The promotion is made only over the
+version the rollout started from: when another writer (a rollback, an export) changed the
+promotion since, the rollout stops (aborted, the reason says so) instead of overriding it.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import datetime as dt
-import fcntl
 import json
 import math
-import os
 import uuid
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import records
 from .repository import live_version, promote, read_promotion, versions
 
 ROLLOUT = "rollout.json"
@@ -288,24 +289,9 @@ def read_plan(model_dir: str | Path) -> dict | None:
 
 
 def _write(model_dir: Path, plan: dict) -> None:
-    tmp = model_dir / f".{ROLLOUT}.{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.write_text(json.dumps(plan, indent=2) + "\n")
-        os.replace(tmp, model_dir / ROLLOUT)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-@contextlib.contextmanager
-def _locked(model_dir: Path) -> Iterator[None]:
-    """One writer of rollout.json (and of the promotion it makes) at a time, across
-    processes: the controller, the commands, the admin API."""
-    with open(model_dir / ".rollout.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    """Replace rollout.json crash-safe; the caller holds the model's lock."""
+    assert records.holds(model_dir), "rollout.json is written under the model's lock"
+    records.replace_json(model_dir / ROLLOUT, plan)
 
 
 def parse_steps(text: str | Sequence[int]) -> list[int]:
@@ -363,16 +349,7 @@ def start(model_dir: str | Path, candidate: int, *, shadow: float = 0.1,
             candidate not in on_disk:
         raise RolloutError(f"--candidate: version {candidate!r} is not in "
                            f"{str(model_dir)!r} (versions: {on_disk or 'none'})", 404)
-    try:
-        promoted_version = read_promotion(model_dir)["version"]
-    except ValueError as error:
-        raise RolloutError(str(error), 409) from None
-    live = live_version(on_disk, promoted_version)
-    if promoted_version is None or live != promoted_version:
-        raise RolloutError(f"--candidate: model {model_dir.name!r} has no promoted version "
-                           f"to compare with; promote one first (orthornn export --gate)", 409)
-    if candidate == promoted_version:
-        raise RolloutError(f"--candidate: version {candidate} is already promoted", 409)
+    _base(model_dir, on_disk, candidate)  # refused early, before the slow checks
     why = passed_gate(model_dir, candidate)
     if why:
         raise RolloutError(f"--candidate: {why}", 409)
@@ -381,7 +358,8 @@ def start(model_dir: str | Path, candidate: int, *, shadow: float = 0.1,
     except PackageError as error:
         raise RolloutError(f"--candidate: version {candidate} does not verify: {error}",
                            409) from None
-    with _locked(model_dir):
+    with records.locked(model_dir):  # the promotion and the plan as they are now
+        promoted_version = _base(model_dir, on_disk, candidate)
         try:
             current = read_plan(model_dir)
         except ValueError:
@@ -402,6 +380,21 @@ def start(model_dir: str | Path, candidate: int, *, shadow: float = 0.1,
     return plan
 
 
+def _base(model_dir: Path, on_disk: list[int], candidate: int) -> int:
+    """The promoted version a rollout of CANDIDATE starts from; RolloutError when none."""
+    try:
+        promoted_version = read_promotion(model_dir)["version"]
+    except ValueError as error:
+        raise RolloutError(str(error), 409) from None
+    live = live_version(on_disk, promoted_version)
+    if promoted_version is None or live != promoted_version:
+        raise RolloutError(f"--candidate: model {model_dir.name!r} has no promoted version "
+                           f"to compare with; promote one first (orthornn export --gate)", 409)
+    if candidate == promoted_version:
+        raise RolloutError(f"--candidate: version {candidate} is already promoted", 409)
+    return promoted_version
+
+
 def _past(plan: dict | None) -> list[dict]:
     if plan is None:
         return []
@@ -417,12 +410,29 @@ def _stage_record(plan: dict, analysis: dict, outcome: str, now: dt.datetime) ->
 
 def _finish(model_dir: Path, plan: dict, state: str, reason: str, now: dt.datetime,
             breach_: dict | None = None) -> dict:
+    """End PLAN (the caller holds the lock); PROMOTED promotes the candidate first."""
     plan = {**plan, "state": state, "ended": _stamp(now), "reason": reason, "breach": breach_,
             "current": None}
     if state == PROMOTED:
         promote(model_dir, plan["candidate"], "promote", f"rollout {plan['id']}: {reason}")
     _write(model_dir, plan)
     return plan
+
+
+def _moved(model_dir: Path, plan: dict) -> str:
+    """Why PLAN's candidate may not be promoted now ('' when it may): the promotion is no
+    longer the version the rollout started from (a rollback, an export promoted another
+    since), or it cannot be read. Under the lock."""
+    try:
+        now = read_promotion(model_dir)
+    except ValueError as error:
+        return str(error)
+    if now["version"] == plan["promoted"]:
+        return ""
+    last = now["history"][-1] if now["history"] else {}
+    how = f" ({last.get('action')} at {last.get('time')})" if last else ""
+    return (f"the promotion moved from version {plan['promoted']} to {now['version']}{how} "
+            f"since the rollout started")
 
 
 def control(model_dir: str | Path, reports: Sequence[dict],
@@ -433,7 +443,7 @@ def control(model_dir: str | Path, reports: Sequence[dict],
     plan's "current" (written when it changed)."""
     model_dir = Path(model_dir)
     now = now or _now()
-    with _locked(model_dir):
+    with records.locked(model_dir):
         plan = read_plan(model_dir)
         if plan is None or plan["state"] != RUNNING:
             return plan
@@ -456,6 +466,9 @@ def control(model_dir: str | Path, reports: Sequence[dict],
                            now, broken)
         plan["analysis"] = [*plan["analysis"], _stage_record(plan, analysis, "passed", now)]
         if plan["stage"] + 1 == len(plan["stages"]):
+            moved = _moved(model_dir, plan)
+            if moved:  # never over another writer's promotion (a person's rollback)
+                return _finish(model_dir, plan, ABORTED, f"not promoted: {moved}", now)
             done = ", ".join(f"{s}%" if s != SHADOW else s for s in plan["stages"])
             return _finish(model_dir, plan, PROMOTED, f"passed {done}", now)
         plan = {**plan, "stage": plan["stage"] + 1, "stage_started": _stamp(now),
@@ -469,7 +482,7 @@ def end_by_hand(model_dir: str | Path, action: str) -> dict:
     stays); RolloutError when no rollout is running."""
     model_dir = Path(model_dir)
     now = _now()
-    with _locked(model_dir):
+    with records.locked(model_dir):
         try:
             plan = read_plan(model_dir)
         except ValueError as error:
@@ -480,6 +493,11 @@ def end_by_hand(model_dir: str | Path, action: str) -> dict:
         stage = plan["stages"][plan["stage"]]
         where = "in shadow" if stage == SHADOW else f"at {stage}%"
         if action == "promote":
+            moved = _moved(model_dir, plan)
+            if moved:
+                raise RolloutError(f"version {plan['candidate']} is not promoted: {moved}; "
+                                   f"`orthornn rollout abort` this rollout and start another",
+                                   409)
             return _finish(model_dir, plan, PROMOTED, f"promoted by hand {where}", now)
         return _finish(model_dir, plan, ABORTED, f"aborted by hand {where}", now)
 

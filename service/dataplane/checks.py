@@ -72,8 +72,30 @@ def _check_length(spec: ModelSpec, n: int, field: str) -> None:
                           f"(the model's max_length); got {n}")
 
 
-def predict_sequences(spec: ModelSpec, req: Prediction, max_sequences: int
-                      ) -> list[np.ndarray]:
+def per_step_bytes(spec: ModelSpec, per_step: bool = False) -> int:
+    """Bytes of output per sequence and time step that a request makes the model build (a
+    language model's logits: the vocabulary; seq2seq: its classes; per_step: every
+    output), 0 when only the last step's output is built."""
+    if spec.task in ("lm", "seq2seq") or per_step:
+        return 4 * spec.output_size
+    return 0
+
+
+def check_output_budget(spec: ModelSpec, batch: int, steps: int, budget: int,
+                        per_step: bool = False) -> None:
+    """413 before the model runs when BATCH sequences of STEPS steps would make per-step
+    outputs (B x T x V x 4 bytes of a language model's logits) beyond BUDGET (0: none)."""
+    size = batch * steps * per_step_bytes(spec, per_step)
+    if budget and size > budget:
+        raise ClientError(
+            f"inputs: the answer's per-step outputs would take {size} bytes ({batch} "
+            f"sequences x {steps} steps x {spec.output_size} outputs x 4 bytes), over the "
+            f"limit of {budget} bytes (max_lm_output_bytes); send fewer or shorter "
+            f"sequences, or carry state across requests", 413)
+
+
+def predict_sequences(spec: ModelSpec, req: Prediction, max_sequences: int,
+                      output_budget: int = 0) -> list[np.ndarray]:
     """The request's sequences as arrays: float32 [T, d] or int64 [T] token ids."""
     if (req.inputs is None) == (req.text is None):
         raise ClientError("inputs: give exactly one of 'inputs' or 'text'"
@@ -106,6 +128,9 @@ def predict_sequences(spec: ModelSpec, req: Prediction, max_sequences: int
             arr = _float_sequence(spec, seq, where)
         _check_length(spec, len(arr), where + (" (tokens)" if req.text is not None else ""))
         sequences.append(arr)
+    if output_budget:  # padded to the longest: what the batch's graph output holds
+        check_output_budget(spec, len(sequences), max(len(a) for a in sequences),
+                            output_budget, bool(req.per_step))
     return sequences
 
 
@@ -143,8 +168,8 @@ def _model_tensor(inp: InputTensor, expected_dtype: str) -> np.ndarray:
     return inp.data.reshape(inp.shape)
 
 
-def infer_sequences(spec: ModelSpec, req: Inference, io: GraphIO, max_sequences: int
-                    ) -> tuple[list[np.ndarray | Chunk], int]:
+def infer_sequences(spec: ModelSpec, req: Inference, io: GraphIO, max_sequences: int,
+                    output_budget: int = 0) -> tuple[list[np.ndarray | Chunk], int]:
     """The sequences of an OIP request (x or tokens [B, T, ...] with optional lengths [B])
     and T."""
     declared = {i.name: i for i in io.inputs}
@@ -174,6 +199,7 @@ def infer_sequences(spec: ModelSpec, req: Inference, io: GraphIO, max_sequences:
     if rank == 3 and x_in.shape[2] != spec.feature_size:
         raise ClientError(f"inputs[{main}].shape[2]: feature_size is {spec.feature_size}; "
                           f"got {x_in.shape[2]}")
+    check_output_budget(spec, batch, steps, output_budget)
     x = _model_tensor(x_in, declared[main].datatype)
     if spec.kind == "tokens":
         vocab = len(spec.vocabulary or ())

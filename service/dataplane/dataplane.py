@@ -20,13 +20,21 @@ import numpy as np
 from orthornn.export.artifacts.package import INITIAL_STATE, TensorSpec
 from orthornn.export.artifacts.rollout import RULES, weight
 
-from ..errors import ClientError, NotFound, RollbackRefused, StateConflict
+from ..errors import (
+    SECRET_HEADER,
+    ClientError,
+    NotFound,
+    RollbackRefused,
+    ServiceError,
+    StateConflict,
+)
 from ..metrics import UNKNOWN, Held, Metrics
 from ..registry.batcher import Batcher
 from ..registry.registry import ModelVersion, Registry
 from ..registry.runtime import Chunk
 from ..registry.spec import ModelSpec
 from ..sessions.manager import Sessions
+from ..sessions.owners import MAX_ID_LENGTH
 from ..sessions.store import open_store
 from ..sessions.tokens import decode_state, encode_state, state_version
 from ..settings import Settings
@@ -60,6 +68,17 @@ def server_version() -> str:
         return "0+unknown"
 
 
+def _secret(header: str | None, field: object, name: str) -> str | None:
+    """A session's secret, from the request's header or its body (NAME: the field); 400
+    when both are given and differ, or the field is not a string."""
+    if field is not None and not isinstance(field, str):
+        raise ClientError(f"{name}: must be a string")
+    if header is not None and field is not None and header != field:
+        raise ClientError(f"{name}: differs from the {SECRET_HEADER} header; give the "
+                          f"secret once")
+    return header if header is not None else field
+
+
 def version_param(value: object) -> int | None:
     if value is None:
         return None
@@ -76,14 +95,18 @@ class DataPlane:
                  metrics: Metrics | None = None):
         self.settings, self.registry, self.metrics = settings, registry, metrics
         # server-side sessions: in this process or in a Redis the replicas share
-        self.sessions = Sessions(open_store(settings, metrics), registry, metrics=metrics)
+        self.sessions = Sessions(open_store(settings, metrics), registry, metrics=metrics,
+                                 secrets=settings.session_secrets)
         self.rollouts = registry.rollouts
         self.shadows = Shadows(registry)
 
     def observe(self, held: Held, status: int) -> None:
-        """An answered request, for the rollout's per-version error rates (a request
-        that held no version, e.g. an unreadable body, is nobody's error)."""
-        self.rollouts.count(held.model, held.version, status >= 400)
+        """An answered request, for a running rollout's analysis: counted only when the
+        rollout placed it (``held.route_key``: the service chose its version), and only a
+        5xx is the version's error (``rollouts.version_error``); a request that held no
+        version, e.g. an unreadable body, is nobody's."""
+        self.rollouts.count(held.model, held.version, status, held.route_key, held.compute_s,
+                            held.candidate_refused)
 
     def labels(self, held: Held) -> tuple[str, str]:
         """The metric labels of a request: the version it held, else the model it named
@@ -145,6 +168,8 @@ class DataPlane:
                            "preprocessing": mv.manifest.preprocessing,
                            "spectral": mv.manifest.spectral or {},
                            "promoted": None if promoted is None else str(promoted),
+                           # why promotion.json cannot be read (what serves stays), or None
+                           "promotion_error": self.registry.promotion_error(name),
                            "rollout": self._rollout_summary(name),
                            "evaluation": mv.manifest.evaluation,
                            "lineage": mv.manifest.lineage}})
@@ -191,11 +216,12 @@ class DataPlane:
 
     async def generate(self, req: GenerateRequest, held: Held) -> Document:
         with self.hold(req.model, version_param(req.version), held, batched=False) as mv:
-            prompt = generate.prompt_ids(mv.spec, req, self.settings.max_new_tokens)
+            prompt = generate.prompt_ids(mv.spec, req, self.settings.max_new_tokens,
+                                         self.settings.max_lm_output_bytes)
             # a thread of its own (asyncio's default pool): a long generation must not hold
             # the inference threads, and the batcher must not wait for it (batched=False)
             result = await asyncio.to_thread(generate.generate, mv.runtime, mv.spec,
-                                             prompt, req)
+                                             prompt, req, self.settings.max_lm_output_bytes)
         return Document(Served(mv.name, mv.version),
                       {"model": mv.name, "version": mv.version, **result})
 
@@ -245,12 +271,15 @@ class DataPlane:
 
     # -- /predict --------------------------------------------------------------------------
 
-    async def predict(self, req: Prediction, held: Held, key: bytes = b"") -> PredictResult:
-        """KEY: the request's routing key (a rollout's canary places it by its hash)."""
+    async def predict(self, req: Prediction, held: Held, key: bytes = b"",
+                      secret: str | None = None) -> PredictResult:
+        """KEY: the request's routing key (a rollout's canary places it by its hash);
+        SECRET: a session's secret from the request's header (or in the body)."""
         if req.session is not None:
-            return await self._predict_session(req, held)
+            return await self._predict_session(req, held, secret)
         for flag, given in (("start", req.start), ("end", req.end),
-                            ("position", req.position is not None)):
+                            ("position", req.position is not None),
+                            ("session_secret", req.session_secret is not None)):
             if given:
                 raise ClientError(f"{flag}: only with 'session'")
         version = version_param(req.version)
@@ -266,8 +295,9 @@ class DataPlane:
                                     f"version that made it")
         elif version is None:
             version = self.registry.route(req.model, key)
+            held.routed(key)
         with self.hold(req.model, version, held, from_states=from_states) as mv:
-            seqs = self._sequences(mv, req)
+            seqs = self._sequences(mv, req, held)
             warning = self._range_warning(mv, seqs, "inputs")
             if req.states is not None:
                 if len(req.states) != len(seqs):
@@ -280,13 +310,14 @@ class DataPlane:
                     for i, (s, st) in enumerate(zip(seqs, req.states, strict=True))]
             else:
                 batch = list(seqs)
-            outputs, _, raw = await self._run(mv, batch, req)
+            outputs, _, raw = await self._run(mv, batch, req, held)
             if req.states is None and not req.per_step:
                 self.shadows.after(mv, lambda spec: predict_sequences(
                     spec, req, self.settings.max_request_sequences), raw)
         return PredictResult(Served(mv.name, mv.version, warning), outputs)
 
-    async def _predict_session(self, req: Prediction, held: Held) -> PredictResult:
+    async def _predict_session(self, req: Prediction, held: Held,
+                               secret: str | None) -> PredictResult:
         assert req.session is not None
         if req.states is not None:
             raise ClientError("states: not with 'session' (the session keeps its state)")
@@ -294,21 +325,47 @@ class DataPlane:
         async def chunk(mv: ModelVersion, state: np.ndarray | None
                         ) -> tuple[tuple[list[dict], str | None], np.ndarray, int]:
             self._check_streaming(mv)
-            seq = self._session_sequence(self._sequences(mv, req))
+            seq = self._session_sequence(self._sequences(mv, req, held))
             warning = self._range_warning(mv, [seq], "inputs")
-            outputs, states, _ = await self._run(mv, [Chunk(seq, state)], req)
+            outputs, states, _ = await self._run(mv, [Chunk(seq, state)], req, held)
             return (outputs, warning), states[0], len(seq)
+        held.routed(req.session.encode())  # a session is placed by its id
         applied = await self.sessions.chunk(
             req.session, req.model, chunk, version=version_param(req.version),
-            start=req.start, end=req.end, position=req.position, held=held)
+            start=req.start, end=req.end, position=req.position, held=held,
+            secret=_secret(secret, req.session_secret, "session_secret"))
         outputs, warning = applied.answer
         return PredictResult(Served(applied.model, applied.version, warning), outputs,
-                             session=req.session, position=applied.position)
+                             session=req.session, position=applied.position,
+                             session_secret=applied.secret)
 
-    def _sequences(self, mv: ModelVersion, req: Prediction) -> list[np.ndarray]:
-        return predict_sequences(mv.spec, req, self.settings.max_request_sequences)
+    def _sequences(self, mv: ModelVersion, req: Prediction, held: Held) -> list[np.ndarray]:
+        return self._checked(mv, held, lambda spec: predict_sequences(
+            spec, req, self.settings.max_request_sequences, self.settings.max_lm_output_bytes))
 
-    async def _run(self, mv: ModelVersion, seqs: list, req: Prediction
+    def _checked(self, mv: ModelVersion, held: Held, check: Callable[[ModelSpec], Any]) -> Any:
+        """CHECK(MV's spec): the request's inputs as MV takes them. A rollout's candidate
+        refusing (4xx) a request the rollout placed on it, which the promoted version's
+        spec takes, is the candidate's failure, not the client's (``Held.refused``): a
+        candidate that narrows its inputs (a shorter max_length) is rolled back on it."""
+        try:
+            return check(mv.spec)
+        except ServiceError as error:
+            plan = self.rollouts.running(mv.name)
+            if held.route_key is None or plan is None or plan["candidate"] != mv.version or \
+                    not 400 <= error.status < 500:
+                raise
+            promoted = self.registry.versions(mv.name).get(plan["promoted"])
+            if promoted is not None:
+                try:
+                    check(promoted.spec)
+                except ServiceError:
+                    pass  # the promoted version refuses it too: the client's
+                else:
+                    held.refused()
+            raise
+
+    async def _run(self, mv: ModelVersion, seqs: list, req: Prediction, held: Held
                    ) -> tuple[list[dict], list[np.ndarray], list[np.ndarray]]:
         """Batch the sequences; (the /predict outputs, the state after each sequence, the
         graph's output per sequence)."""
@@ -331,15 +388,17 @@ class DataPlane:
                 for item, row in zip(out, rows, strict=True):
                     item["state"] = encode_state(mv.name, mv.version, row["state"])
             return out, [row["state"] for row in rows], [row[spec.output_name] for row in rows]
-        return await self._submit(mv, batcher, seqs, post, prepare=True)  # one softmax per batch
+        return await self._submit(mv, batcher, seqs, post, held,
+                                  prepare=True)  # one softmax per batch
 
     async def _submit(self, mv: ModelVersion, batcher: Batcher, seqs: list,
-                      post: Callable[[list[dict]], Any], *, prepare: bool = False) -> Any:
-        """``batcher.submit``, its compute time (queue and inference) told to the rollouts:
-        a running rollout compares its versions' (nothing is counted without one)."""
+                      post: Callable[[list[dict]], Any], held: Held, *,
+                      prepare: bool = False) -> Any:
+        """``batcher.submit``, its compute time (queue and inference) kept in HELD: a
+        running rollout compares its versions' over the requests it placed (``observe``)."""
         start = time.perf_counter()
         done = await batcher.submit(seqs, post, prepare=prepare)
-        self.rollouts.time(mv.name, mv.version, time.perf_counter() - start)
+        held.computed(time.perf_counter() - start)
         return done
 
     # -- sessions (server-side state, /predict and OIP sequences alike: service.streaming) --
@@ -372,38 +431,45 @@ class DataPlane:
     # -- Open Inference Protocol ------------------------------------------------------------
 
     async def infer(self, req: Inference, name: str, version: str | None, held: Held,
-                    key: bytes = b"") -> InferenceResult:
+                    key: bytes = b"", secret: str | None = None) -> InferenceResult:
         """An OIP inference request on model NAME (VERSION: the URL's). The request
         parameters ``sequence_id``, ``sequence_start`` and ``sequence_end`` (as tritonclient
         sends them) run it on a session; ``sequence_position`` makes the chunk exactly-once
-        (as /predict's ``position``)."""
-        position = None
+        (as /predict's ``position``); ``session_secret`` (or SECRET, the request's header)
+        is the session's secret."""
+        position = given = None
         if any(k in req.parameters for k in SEQUENCE_KEYS):
             sid, start, end, position_param = self._sequence(req.parameters)
 
             async def chunk(mv: ModelVersion, state: np.ndarray | None
                             ) -> tuple[tuple[list[OutputTensor], str | None], np.ndarray, int]:
                 self._check_streaming(mv)
-                seqs, steps = self._infer_sequences(mv, req)
+                seqs, steps = self._infer_sequences(mv, req, held)
                 seq = self._session_sequence(seqs)
                 warning = self._range_warning(mv, [seq], "inputs[x]")
-                tensors = await self._infer_run(mv, req, [Chunk(seq, state)], steps)
+                tensors = await self._infer_run(mv, req, [Chunk(seq, state)], steps, held)
                 return (tensors, warning), self._state_of(tensors), len(seq)
+            held.routed(sid.encode())  # a sequence is placed by its id
             applied = await self.sessions.chunk(
                 sid, name, chunk, version=version_param(version), start=start, end=end,
-                position=position_param, what="sequence", held=held)
+                position=position_param, what="sequence", held=held,
+                secret=_secret(secret, req.parameters.get("session_secret"),
+                               "parameters.session_secret"))
             tensors, warning = applied.answer
             served = Served(applied.model, applied.version, warning)
-            position = applied.position
+            position, given = applied.position, applied.secret
         else:
+            if "session_secret" in req.parameters:
+                raise ClientError("parameters.session_secret: only with sequence_id")
             number = version_param(version)
             stateless = all(t.name != INITIAL_STATE for t in req.inputs)
             if number is None and stateless:  # a state continues the version that made it
                 number = self.registry.route(name, key)
+                held.routed(key)
             with self.hold(name, number, held) as mv:
-                seqs, steps = self._infer_sequences(mv, req)
+                seqs, steps = self._infer_sequences(mv, req, held)
                 warning = self._range_warning(mv, seqs, "inputs[x]")
-                tensors = await self._infer_run(mv, req, seqs, steps)
+                tensors = await self._infer_run(mv, req, seqs, steps, held)
                 if stateless:
                     self._shadow_infer(mv, req, seqs, tensors)
             served = Served(mv.name, mv.version, warning)
@@ -411,7 +477,8 @@ class DataPlane:
         outputs = [t for t in tensors if wanted is None or t.name in wanted]
         if wanted is not None:
             outputs.sort(key=lambda t: wanted.index(t.name))
-        return InferenceResult(served, outputs, req.id, position=position)
+        return InferenceResult(served, outputs, req.id, position=position,
+                               session_secret=given)
 
     @staticmethod
     def _state_of(tensors: list[OutputTensor]) -> np.ndarray:
@@ -427,6 +494,13 @@ class DataPlane:
             raise ClientError("parameters.sequence_id: required with sequence_start, "
                               "sequence_end or sequence_position, a non-zero integer or a "
                               "non-empty string")
+        # one bound for session ids on both protocols (/predict's session), checked before
+        # the id is kept anywhere
+        if isinstance(sid, int) and not -2**63 <= sid < 2**64:
+            raise ClientError("parameters.sequence_id: an integer id must fit in 64 bits")
+        if isinstance(sid, str) and len(sid) > MAX_ID_LENGTH:
+            raise ClientError(f"parameters.sequence_id: 1 to {MAX_ID_LENGTH} characters; got "
+                              f"{len(sid)}")
         for key, flag in (("sequence_start", start), ("sequence_end", end)):
             if flag is not None and not isinstance(flag, bool):
                 raise ClientError(f"parameters.{key}: must be true or false")
@@ -437,12 +511,14 @@ class DataPlane:
                               "time steps the sequence has consumed)")
         return str(sid), bool(start), bool(end), position
 
-    def _infer_sequences(self, mv: ModelVersion, req: Inference) -> tuple[list, int]:
-        return infer_sequences(mv.spec, req, mv.spec.io["model"],
-                                      self.settings.max_request_sequences)
+    def _infer_sequences(self, mv: ModelVersion, req: Inference, held: Held
+                         ) -> tuple[list, int]:
+        return self._checked(mv, held, lambda spec: infer_sequences(
+            spec, req, spec.io["model"], self.settings.max_request_sequences,
+            self.settings.max_lm_output_bytes))
 
-    async def _infer_run(self, mv: ModelVersion, req: Inference, seqs: list, steps: int
-                         ) -> list[OutputTensor]:
+    async def _infer_run(self, mv: ModelVersion, req: Inference, seqs: list, steps: int,
+                         held: Held) -> list[OutputTensor]:
         """Every output of the model, as tensors [B, ...] (the request's outputs checked)."""
         runtime = mv.runtime
         names = runtime.output_names["model"]
@@ -452,7 +528,8 @@ class DataPlane:
         datatypes = {o.name: o.datatype for o in mv.spec.io["model"].outputs}
         tensors = await self._submit(
             mv, mv.batcher, seqs, lambda rows: outputs_to_tensors(rows, names, steps,
-                                                                  runtime.per_step["model"]))
+                                                                  runtime.per_step["model"]),
+            held)
         return [OutputTensor(n, datatypes[n], tensors[n]) for n in names]
 
     def _shadow_infer(self, mv: ModelVersion, req: Inference, seqs: list,

@@ -62,6 +62,7 @@ class InferenceResult:
     outputs: list[OutputTensor]
     id: str | None = None
     position: int | None = None  # a sequence's position after this chunk (time steps)
+    session_secret: str | None = None  # in the answer to a sequence's start
 
 
 # -- /predict ----------------------------------------------------------------------------
@@ -83,6 +84,7 @@ class Prediction:
     start: bool = False
     end: bool = False
     position: int | None = None
+    session_secret: str | None = None
     per_step: bool = False
     allow_unk: bool = False
 
@@ -98,6 +100,7 @@ class PredictResult:
     outputs: list[dict]  # one per sequence, as protocol.SequenceOutput
     session: str | None = None
     position: int | None = None  # the session's position after this chunk (time steps)
+    session_secret: str | None = None  # in the answer to a session's start
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,12 @@ class PredictRequest(_Model):
     start: bool = Field(False, description="with session: open it (on the requested or the "
                                            "default version, which it keeps until it ends)")
     end: bool = Field(False, description="with session: close it after this chunk")
+    session_secret: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(
+        None, description="with session: the secret the answer to its start gave (or the "
+                          "Orthornn-Session-Secret header); with start, optionally one the "
+                          "client chose (22 to 128 base64 or hex characters, at least 128 "
+                          "random bits), so that a retried start is recognised. A chunk "
+                          "without the session's secret gets 404")
     position: Annotated[int, Strict()] | None = Field(
         None, ge=0, le=2**62,
         description="with session: the time steps the client believes the session has "
@@ -126,6 +132,9 @@ class PredictResponse(BaseModel):
     version: int
     outputs: list[SequenceOutput]
     session: str | None = None
+    session_secret: str | None = Field(
+        None, description="in the answer to a session's start: the secret every later chunk "
+                          "of the session presents (also the Orthornn-Session-Secret header)")
     position: int | None = Field(None, description="with session: the time steps the "
                                                    "session has consumed after this chunk "
                                                    "(the next chunk's position)")
@@ -220,6 +229,9 @@ class InferenceResponse(BaseModel):
     model_name: str
     model_version: str
     id: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="session_secret: in the answer to a sequence's start, the secret "
+                          "its later requests present")
     outputs: list[ResponseOutput]
 
 

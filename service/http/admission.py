@@ -14,9 +14,17 @@ eager listener does, under ``scope["state"][CONNECTION]``):
   slots for ever (each sends its next request the moment its answer arrives, before a
   retry can take the slot) and the others would be refused at every retry.
 
+A slot counts work, not connections: a request takes one only once its body is in (read
+here, then handed to the route as it came), so clients that send their bodies slowly
+hold no slot and the others keep being served. The bodies being received are bounded
+together (``max_receiving``; 503 past it) and each by the server's body deadline.
+
 Nothing is refused while a slot is free; health and metrics take no slot. A body over the
-limit gets 413. What admission answers itself (503, an early 413) it counts itself; every
-other request is counted by the route dispatcher (``routing.Routes``).
+limit gets 413. While the service drains (``draining()``), every answer carries
+``Connection: close``, so keep-alive clients reconnect (to another replica) instead of
+being reset when the listener closes. What admission answers itself (503, an early 413)
+it counts itself; every other request is counted by the route dispatcher
+(``routing.Routes``).
 """
 
 from __future__ import annotations
@@ -64,9 +72,15 @@ class Admission:
     RETRY_JITTER_S = 0.25
 
     def __init__(self, app: ASGIApp, table: RouteTable, metrics: Metrics,
-                 counts: RequestCounts, max_body: int, max_inflight: int):
+                 counts: RequestCounts, max_body: int, max_inflight: int,
+                 max_receiving: int = 0, draining: Callable[[], bool] | None = None):
         self.app, self.table, self.metrics, self.counts = app, table, metrics, counts
         self.max_body, self.max_inflight = max_body, max_inflight
+        #: body bytes being received before admission, over all requests (a bound of at
+        #: least one full body; 0: max_inflight bodies, as many as the slots hold)
+        self.max_receiving = max(max_receiving or max_inflight * max_body, max_body)
+        self.receiving = 0
+        self.draining = draining
         self.inflight = 0
         self._retries: deque[asyncio.Future[None]] = deque()  # retries waiting for a slot
         # rendered once: the same error() every other refusal uses
@@ -78,6 +92,8 @@ class Admission:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = time.perf_counter()
+        if self.draining is not None and self.draining():
+            send = _closing(send)
         received = 0
 
         async def limited_receive() -> Message:
@@ -92,7 +108,16 @@ class Admission:
         # health and metrics neither wait for a slot nor take one: they cost next to
         # nothing, and a probe must not turn a request away while a slot is free
         limited = not scope["path"].startswith(self.EXEMPT)
+        refused = self.refuse(scope)
+        if refused is not None:  # (no slot: nothing of it is read)
+            await refused(scope, receive, send)
+            return self._record(scope, refused.status_code, start)
         if limited:
+            # the body first: a slot is taken for the work, not for a slow upload
+            body = await self._body(scope, receive, send, start)
+            if body is None:  # answered (413, 503) or the client gone
+                return
+            receive = _replay(body, receive)
             connection: Connection | None = (scope.get("state") or _NO_STATE).get(CONNECTION)
             if self.inflight < self.max_inflight:
                 self.inflight += 1
@@ -116,16 +141,47 @@ class Admission:
         # a slot is held from here: the finally below passes it on
         self.metrics.inflight.inc()
         try:
-            refused = self.refuse(scope)
-            if refused is not None:
-                await refused(scope, receive, send)
-                self._record(scope, refused.status_code, start)
-            else:
-                await self.app(scope, limited_receive, send)
+            await self.app(scope, receive if limited else limited_receive, send)
         finally:
             if limited:
                 self._free_slot()
             self.metrics.inflight.dec()
+
+    async def _body(self, scope: Scope, receive: Receive, send: Send, start: float
+                    ) -> bytes | None:
+        """The request's whole body, read before it takes a slot (bounded by the body
+        limit and, over all requests, by ``max_receiving``); None when it has been answered
+        here (413, 503) or the client has gone."""
+        chunks: list[bytes] = []
+        taken = 0  # of self.receiving, given back when the body is in
+        try:
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":  # http.disconnect
+                    return None
+                chunk = message.get("body", b"")
+                if chunk:
+                    taken += len(chunk)
+                    self.receiving += len(chunk)
+                    if taken > self.max_body:
+                        answer = error(413, f"body: larger than the limit of {self.max_body} "
+                                            "bytes")
+                    elif self.receiving > self.max_receiving:
+                        answer = error(503, "overloaded: request bodies of "
+                                            f"{self.max_receiving} bytes being received; "
+                                            "retry later",
+                                       headers={"Retry-After": str(self.RETRY_AFTER_S)})
+                    else:
+                        chunks.append(chunk)
+                        answer = None
+                    if answer is not None:
+                        await answer(scope, receive, send)
+                        self._record(scope, answer.status_code, start)
+                        return None
+                if not message.get("more_body", False):
+                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        finally:
+            self.receiving -= taken
 
     async def _wait_for_slot(self) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -159,3 +215,31 @@ class Admission:
         found = self.table.match(scope)
         self.counts.record(found[0].path if found is not None else "other", (UNKNOWN, ""),
                            status, start)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """RECEIVE, its body already read: BODY in one message, then RECEIVE's own (a
+    disconnect)."""
+    given = False
+
+    async def replayed() -> Message:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
+
+
+def _closing(send: Send) -> Send:
+    """SEND, each answer's head with ``Connection: close`` (the server then closes the
+    connection once the answer is sent)."""
+
+    async def closing(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"connection"]
+            message = {**message, "headers": [*headers, (b"connection", b"close")]}
+        await send(message)
+
+    return closing

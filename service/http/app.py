@@ -9,8 +9,9 @@ another method on a path of the table; the OpenAPI document is generated from th
 rows. FastAPI itself serves only /openapi.json, /docs and /redoc, and 404 for what matches
 nothing. The middleware, outermost first:
 
-    admission.Admission: 503 with Retry-After over ``max_inflight_requests``, the
-        body-size limit, the in-flight gauge;
+    admission.Admission: the body read before a slot is taken, 503 with Retry-After over
+        ``max_inflight_requests``, the body-size limit, the in-flight gauge,
+        ``Connection: close`` while draining;
     any middleware added with ``app.add_middleware`` (it sees every route);
     routing.Routes: the table, with the one error mapping
         (``responses.error_response``), request counts and durations.
@@ -95,7 +96,9 @@ def create_app(settings: Settings, providers: ProviderChoice | None = None) -> F
                        observe=dataplane.observe)
     app.add_middleware(Admission, table=table, metrics=metrics, counts=counts,
                        max_body=settings.max_body_bytes,
-                       max_inflight=settings.max_inflight_requests)
+                       max_inflight=settings.max_inflight_requests,
+                       max_receiving=settings.max_receiving_bytes,
+                       draining=lambda: app.state.draining)
 
     async def _error(request: Request, exc: Exception) -> Response:
         return error_response(exc, f"{request.method} {request.url.path}")

@@ -34,9 +34,9 @@ from ..dataplane.schemas import (
     ServerMetadata,
     parse,
 )
-from ..errors import POSITION_HEADER, ClientError, ServiceError
+from ..errors import POSITION_HEADER, SECRET_HEADER, ClientError, ServiceError
 from ..metrics import Metrics
-from ..settings import Settings
+from ..settings import Settings, is_loopback
 from ..tracing import open_tracing
 from . import auth
 from .codecs import oip_binary, predict_json
@@ -63,14 +63,22 @@ def _version_or_none(version: str | None) -> int | None:
         return None
 
 
-def _served(call: Call, served: Served, position: int | None = None) -> dict[str, str]:
-    """Count the request under the version that answered; its headers: the input warning
-    and the session's position, where there are some."""
+def _served(call: Call, served: Served, position: int | None = None,
+            secret: str | None = None) -> dict[str, str]:
+    """Count the request under the version that answered; its headers: the input warning,
+    the session's position and (answering its start) its secret, where there are some."""
     call.held.hold(served.model, served.version)
     headers = {} if served.warning is None else {WARNING_HEADER: served.warning}
     if position is not None:
         headers[POSITION_HEADER] = str(position)
+    if secret is not None:
+        headers[SECRET_HEADER] = secret
     return headers
+
+
+def session_secret(call: Call) -> str | None:
+    """The session secret the request's header presents, if any."""
+    return header(call.scope, b"orthornn-session-secret")
 
 
 def routing_key(call: Call) -> bytes:
@@ -94,7 +102,7 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
                    draining: Callable[[], bool]) -> list[Route]:
     """The route table's rows, their handlers bound to DATAPLANE; DRAINING says whether
     the server is shutting down (readiness answers 503 then)."""
-    admin = auth.bearer(settings.admin_token)
+    admin = auth.admin(settings.admin_token, is_loopback(settings.host))
     tracer = open_tracing(settings.tracing)  # None: off (ValueError: the extra is missing)
     decode_predict, encode_predict = predict_json.decode, predict_json.encode
     decode_infer, encode_infer = oip_binary.decode, oip_binary.encode
@@ -107,9 +115,11 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
     async def predict(call: Call) -> Response:
         req = decode_predict(call.body)
         call.held.name(req.model)
-        result = await dataplane.predict(req, call.held, routing_key(call))
+        result = await dataplane.predict(req, call.held, routing_key(call),
+                                         session_secret(call))
         return Response(encode_predict(result), media_type="application/json",
-                        headers=_served(call, result.served, result.position))
+                        headers=_served(call, result.served, result.position,
+                                        result.session_secret))
 
     async def generate_text(call: Call) -> Response:
         req = parse(GenerateRequest, call.body)
@@ -123,9 +133,10 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         call.held.name(name)  # counted under the model from the start
         req = decode_infer(call.body, header(call.scope, b"inference-header-content-length"),
                            name, version)
-        result = await dataplane.infer(req, name, version, call.held, routing_key(call))
+        result = await dataplane.infer(req, name, version, call.held, routing_key(call),
+                                       session_secret(call))
         head, blobs = encode_infer(req, result)
-        headers = _served(call, result.served, result.position)
+        headers = _served(call, result.served, result.position, result.session_secret)
         if not blobs:
             return Response(head, media_type="application/json", headers=headers)
         return Response(head + b"".join(blobs), media_type="application/octet-stream",
@@ -167,17 +178,17 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         return JSON(result.body)
 
     async def repository_index(call: Call) -> Response:
-        admin(call.scope)
+        admin(call.scope, False)  # reads only
         req = parse(RepositoryIndexRequest, call.body, allow_empty=True)
         return JSON(await dataplane.repository_index(req))
 
     async def load_model(call: Call) -> Response:
-        admin(call.scope)
+        admin(call.scope, True)
         _admin_body(call.body)
         return JSON(await dataplane.load(call.params["name"]))
 
     async def rollback_model(call: Call) -> Response:
-        admin(call.scope)
+        admin(call.scope, True)
         req = parse(RollbackRequest, call.body, allow_empty=True)
         return JSON(await dataplane.rollback(call.params["name"], req))
 
@@ -185,22 +196,22 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         return JSON(dataplane.rollout(call.params["name"]))
 
     async def rollout_start(call: Call) -> Response:
-        admin(call.scope)
+        admin(call.scope, True)
         req = parse(RolloutStartRequest, call.body)
         return JSON(await dataplane.start_rollout(call.params["name"], req))
 
     async def rollout_promote(call: Call) -> Response:
-        admin(call.scope)
+        admin(call.scope, True)
         _admin_body(call.body)
         return JSON(await dataplane.end_rollout(call.params["name"], "promote"))
 
     async def rollout_abort(call: Call) -> Response:
-        admin(call.scope)
+        admin(call.scope, True)
         _admin_body(call.body)
         return JSON(await dataplane.end_rollout(call.params["name"], "abort"))
 
     async def unload_model(call: Call) -> Response:
-        admin(call.scope)
+        admin(call.scope, True)
         _admin_body(call.body)
         return JSON(await dataplane.unload(call.params["name"]))
 

@@ -46,7 +46,8 @@ Labeller = Callable[[Held], tuple[str, str]]
 ErrorTable = dict[int, dict[str, Any]]
 ERRORS: ErrorTable = {
     400: {"model": ErrorResponse, "description": "bad input (the message names the field)"},
-    404: {"model": ErrorResponse, "description": "unknown model, version or session"},
+    404: {"model": ErrorResponse, "description": "unknown model, version or session (a "
+                                                 "session chunk without its secret too)"},
     413: {"model": ErrorResponse, "description": "body too large"},
     503: {"model": ErrorResponse, "description": "overloaded (Retry-After) or not ready"}}
 INFER_ERRORS: ErrorTable = {
@@ -54,14 +55,19 @@ INFER_ERRORS: ErrorTable = {
     409: {"model": ErrorResponse,
           "description": "a state or session of another model version, a session chunk at a "
                          "position the session is not at (the message and the "
-                         "Orthornn-Session-Position header name it), or a session whose "
-                         "version is gone"},
+                         "Orthornn-Session-Position header name it), a start on a "
+                         "session id that is open, or a session whose version is gone"},
     503: {"model": ErrorResponse, "description": "overloaded, not ready, or the session store "
                                                  "unavailable (Retry-After)"},
     429: {"model": ErrorResponse, "description": "queue full or too many sessions "
                                                  "(Retry-After)"}}
 ADMIN_ERRORS: ErrorTable = {
-    **ERRORS, 401: {"model": ErrorResponse, "description": "missing or wrong bearer token"}}
+    **ERRORS, 401: {"model": ErrorResponse, "description": "missing or wrong bearer token"},
+    403: {"model": ErrorResponse,
+          "description": "another origin than the server's own (Origin), or, without a "
+                         "token, a Host that is not loopback (service.http.auth)"},
+    415: {"model": ErrorResponse,
+          "description": "a mutating route's Content-Type is not application/json"}}
 ROLLBACK_ERRORS: ErrorTable = {
     **ADMIN_ERRORS,
     409: {"model": ErrorResponse,

@@ -85,6 +85,7 @@ class Catalog:
         self._default: dict[str, int] = {}  # the version a request without one gets
         # written by the version policy:
         self.promoted_versions: dict[str, int | None] = {}  # promotion.json's (last scan)
+        self.promotion_errors: dict[str, str] = {}  # why promotion.json cannot be read now
         self.unloaded: set[str] = set()  # models unloaded through the repository API
         self.configured = configured  # the models readiness waits for
         self.scanned = threading.Event()  # the start-up scan has finished
@@ -178,6 +179,11 @@ class Catalog:
         with self.lock:
             return self.promoted_versions.get(name)
 
+    def promotion_error(self, name: str) -> str | None:
+        """Why NAME's promotion.json cannot be read (what serves stays as it was), or None."""
+        with self.lock:
+            return self.promotion_errors.get(name)
+
     def ready(self) -> bool:
         return self.scanned.is_set() and not self.waiting_for()
 
@@ -201,6 +207,7 @@ class Catalog:
             for name in sorted(names):
                 loaded = self._serving.get(name, {})
                 promoted = self.promoted_versions.get(name)
+                unreadable = self.promotion_errors.get(name)
                 for v in sorted(set(versions(self.repo / name)) | set(loaded)):
                     refusal = refused(name, v)
                     if v in loaded:
@@ -209,6 +216,9 @@ class Catalog:
                         state, reason = "UNAVAILABLE", refusal
                     elif name in self.unloaded:
                         state, reason = "UNAVAILABLE", "unloaded"
+                    elif unreadable is not None:
+                        state, reason = "UNAVAILABLE", (f"not loaded: {unreadable} (what "
+                                                        f"serves stays until it is readable)")
                     elif promoted is not None and v != promoted:
                         state, reason = "UNAVAILABLE", (f"not loaded (version policy; version "
                                                         f"{promoted} is promoted)")

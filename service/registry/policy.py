@@ -20,6 +20,7 @@ from pathlib import Path
 from orthornn.export.artifacts import rollout
 from orthornn.export.artifacts.repository import (
     ACTIONS,
+    PROMOTION,
     check_name,
     read_promotion,
     versions,
@@ -75,25 +76,41 @@ class VersionPolicy:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _read_promotion(self, name: str) -> int | None:
-        """The promoted version of NAME from promotion.json (None: no file); counts the
-        promotions since the last reading. An unreadable file (logged once) keeps the last
-        good reading: a passing read error on a shared volume must not swap to the newest
-        version, which may be one that was rolled back (None when there never was one)."""
+    def _read_promotion(self, name: str, on_disk: list[int]) -> tuple[int | None, bool]:
+        """(the promoted version of NAME from promotion.json, None: no file; whether the
+        file could be read). Counts the promotions since the last reading. A file that
+        cannot be read (present but empty, garbled, unreadable; or gone after it was read
+        while versions remain: ON_DISK) is no reason to change what serves: the caller
+        keeps NAME as it is, which this reports (logged once,
+        ``orthornn_model_promotion_unreadable``, the model's metadata and the repository
+        index) until the file is readable again. Never the newest version: it may be one
+        that was rolled back."""
+        path = self.repo / name / PROMOTION
         try:
             record = read_promotion(self.repo / name)
+            if record["version"] is None and on_disk and \
+                    (self._promotion.get(name) or {}).get("version"):
+                raise ValueError(f"{str(path)!r} is gone (it promoted version "
+                                 f"{self._promotion[name]['version']})")
         except ValueError as error:
             last = self._promotion.get(name, {}).get("version")
             if self._promotion_error.get(name) != str(error):
+                served = self.catalog.default(name)
                 log.error("%s: %s; %s", name, error,
-                          f"keeping version {last}, the last promoted one read" if last
-                          else "serving as if no version were promoted (the newest verified)")
+                          f"keeping version {served} serving (version {last} was the last "
+                          f"promoted one read)" if served is not None and last is not None
+                          else f"keeping version {served} serving" if served is not None
+                          else "serving nothing of it until the file is readable (never "
+                               "the newest version: it may be one that was rolled back); "
+                               "repair it with `orthornn rollback --to V`")
                 self._promotion_error[name] = str(error)
+            self.metrics.promotion_unreadable.labels(name).set(1)
             with self.catalog.lock:
-                self.catalog.promoted_versions[name] = last
-            return last
+                self.catalog.promotion_errors[name] = str(error)
+            return last, False
         if self._promotion_error.pop(name, None) is not None:
             log.info("%s: promotion.json is readable again", name)
+            self.metrics.promotion_unreadable.labels(name).set(0)
         before = self._promotion.get(name)
         if before is not None:  # the history found at the first reading is not counted
             for action in promotion_changes(before, record):
@@ -105,7 +122,8 @@ class VersionPolicy:
         self.metrics.promoted(name, record["version"])
         with self.catalog.lock:
             self.catalog.promoted_versions[name] = record["version"]
-        return record["version"]
+            self.catalog.promotion_errors.pop(name, None)
+        return record["version"], True
 
     def _read_plan(self, name: str) -> None:
         """NAME's rollout plan into ``rollouts`` (an unreadable one, logged once, keeps the
@@ -151,8 +169,10 @@ class VersionPolicy:
         errors: list[str] = []
         with self.loader.lock:
             on_disk = sorted(versions(self.repo / name), reverse=True)
-            promoted = self._read_promotion(name)
+            promoted, readable = self._read_promotion(name, on_disk)
             self._read_plan(name)
+            if not readable:  # what serves keeps serving, as it is (nothing at start-up)
+                return [f"{PROMOTION}: {self.catalog.promotion_errors.get(name)}"]
             candidate = self.rollouts.candidate(name)
             current = self.catalog.versions(name)
             served = self.catalog.default(name)
@@ -259,7 +279,7 @@ class VersionPolicy:
                     f"the model repository cannot be written here ({error}); mount it "
                     f"writable for the service (Helm: persistence.readOnlyInServer=false) or "
                     f"run `orthornn rollback --repo REPO --name {name}` where it is") from None
-        log.info("%s: rolled back to version %d (was %d) through the repository API", name,
+        log.info("%s: rolled back to version %d (was %s) through the repository API", name,
                  done["promoted"], done["previous"])
         if name not in self.catalog.unloaded:
             self.sync_model(name)

@@ -46,7 +46,9 @@ class Registry:
         self.release = self.catalog.release
         self.get = self.catalog.get
         self.serving = self.catalog.serving
+        self.versions = self.catalog.versions
         self.promoted = self.catalog.promoted
+        self.promotion_error = self.catalog.promotion_error
         self.ready = self.catalog.ready
         self.waiting_for = self.catalog.waiting_for
         self.model_ready = self.catalog.model_ready

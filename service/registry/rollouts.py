@@ -29,6 +29,22 @@ from prometheus_client.registry import Collector
 from ..metrics import Metrics
 
 
+def placed(plan: dict, key: bytes) -> int:
+    """The version running PLAN places a request (or session) with routing KEY on: the
+    candidate when KEY's bucket is below the stage's weight, else the promoted version
+    (the same rule as ``Rollouts.candidate_for``)."""
+    share = weight(plan)
+    return plan["candidate"] if share and bucket(key) < share else plan["promoted"]
+
+
+def version_error(status: int) -> bool:
+    """Whether an answer with STATUS is the version's failure: a 5xx other than 503 (the
+    session store unavailable, or overload: the deployment's, not the version's). A 4xx
+    (a bad body, a wrong shape, a missing model or session, a conflict, a rate limit) is
+    the client's and never counts."""
+    return status >= 500 and status != 503
+
+
 class Rollouts:
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
@@ -98,10 +114,8 @@ class Rollouts:
         plan = self._running.get(name)
         if plan is None:
             return None
-        share = weight(plan)
-        if share and bucket(key) < share:
-            return plan["candidate"]
-        return None
+        version = placed(plan, key)
+        return version if version == plan["candidate"] else None
 
     def shadow_of(self, name: str, version: int) -> int | None:
         """The candidate to shadow a request answered by VERSION with (the promoted one),
@@ -135,18 +149,35 @@ class Rollouts:
             return tally.promoted
         return None
 
-    def count(self, name: str | None, version: int | None, failed: bool) -> None:
-        """One answered request that held VERSION of NAME (failed: a 4xx or 5xx)."""
-        if name is None or name not in self._running:
+    def count(self, name: str | None, version: int | None, status: int,
+              key: bytes | None = None, seconds: float | None = None,
+              refused: bool = False) -> None:
+        """One answered request that held VERSION of NAME, with its STATUS and compute time
+        (SECONDS, None: it computed nothing). Counted only when the rollout placed it: KEY
+        (its routing key; None: the client named the version, or states did) falls on
+        VERSION under the current stage (``placed``). Only the version's own failures are
+        its errors: a 5xx other than 503 (``version_error``), or REFUSED (the candidate
+        refused, 4xx, an input the promoted version takes). Any other 4xx is the client's
+        and a 503 the deployment's: neither measures the version, so neither is counted at
+        all (a flood of 4xx would otherwise dilute a version's error rate)."""
+        failed = version_error(status) or (refused and status >= 400)
+        if name is None or key is None or name not in self._running or \
+                (status >= 400 and not failed):
             return
         with self._lock:
+            plan = self._running.get(name)
+            if plan is None or version is None or placed(plan, key) != version:
+                return
             side = self._side(name, version)
             if side is not None:
                 side.requests += 1
                 side.errors += failed
+                if seconds is not None:
+                    side.time(seconds)
 
     def time(self, name: str, version: int, seconds: float) -> None:
-        """One compute time (queue and inference) of VERSION of NAME."""
+        """One compute time (queue and inference) of VERSION of NAME (a shadow run's: a
+        live request's comes with its ``count``)."""
         if name not in self._running:
             return
         with self._lock:
@@ -208,7 +239,8 @@ class _ComputeTimes(Collector):
     def collect(self):  # type: ignore[no-untyped-def]
         family = HistogramMetricFamily(
             "orthornn_rollout_compute_seconds", "compute time (queue and inference) of a "
-            "running rollout's two versions: live requests, and the candidate's shadow runs",
+            "running rollout's two versions: the live requests it placed, and the "
+            "candidate's shadow runs",
             labels=["model", "version"])
         rollouts = self.rollouts
         with rollouts._lock:

@@ -9,10 +9,12 @@ import asyncio
 import errno
 import logging
 import math
+import os
 import signal
 import socket
 import sys
 import threading
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -21,7 +23,7 @@ from fastapi import FastAPI
 from ..http.app import create_app
 from ..registry.devices import select_providers
 from ..settings import Settings
-from .listener import Deadlines, listen_eagerly, with_deadlines
+from .listener import Deadlines, head_bounded, listen_eagerly, with_deadlines
 
 log = logging.getLogger("orthornn.service")
 
@@ -42,16 +44,22 @@ class DrainingServer(uvicorn.Server):
         request takes to arrive (``deadlines``). Then, in the background, the one log line
         that says the service is ready and where."""
         deadlines = self.deadlines()
+        settings = getattr(self.service_app.state, "settings", None)
+        max_head = getattr(settings, "max_header_bytes", 0)
+        if max_head:  # h11's own bound of a head (a 400 past it); httptools': head_bounded
+            self.config.h11_max_incomplete_event_size = max_head
         if sockets is not None and self.eager and sys.platform != "win32":
             await super().startup(sockets=[])  # lifespan and state, no server of its own
             # an EagerListener has what uvicorn's shutdown calls of a server (close,
             # wait_closed), though uvicorn types the list as asyncio.Server; a connection
             # refused for overload is held until its Retry-After unless hold_refused is off
-            settings = getattr(self.service_app.state, "settings", None)
             self.servers = listen_eagerly(self, sockets,
                                           hold=getattr(settings, "hold_refused", True),
-                                          deadlines=deadlines)
+                                          deadlines=deadlines, max_head=max_head)
         else:
+            if max_head:  # innermost: the deadlines wrap it
+                self.config.http_protocol_class = head_bounded(
+                    self.config.http_protocol_class, max_head)
             if deadlines is not None:  # uvicorn's startup builds protocols from the config
                 with_deadlines(self, deadlines)
             await super().startup(sockets)
@@ -117,6 +125,24 @@ def address(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def write_address(path: Path, sock: socket.socket) -> None:
+    """Write the URL of SOCK as reached from this machine (a wildcard address becomes
+    loopback) to PATH, atomically (a reader sees the old file or the new one): what
+    the image's HEALTHCHECK probes, whatever --port, ORTHORNN_PORT or the default chose.
+    A file that cannot be written is a warning (the check then falls back to
+    ORTHORNN_PORT)."""
+    host, port = sock.getsockname()[:2]
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(url + "\n")
+        os.replace(tmp, path)
+    except OSError as error:
+        log.warning("address_file %s could not be written: %s", path, error)
+        tmp.unlink(missing_ok=True)
+
+
 def listen(host: str, port: int) -> socket.socket:
     """A socket bound to HOST:PORT (before any model is loaded); ValueError, one line,
     when the address is taken or cannot be used."""
@@ -149,6 +175,8 @@ def serve(settings: Settings) -> int:
     # device cuda without CUDA ends here, one line and exit 2, before the port is bound
     providers = select_providers(settings.providers, settings.device)
     sock = listen(settings.host, settings.port)  # a busy port fails before any model loads
+    if settings.address_file is not None:
+        write_address(settings.address_file, sock)
     # The event loop thread is busy with HTTP most of the time; an inference thread whose
     # batch has finished needs the GIL for a moment to hand the answers over. CPython's
     # default switch interval (5 ms) would keep it waiting that long, idling the model.

@@ -113,12 +113,14 @@ def _instance_problems(server: uvicorn.Server, protocol: type,
 
 
 def listen_eagerly(server: uvicorn.Server, sockets: list[socket.socket],
-                   hold: bool = True, deadlines: Deadlines | None = None) -> list:
+                   hold: bool = True, deadlines: Deadlines | None = None,
+                   max_head: int = 0) -> list:
     """EagerListeners on ``sockets`` serving uvicorn's protocol, as uvicorn's own
     startup would build its servers (TLS included: ``config.ssl``), with ``hold`` each
     connection's protocol able to hold a refused connection (``holding``), with
-    ``deadlines`` its request's receipt bounded (``deadlined``); RuntimeError naming what
-    of uvicorn is missing."""
+    ``deadlines`` its request's receipt bounded (``deadlined``), with ``max_head`` its
+    request heads' bytes (``head_bounded``); RuntimeError naming what of uvicorn is
+    missing."""
     problems = surface_problems(server)
     if problems:
         raise RuntimeError(f"uvicorn {uvicorn.__version__} lacks what the eager listener "
@@ -126,6 +128,8 @@ def listen_eagerly(server: uvicorn.Server, sockets: list[socket.socket],
                            f"(ORTHORNN_LISTENER=uvicorn)")
     config = server.config
     protocol_class: type = config.http_protocol_class
+    if max_head:
+        protocol_class = head_bounded(protocol_class, max_head)
     if deadlines is not None:
         protocol_class = deadlined(protocol_class, deadlines, server)
     if hold:  # outside: a held connection's end of response (and phase) waits for the hold
@@ -296,8 +300,8 @@ def deadlined(protocol_class: type, deadlines: Deadlines, server: uvicorn.Server
         def _expired(self) -> None:
             self._timer = None
             transport = self.transport
-            if transport.is_closing():
-                return
+            if transport.is_closing() or getattr(self, "head_refused", False):
+                return  # (a 431 lingering: closed when its linger ends)
             phase = self._phase
             closed(phase)
             if phase is HEAD:
@@ -314,6 +318,86 @@ def deadlined(protocol_class: type, deadlines: Deadlines, server: uvicorn.Server
     Deadlined.deadlines = deadlines
     Deadlined.__name__ = Deadlined.__qualname__ = f"Deadlined{protocol_class.__name__}"
     return Deadlined
+
+
+def _head_too_large(limit: int) -> bytes:
+    body = (f'{{"error": "request head: larger than the limit of {limit} bytes '
+            f'(max_header_bytes)"}}').encode()
+    return (b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % len(body)) + body
+
+
+def head_bounded(protocol_class: type, limit: int) -> type:
+    """PROTOCOL_CLASS (uvicorn's httptools protocol) fed at most LIMIT bytes of each
+    request's head: past them the parser is fed nothing more, the client gets 431 and the
+    connection is closed after a short linger (its bytes read and dropped, so that the
+    client reads the answer instead of a reset). Without it httptools and uvicorn grow the
+    head by concatenation, so that a 64 MiB header held the event loop for seconds. A head
+    and body that arrive in one read are split at the limit, so a small head with a large
+    body costs one slice. h11's protocol has its own bound (``h11_max_incomplete_event_size``,
+    400): it is returned as it is, as is a class already bounded."""
+    if not callable(getattr(protocol_class, "on_headers_complete", None)) \
+            or getattr(protocol_class, "max_head", None):
+        return protocol_class
+    answer = _head_too_large(limit)
+
+    class HeadBounded(protocol_class):
+        max_head = limit
+        head_refused = False
+        _in_body = False  # between a head's end and its message's end
+        _head_left = limit  # bytes the head being received may still take
+        _heads = 0  # heads parsed on this connection
+        _linger: asyncio.TimerHandle | None = None
+
+        def data_received(self, data: bytes) -> None:
+            if self.head_refused:  # lingering: read and dropped
+                return
+            while not self._in_body and len(data) > self._head_left:
+                heads, cut = self._heads, self._head_left
+                if cut:
+                    self._head_left = 0
+                    super().data_received(data[:cut])
+                    data = data[cut:]
+                    if self.parser is None or self.transport.is_closing():
+                        return  # a 400 (a malformed head), or the connection lost
+                if self._heads == heads:  # the head goes on past the limit
+                    return self._refuse_head()
+            if not self._in_body:
+                self._head_left -= len(data)
+            super().data_received(data)
+
+        def on_headers_complete(self) -> None:
+            self._heads += 1
+            self._in_body, self._head_left = True, limit
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._in_body, self._head_left = False, limit
+            super().on_message_complete()
+
+        def _refuse_head(self) -> None:
+            self.head_refused = True
+            log.debug("a request head over max_header_bytes (%d): 431", limit)
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete:  # no answer being sent
+                self.transport.write(answer)
+            self.flow.resume_reading()
+            self._linger = self.loop.call_later(LINGER_S, self.transport.close)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._linger is not None:
+                self._linger.cancel()
+                self._linger = None
+            super().connection_lost(exc)
+
+    HeadBounded.__name__ = HeadBounded.__qualname__ = f"HeadBounded{protocol_class.__name__}"
+    return HeadBounded
+
+
+#: how long a connection refused for its head's size is read (and dropped) before it is
+#: closed, so that a client still sending gets the 431 rather than a reset
+LINGER_S = 2.0
 
 
 class EagerListener:

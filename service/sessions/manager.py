@@ -20,6 +20,11 @@ to that very record). Whatever else a cached record would answer (a conflict, a 
 ended session, another model or version), and a cached record the store refuses (another
 replica wrote the session since), is decided again from a fresh read: the answers are
 those of a read every time.
+
+A session belongs to whoever started it (``owners``): with ``secrets`` on (the
+``session_secrets`` setting, the default) its start gives out a secret, and a chunk that
+does not present it is answered as for an id never started (404), before anything else
+about the session is said; a start on an id open for someone else gets 409.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
@@ -44,8 +49,9 @@ from ..errors import (
     UnknownSession,
     VersionGone,
 )
+from . import owners
 from .cache import RecordCache
-from .records import StaleRecord
+from .records import StaleRecord, exists, unknown
 
 if TYPE_CHECKING:
     from ..metrics import Held, Metrics
@@ -64,12 +70,14 @@ ChunkRun = Callable[["ModelVersion", "np.ndarray | None"],
 @dataclass(frozen=True)
 class Applied(Generic[R]):
     """A chunk's answer, the version that answered it and the session's position after
-    it (time steps consumed)."""
+    it (time steps consumed); ``secret``: the session's secret, in the answer to its start
+    (None otherwise, and with secrets off)."""
 
     answer: R
     model: str
     version: int
     position: int
+    secret: str | None = None
 
 
 def _hold(held: Held | None, mv: ModelVersion | None) -> None:
@@ -83,15 +91,19 @@ class Sessions:
     REGISTRY loads and keeps the versions they are pinned to. ``reconcile`` (every
     ``reconcile_interval_s``, from ``start``) tells the registry which versions open
     sessions use (``versions_in_use``), so the others are released, and updates the
-    ``orthornn_sessions_active`` and ``orthornn_session_store_up`` gauges."""
+    ``orthornn_sessions_active`` and ``orthornn_session_store_up`` gauges. SECRETS: a
+    session belongs to whoever started it (see the module's docstring); off, anyone who
+    names a session continues it."""
 
     #: compare-and-set conflicts (another replica applied a chunk first) a chunk without a
     #: position is re-run for before it gets 409
     CAS_ATTEMPTS = 4
 
     def __init__(self, store: SessionStore, registry: Registry, *,
-                 metrics: Metrics | None = None, reconcile_interval_s: float = 1.0):
+                 metrics: Metrics | None = None, reconcile_interval_s: float = 1.0,
+                 secrets: bool = True):
         self.store, self.registry, self.metrics = store, registry, metrics
+        self.secrets = secrets
         self.reconcile_interval_s = reconcile_interval_s
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._records = RecordCache(store.max_sessions if store.remote else 0)
@@ -103,37 +115,52 @@ class Sessions:
     async def chunk(self, sid: str, model: str, run: ChunkRun[R], *,
                     version: int | None = None, start: bool = False, end: bool = False,
                     position: int | None = None, what: str = "session",
-                    held: Held | None = None) -> Applied[R]:
+                    held: Held | None = None, secret: str | None = None) -> Applied[R]:
         """Apply one chunk to session SID of MODEL: ``run`` answers it from the session's
         state (on the session's version) and gives the state after it. START opens the
         session (on VERSION, default: the model's default version), END ends it after
         this chunk; POSITION (time steps the client believes the session has consumed)
         makes the chunk exactly-once (see the module's docstring). WHAT names the session
         in messages ("session", or "sequence" on the inference route). HELD is told the
-        version the chunk holds, so that the request is counted under it, failed or not."""
+        version the chunk holds, so that the request is counted under it, failed or not.
+        SECRET: the one the client presents (with START, one it chose: else the service
+        draws one); the answer to a start gives the session's (``Applied.secret``)."""
+        owners.check_id(sid, "session" if what == "session" else f"{what}_id")
+        owners.check_secret(secret, "session_secret")
         if position is not None and start and position != 0:
             raise ClientError(f"position: a {what} starts at position 0; got {position} with "
                               f"its start")
+        given = None  # the secret the answer to a start gives
+        if self.secrets and start:
+            given = owners.new_secret() if secret is None else \
+                owners.chosen(secret, "session_secret")
+            secret = given
+        owner = owners.digest(secret) if self.secrets else None
         async with self._locked(sid):  # one chunk at a time per session on this replica
             if start:
                 started = await self._start(sid, model, version, run, end, position, what,
-                                            held)
+                                            held, owner)
                 if started is not None:
-                    return started
-                # a retried start (the session is open, the chunk names position 0):
-                # answered like any chunk at that position
+                    return replace(started, secret=given)
+                # a retried start (the session is open, the chunk names position 0, its
+                # owner's secret): answered like any chunk at that position
             cached = self._records.get(sid)
             done = None
             if cached is not None and cached.model == model and \
-                    version in (None, cached.version) and position in (None, cached.position):
+                    version in (None, cached.version) and \
+                    position in (None, cached.position) and self._owns(cached, owner):
                 done = await self._from_cached(cached, run, end, held)
             if done is None:
                 done = await self._from_store(sid, model, version, run, end, position, what,
-                                              held)
+                                              held, owner)
         applied, mv = done
         if end and mv.retired:  # a version no longer served: released now if unused
             await self.reconcile()
-        return applied
+        return replace(applied, secret=given)
+
+    def _owns(self, record: SessionRecord, owner: str | None) -> bool:
+        """Whether OWNER (a secret's digest) is RECORD's (always, with secrets off)."""
+        return not self.secrets or owners.matches(record.secret, owner)
 
     async def _from_cached(self, record: SessionRecord, run: ChunkRun[R], end: bool,
                            held: Held | None) -> tuple[Applied[R], ModelVersion] | None:
@@ -165,10 +192,12 @@ class Sessions:
             self._release(mv)
 
     async def _from_store(self, sid: str, model: str, version: int | None, run: ChunkRun[R],
-                          end: bool, position: int | None, what: str, held: Held | None
-                          ) -> tuple[Applied[R], ModelVersion]:
+                          end: bool, position: int | None, what: str, held: Held | None,
+                          owner: str | None) -> tuple[Applied[R], ModelVersion]:
         for attempt in range(self.CAS_ATTEMPTS):
             record = await self._read(sid)
+            if not self._owns(record, owner):  # as for an id never started
+                raise unknown(sid, self.store.idle_timeout_s)
             self._check(record, model, version, position, what)
             mv = await self._version(record, what)
             try:
@@ -185,19 +214,20 @@ class Sessions:
 
     async def _start(self, sid: str, model: str, version: int | None, run: ChunkRun[R],
                      end: bool, position: int | None, what: str,
-                     held: Held | None) -> Applied[R] | None:
-        """Open SID and apply its first chunk; None when it is open already and the chunk
-        names position 0 (a retried start). A failed first chunk opens nothing."""
+                     held: Held | None, owner: str | None) -> Applied[R] | None:
+        """Open SID (owned by OWNER, a secret's digest) and apply its first chunk; None
+        when it is open already, by OWNER, and the chunk names position 0 (a retried
+        start). A failed first chunk opens nothing."""
         if version is None:  # a rollout's canary places new sessions by their id
             version = self.registry.route(model, sid.encode())
         mv = self.registry.acquire(model, version)
         try:
             _hold(held, mv)
             try:
-                record = await self.store.create(sid, model, mv.version)
+                record = await self.store.create(sid, model, mv.version, owner)
             except SessionExists:
-                if position is None:
-                    raise
+                if position is None or not await self._opened_by(sid, owner):
+                    raise exists(sid) from None  # never a reset
                 _hold(held, None)
                 return None
             self.registry.keep(mv)  # pinned from now on, wherever it continues
@@ -217,6 +247,13 @@ class Sessions:
         if end and mv.retired:
             await self.reconcile()
         return applied
+
+    async def _opened_by(self, sid: str, owner: str | None) -> bool:
+        """Whether open session SID is OWNER's (a retried start may go on as a chunk)."""
+        try:
+            return self._owns(await self._read(sid), owner)
+        except UnknownSession:  # ended or expired since: not a retry of its start
+            return False
 
     async def _read(self, sid: str) -> SessionRecord:
         """SID's record from the store, kept (while open) for its next chunk."""

@@ -38,9 +38,10 @@ class MemoryStore(Timed):
     remote = False  # a read costs nothing
 
     def __init__(self, *, max_sessions: int, idle_timeout_s: float,
-                 metrics: Metrics | None = None,
+                 max_ended: int = 10_000, metrics: Metrics | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.max_sessions = max_sessions
+        self.max_ended = max_ended
         self.idle_timeout_s = idle_timeout_s
         self.metrics = metrics
         self._clock = clock
@@ -63,8 +64,11 @@ class MemoryStore(Timed):
     def _put(self, record: SessionRecord) -> SessionRecord:
         record = replace(record, stamp=str(next(self._stamps)))
         self._open.pop(record.id, None)
+        self._ended.pop(record.id, None)
         table = self._ended if record.ended else self._open
         table[record.id] = (record, self._clock() + self.idle_timeout_s)
+        while len(self._ended) > self.max_ended:  # the oldest ended first
+            self._ended.popitem(last=False)
         return self._copy(record)
 
     @staticmethod
@@ -83,7 +87,8 @@ class MemoryStore(Timed):
             raise unknown(sid, self.idle_timeout_s)
         return found[0]
 
-    async def create(self, sid: str, model: str, version: int) -> SessionRecord:
+    async def create(self, sid: str, model: str, version: int,
+                     secret: str | None = None) -> SessionRecord:
         with self._timed("create"):
             self._prune()
             if sid in self._open:
@@ -92,7 +97,7 @@ class MemoryStore(Timed):
                 raise limit(sid, self.max_sessions)
             self._ended.pop(sid, None)
             return self._put(SessionRecord(sid, model, int(version), None, 0, None, None,
-                                           time.time()))
+                                           time.time(), secret=secret))
 
     async def get(self, sid: str) -> SessionRecord:
         with self._timed("get"):

@@ -24,7 +24,9 @@ class SessionRecord:
     applied chunk (``previous_position`` None before the first chunk, ``previous_state``
     None when that chunk started from the initial state). ``last_used``: seconds since the
     epoch of the last create or advance. ``ended``: ``finish`` ended it (readable until its
-    idle timeout, open no more). ``stamp``: changes with every write (see ``advance``)."""
+    idle timeout, open no more). ``stamp``: changes with every write (see ``advance``).
+    ``secret``: the SHA-256 (hex) of the secret its start gave out (``owners``; None for a
+    session started without one, ``session_secrets`` off)."""
 
     id: str
     model: str
@@ -36,6 +38,7 @@ class SessionRecord:
     last_used: float
     ended: bool = False
     stamp: str | None = None
+    secret: str | None = None
 
 
 class StaleRecord(Exception):

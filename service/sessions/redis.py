@@ -10,12 +10,16 @@ Redis data layout, under ``session_key_prefix`` P (default "orthornn:"):
   absent when the state before the last chunk was the initial one), ``last_used`` (ms since
   the epoch, Redis TIME), ``ended`` ("1" once ``finish`` ended it; absent while open),
   ``stamp`` (16 random hex digits, new at every write: a compare-and-set given a record's
-  stamp applies only to that very record). Its TTL is the idle timeout, renewed by
-  ``create``/``advance``/``finish``.
+  stamp applies only to that very record), ``secret`` (the SHA-256 hex of the session's
+  secret, ``owners``; absent for a session started without one). Its TTL is the idle
+  timeout, renewed by ``create``/``advance``/``finish``.
 * ``P sessions``: a sorted set of the open session ids, scored by their expiry time (ms,
   Redis TIME), the same instant as the hash's PEXPIREAT. Every script first removes the
   members whose score has passed, so ZCARD is the number of live sessions across replicas;
   ``finish`` removes the id at once (the ended hash lives on until its TTL).
+* ``P ended``: a sorted set of the ended session ids, scored by their hash's expiry time
+  (ms): ``finish`` adds the id, and beyond ``max_ended`` members deletes the oldest ended
+  hashes; ``create`` (the id starts again) and ``delete`` remove it.
 
 A Redis that is down, unreachable or slow answers no call later than
 ``session_store_timeout_s``: the call raises ``StoreUnavailable`` (503, Retry-After).
@@ -52,31 +56,36 @@ if TYPE_CHECKING:
 log = logging.getLogger("orthornn.service")
 
 # Each script starts by reading Redis's clock (ms) and dropping the expired ids from the
-# index; KEYS[1] is the session's hash (where there is one), the index is the last key.
+# index; KEYS[1] is the session's hash (where there is one), the index is the last key
+# (the ended ids' set, where there is one, is the one before it).
 _NOW_AND_PRUNE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[#KEYS], '-inf', now)
 """
 
-# create: KEYS = {hash, index}; ARGV = {id, model, version, max_sessions, ttl_ms, stamp}
-# -> {'open'} | {'full'} | {'ok', now_ms}; an ended session's hash is replaced
+# create: KEYS = {hash, ended, index}; ARGV = {id, model, version, max_sessions, ttl_ms,
+# stamp, secret digest or ''} -> {'open'} | {'full'} | {'ok', now_ms}; an ended session's
+# hash is replaced
 CREATE_LUA = _NOW_AND_PRUNE + """
 local exists = redis.call('EXISTS', KEYS[1]) == 1
 if exists and redis.call('HEXISTS', KEYS[1], 'ended') == 0 then return {'open'} end
-if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[4]) then return {'full'} end
+if redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[4]) then return {'full'} end
 if exists then redis.call('DEL', KEYS[1]) end
+redis.call('ZREM', KEYS[2], ARGV[1])
 local expires = now + tonumber(ARGV[5])
 redis.call('HSET', KEYS[1], 'model', ARGV[2], 'version', ARGV[3], 'position', 0,
            'last_used', now, 'stamp', ARGV[6])
+if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'secret', ARGV[7]) end
 redis.call('PEXPIREAT', KEYS[1], expires)
-redis.call('ZADD', KEYS[2], expires, ARGV[1])
+redis.call('ZADD', KEYS[3], expires, ARGV[1])
 return {'ok', now}
 """
 
-# advance (compare-and-set), and finish (ARGV[6] = 1: the session ends, out of the index):
-# KEYS = {hash, index}; ARGV = {id, expected_position, state bytes, steps, ttl_ms, finish,
-# new stamp, expected stamp or ''}
+# advance (compare-and-set), and finish (ARGV[6] = 1: the session ends, out of the index,
+# into the ended set, whose oldest beyond max_ended are deleted):
+# KEYS = {hash, ended, index}; ARGV = {id, expected_position, state bytes, steps, ttl_ms,
+# finish, new stamp, expected stamp or '', max_ended, prefix of the session hashes}
 # -> {'gone'} | {'stale'} | {'conflict', position} | {'ok', HGETALL of the updated hash}
 ADVANCE_LUA = _NOW_AND_PRUNE + """
 local position = redis.call('HGET', KEYS[1], 'position')
@@ -96,13 +105,24 @@ local expires = now + tonumber(ARGV[5])
 redis.call('HSET', KEYS[1], 'previous_position', position, 'state', ARGV[3],
            'position', position + tonumber(ARGV[4]), 'last_used', now, 'stamp', ARGV[7])
 redis.call('PEXPIREAT', KEYS[1], expires)
-if ARGV[6] == '1' then
-  redis.call('HSET', KEYS[1], 'ended', 1)
-  redis.call('ZREM', KEYS[2], ARGV[1])
-else
-  redis.call('ZADD', KEYS[2], expires, ARGV[1])
+if ARGV[6] ~= '1' then
+  redis.call('ZADD', KEYS[3], expires, ARGV[1])
+  return {'ok', redis.call('HGETALL', KEYS[1])}
 end
-return {'ok', redis.call('HGETALL', KEYS[1])}
+redis.call('HSET', KEYS[1], 'ended', 1)
+redis.call('ZREM', KEYS[3], ARGV[1])
+local record = redis.call('HGETALL', KEYS[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+redis.call('ZADD', KEYS[2], expires, ARGV[1])
+local excess = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[9])
+if excess > 0 then
+  local oldest = redis.call('ZPOPMIN', KEYS[2], excess)
+  for i = 1, #oldest, 2 do
+    local key = ARGV[10] .. oldest[i]
+    if redis.call('HEXISTS', key, 'ended') == 1 then redis.call('DEL', key) end
+  end
+end
+return {'ok', record}
 """
 
 # count: KEYS = {index} -> live sessions
@@ -149,7 +169,7 @@ class RedisStore(Timed):
     remote = True  # a read is a round trip
 
     def __init__(self, url: str, *, prefix: str = "orthornn:", max_sessions: int,
-                 idle_timeout_s: float, timeout_s: float = 0.5,
+                 idle_timeout_s: float, timeout_s: float = 0.5, max_ended: int = 10_000,
                  metrics: Metrics | None = None):
         import redis.asyncio as aioredis
         from redis.asyncio.retry import Retry
@@ -159,12 +179,14 @@ class RedisStore(Timed):
         self.url = redact(url)
         self.prefix = prefix
         self.max_sessions = max_sessions
+        self.max_ended = max_ended
         self.idle_timeout_s = idle_timeout_s
         self.timeout_s = timeout_s
         self.metrics = metrics
         self._ttl_ms = max(1, round(idle_timeout_s * 1000))
         self._down = False  # the last call failed (failures are logged once per outage)
         self._index = f"{prefix}sessions"
+        self._ended = f"{prefix}ended"
         # one immediate reconnect (a pooled connection to a Redis that restarted), no
         # backoff: the whole call stays within timeout_s. No socket timeout: _call bounds
         # every call, and with one redis-py sends through asyncio.wait_for, which on Python
@@ -216,26 +238,29 @@ class RedisStore(Timed):
     def _from_hash(self, sid: str, fields: Mapping) -> SessionRecord:
         previous = fields.get(b"previous_position")
         stamp = fields.get(b"stamp")
+        secret = fields.get(b"secret")
         return SessionRecord(
             id=sid, model=fields[b"model"].decode(), version=int(fields[b"version"]),
             state=_state(fields.get(b"state")), position=int(fields[b"position"]),
             previous_state=_state(fields.get(b"previous_state")),
             previous_position=None if previous is None else int(previous),
             last_used=int(fields[b"last_used"]) / 1000, ended=b"ended" in fields,
-            stamp=None if stamp is None else stamp.decode())
+            stamp=None if stamp is None else stamp.decode(),
+            secret=None if secret is None else secret.decode())
 
-    async def create(self, sid: str, model: str, version: int) -> SessionRecord:
+    async def create(self, sid: str, model: str, version: int,
+                     secret: str | None = None) -> SessionRecord:
         stamp = _stamp()
         async with self._call("create"):
-            reply = await self._create(keys=[self._key(sid), self._index],
+            reply = await self._create(keys=[self._key(sid), self._ended, self._index],
                                        args=[sid, model, int(version), self.max_sessions,
-                                             self._ttl_ms, stamp])
+                                             self._ttl_ms, stamp, secret or ""])
         if reply[0] == b"open":
             raise exists(sid)
         if reply[0] == b"full":
             raise limit(sid, self.max_sessions)
         return SessionRecord(sid, model, int(version), None, 0, None, None,
-                             int(reply[1]) / 1000, stamp=stamp)
+                             int(reply[1]) / 1000, stamp=stamp, secret=secret)
 
     async def get(self, sid: str) -> SessionRecord:
         async with self._call("get"):
@@ -258,8 +283,9 @@ class RedisStore(Timed):
         data = state_bytes(state)
         async with self._call(operation):
             reply = await self._queue_advance(
-                [self._key(sid), self._index, sid, int(expected_position), data, int(steps),
-                 self._ttl_ms, int(operation == "finish"), _stamp(), stamp or ""])
+                [self._key(sid), self._ended, self._index, sid, int(expected_position), data,
+                 int(steps), self._ttl_ms, int(operation == "finish"), _stamp(), stamp or "",
+                 self.max_ended, f"{self.prefix}session:"])
         if reply[0] == b"gone":
             raise unknown(sid, self.idle_timeout_s)
         if reply[0] == b"stale":
@@ -270,7 +296,7 @@ class RedisStore(Timed):
         return self._from_hash(sid, dict(zip(flat[::2], flat[1::2], strict=True)))
 
     def _queue_advance(self, keys_and_args: list) -> asyncio.Future:
-        """ADVANCE_LUA on KEYS_AND_ARGS (its two keys first), sent in one pipeline with the
+        """ADVANCE_LUA on KEYS_AND_ARGS (its three keys first), sent in one pipeline with the
         others queued in this turn of the event loop: the chunks of one batch end in one
         turn, and their writes then cost one write and one read of the socket, not one
         each. The future is the reply; a caller that gives up cancels it."""
@@ -318,14 +344,15 @@ class RedisStore(Timed):
     async def _evalsha_all(self, calls: list[list]) -> list:
         pipe = self._client.pipeline(transaction=False)
         for keys_and_args in calls:
-            pipe.evalsha(self._advance.sha, 2, *keys_and_args)
+            pipe.evalsha(self._advance.sha, 3, *keys_and_args)
         return await pipe.execute(raise_on_error=False)
 
     async def delete(self, sid: str) -> bool:
         async with self._call("delete"), self._client.pipeline(transaction=True) as pipe:
             pipe.delete(self._key(sid))
             pipe.zrem(self._index, sid)
-            deleted, _ = await pipe.execute()
+            pipe.zrem(self._ended, sid)
+            deleted, _, _ = await pipe.execute()
         return bool(deleted)
 
     async def count(self) -> int:

@@ -24,8 +24,9 @@ may start again.
 
 Idle sessions expire by themselves (Redis's own key TTL; lazily in memory): no replica
 sweeps. The maximum number of sessions and ``versions_in_use`` count only live sessions
-(not ended ones); the memory store counts its expiries (``orthornn_session_expiries``),
-Redis expires keys without telling anyone.
+(not ended ones); at most ``max_ended`` ended records are kept (the oldest ended go
+first); the memory store counts its expiries (``orthornn_session_expiries``), Redis
+expires keys without telling anyone.
 """
 
 from __future__ import annotations
@@ -52,9 +53,14 @@ class SessionStore(Protocol):
     #: reads cost a round trip (another process): worth not repeating
     remote: bool
     max_sessions: int
+    #: ended records kept at most (the oldest ended are dropped first)
+    max_ended: int
+    idle_timeout_s: float
 
-    async def create(self, sid: str, model: str, version: int) -> SessionRecord:
-        """Open a session at position 0 with no state (replacing an ended record of SID).
+    async def create(self, sid: str, model: str, version: int,
+                     secret: str | None = None) -> SessionRecord:
+        """Open a session at position 0 with no state (replacing an ended record of SID),
+        owned by SECRET (the digest of its secret, ``owners.digest``; kept in the record).
         SessionExists (409) when SID is open, SessionLimit (429) when the store holds
         max_sessions live sessions."""
         ...
@@ -110,8 +116,10 @@ def open_store(settings: Settings, metrics: Metrics | None = None) -> SessionSto
     value = settings.session_store
     if check_store_url(value) is None:
         return MemoryStore(max_sessions=settings.max_sessions,
+                           max_ended=settings.max_ended_sessions,
                            idle_timeout_s=settings.session_idle_timeout_s, metrics=metrics)
     return RedisStore(value, prefix=settings.session_key_prefix,
                       max_sessions=settings.max_sessions,
+                      max_ended=settings.max_ended_sessions,
                       idle_timeout_s=settings.session_idle_timeout_s,
                       timeout_s=settings.session_store_timeout_s, metrics=metrics)

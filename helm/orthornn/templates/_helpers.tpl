@@ -87,19 +87,38 @@ app.kubernetes.io/component: server
 {{- if .Values.auth.existingSecret }}{{ .Values.auth.existingSecretKey }}{{ else }}admin-token{{ end }}
 {{- end }}
 
+{{/* "true" when helm renders against a cluster (install, upgrade, --dry-run=server):
+listing the namespace's Secrets then answers a list, even an empty one; without a cluster
+(helm template, helm lint, Argo CD) lookup answers nothing. */}}
+{{- define "orthornn.clusterReachable" -}}
+{{- if lookup "v1" "Secret" .Release.Namespace "" }}true{{ end }}
+{{- end }}
+
+{{/* A secret value kept across renders (list: the root, the given value, the Secret's name,
+its key, the length of a generated one, the failure message): the given value, else the
+one already in the Secret, else, rendering against a cluster (a first install), a new
+random one that later upgrades find there. Without a cluster (helm template, Argo CD) a
+random value would change at every render: then the value must be given. */}}
+{{- define "orthornn.keptSecret" -}}
+{{- $root := index . 0 }}{{- $given := index . 1 }}{{- $name := index . 2 }}{{- $key := index . 3 }}
+{{- if $given }}
+{{- $given }}
+{{- else }}
+{{- $secret := lookup "v1" "Secret" $root.Release.Namespace $name }}
+{{- if and $secret $secret.data (hasKey $secret.data $key) }}
+{{- index $secret.data $key | b64dec }}
+{{- else if include "orthornn.clusterReachable" $root }}
+{{- randAlphaNum (index . 4) }}
+{{- else }}
+{{- fail (index . 5) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* The admin token: the given one, else the one already in the release's Secret, else a new
-random one (so upgrades keep it). */}}
+random one on a first install (so upgrades keep it); helm template needs one given. */}}
 {{- define "orthornn.adminToken" -}}
-{{- if .Values.auth.adminToken }}
-{{- .Values.auth.adminToken }}
-{{- else }}
-{{- $secret := lookup "v1" "Secret" .Release.Namespace (include "orthornn.fullname" .) }}
-{{- if and $secret $secret.data (hasKey $secret.data "admin-token") }}
-{{- index $secret.data "admin-token" | b64dec }}
-{{- else }}
-{{- randAlphaNum 40 }}
-{{- end }}
-{{- end }}
+{{- include "orthornn.keptSecret" (list . .Values.auth.adminToken (include "orthornn.fullname" .) "admin-token" 40 "auth.adminToken is empty and there is no cluster to find the release's Secret in (helm template, helm lint, Argo CD): a token generated here would change at every render. Give one with --set auth.adminToken=$(openssl rand -hex 24), or create a Secret (kubectl create secret generic orthornn-admin --from-literal=admin-token=$(openssl rand -hex 24)) and set auth.existingSecret=orthornn-admin (docs/deployment.md, \"Secrets\")") }}
 {{- end }}
 
 {{/* Cross-field checks the JSON schema cannot express. */}}
@@ -323,23 +342,16 @@ and Secret. */}}
 {{- end }}
 
 {{/* The bundled Redis's password: the given one, else the one already in its Secret, else a
-new random one (so upgrades keep it, and the sessions with it). */}}
+new random one on a first install (so upgrades keep it, and the sessions with it); helm
+template needs one given. */}}
 {{- define "orthornn.redisPassword" -}}
-{{- if .Values.sessions.bundled.password }}
-{{- .Values.sessions.bundled.password }}
-{{- else }}
-{{- $secret := lookup "v1" "Secret" .Release.Namespace (include "orthornn.redisName" .) }}
-{{- if and $secret $secret.data (hasKey $secret.data "redis-password") }}
-{{- index $secret.data "redis-password" | b64dec }}
-{{- else }}
-{{- randAlphaNum 32 }}
-{{- end }}
-{{- end }}
+{{- include "orthornn.keptSecret" (list . .Values.sessions.bundled.password (include "orthornn.redisName" .) "redis-password" 32 "sessions.bundled.password is empty and there is no cluster to find the bundled Redis's Secret in (helm template, helm lint, Argo CD): a password generated here would change at every render. Give one with --set sessions.bundled.password=$(openssl rand -hex 24) (docs/deployment.md, \"Secrets\")") }}
 {{- end }}
 
-{{/* The server's session store environment: ORTHORNN_SESSION_STORE, a redis:// URL into
-which Kubernetes expands $(REDIS_PASSWORD) from the Secret (the password never appears
-in the pod spec or the ConfigMap). Nothing for sessions.store=memory. */}}
+{{/* The server's session store environment: ORTHORNN_SESSION_STORE, a redis:// URL without
+a password, and ORTHORNN_SESSION_STORE_PASSWORD from the Secret (secretKeyRef: the
+password never appears in the pod spec or the ConfigMap), which the service
+percent-encodes into the URL (any character works). Nothing for sessions.store=memory. */}}
 {{- define "orthornn.sessionEnv" -}}
 {{- $s := .Values.sessions }}
 {{- if ne $s.store "memory" }}
@@ -356,13 +368,11 @@ in the pod spec or the ConfigMap). Nothing for sessions.store=memory. */}}
 {{- $url = $s.external.url }}
 {{- end }}
 {{- if $secret }}
-- name: REDIS_PASSWORD
+- name: ORTHORNN_SESSION_STORE_PASSWORD
   valueFrom:
     secretKeyRef:
       name: {{ $secret }}
       key: {{ $key }}
-{{- $scheme := ternary "rediss" "redis" (hasPrefix "rediss://" $url) }}
-{{- $url = printf "%s://:$(REDIS_PASSWORD)@%s" $scheme (trimPrefix (printf "%s://" $scheme) $url) }}
 {{- end }}
 - name: ORTHORNN_SESSION_STORE
   value: {{ $url | quote }}

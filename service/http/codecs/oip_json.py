@@ -75,10 +75,13 @@ def document(result: InferenceResult, binary: set[str]) -> tuple[dict, list[byte
         else:
             item["data"] = out.data.reshape(-1)
         outputs.append(item)
-    answer = {"model_name": result.served.model, "model_version": str(result.served.version),
-              "outputs": outputs}
+    answer: dict[str, Any] = {"model_name": result.served.model,
+                              "model_version": str(result.served.version),
+                              "outputs": outputs}
     if result.id is not None:
         answer["id"] = result.id
+    if result.session_secret is not None:
+        answer["parameters"] = {"session_secret": result.session_secret}
     return answer, blobs
 
 
@@ -186,7 +189,9 @@ def fast_infer_request(body: bytes) -> tuple[InferenceRequest, Arrays] | None:
         if data is None:
             arrays.append(None)
         else:
-            datatype = DATATYPES.get(meta.get("datatype") or "")
+            named = meta.get("datatype")  # any JSON value: a list is unhashable (a 500
+            # found by tests/fuzz); pydantic's path names the field for anything but a str
+            datatype = DATATYPES.get(named) if isinstance(named, str) else None
             if type(data) is not simdjson.Array or datatype is None:
                 return None
             kind = datatype.json_buffer

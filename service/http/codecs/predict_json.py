@@ -28,6 +28,8 @@ def encode(result: PredictResult) -> bytes:
     if result.session is not None:
         answer["session"] = result.session
         answer["position"] = result.position
+        if result.session_secret is not None:
+            answer["session_secret"] = result.session_secret
     return orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
 
 

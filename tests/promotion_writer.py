@@ -1,0 +1,71 @@
+"""A writer of a model's promotion.json and rollout.json, run as a process of its own by
+tests/test_promotion_writers.py: ``python -m tests.promotion_writer ROLE MODEL_DIR ROUNDS
+SEED TAG``. Each action it completed is one JSON line on stdout (the test checks the
+history against them).
+
+Roles: ``promote`` (what ``orthornn export`` does last: repository.promote), ``rollback``
+(``orthornn rollback --to V`` and the admin API: repository.rollback), ``rollout`` (start
+a rollout and let the controller finish it: rollout.start, then rollout.control), and
+``loop`` (promote and write the plan for ever, to be SIGKILLed at random points).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import random
+import sys
+from pathlib import Path
+
+from orthornn.export.artifacts import records, repository, rollout
+
+
+def say(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def main(role: str, model_dir: Path, rounds: int, seed: int, tag: str) -> None:
+    rng = random.Random(seed)
+    on_disk = repository.versions(model_dir)
+    say(ready=True)
+    if role == "loop":
+        i = 0
+        while True:  # killed by the test
+            i += 1
+            repository.promote(model_dir, on_disk[i % len(on_disk)], "publish", f"{tag}:{i}")
+            records.update_json(model_dir, rollout.ROLLOUT,
+                                lambda path, i=i: {"id": f"{tag}-{i}", "state": "aborted",
+                                                   "round": i, "padding": "x" * 4096})
+    for i in range(rounds):
+        if role == "promote":
+            version = rng.choice(on_disk)
+            record = repository.promote(model_dir, version, "promote", f"{tag}:{i}")
+            say(action="promote", tag=f"{tag}:{i}", version=version,
+                previous=record["history"][-1]["previous"])
+        elif role == "rollback":
+            try:
+                done = repository.rollback(model_dir, rng.choice(on_disk))
+            except ValueError as error:  # the version drawn is the promoted one
+                assert "already promoted" in str(error), error
+                continue
+            say(action="rollback", version=done["promoted"], previous=done["previous"])
+        elif role == "rollout":
+            try:
+                plan = rollout.start(model_dir, rng.choice(on_disk), shadow=0, steps="100",
+                                     interval_s=0.001, min_requests=1)
+            except rollout.RolloutError as error:  # drawn the promoted version
+                assert "already promoted" in str(error), error
+                continue
+            tally = rollout.Tally(candidate=rollout.Side(1, 0), promoted=rollout.Side(1, 0))
+            report = {"rollout": plan["id"], "stages": {"0": tally.to_dict()}}
+            later = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
+            done = rollout.control(model_dir, [report], later)
+            assert done is not None and done["state"] in ("promoted", "aborted"), done
+            say(action="rollout", id=plan["id"], state=done["state"],
+                version=plan["candidate"], previous=plan["promoted"], reason=done["reason"])
+        else:
+            raise SystemExit(f"unknown role {role!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
