@@ -49,11 +49,11 @@ lint: $(VENV)/.installed
 docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-# Coverage-guided fuzzing (atheris) of the codecs, each target
+# Coverage-guided fuzzing (atheris) of the codecs and the session chunks, each target
 # for FUZZ_SECONDS from tests/fuzz/corpus/TARGET; new inputs and crash-* files go to
 # fuzz-corpus/TARGET (make test runs a short smoke of each: tests/test_fuzz.py).
 FUZZ_SECONDS ?= 600
-FUZZ_TARGETS ?= predict_json oip_json oip_binary
+FUZZ_TARGETS ?= predict_json oip_json oip_binary sessions
 fuzz: $(VENV)/.installed
 	@for target in $(FUZZ_TARGETS); do \
 		mkdir -p fuzz-corpus/$$target; \

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FUZZ = ROOT / "tests" / "fuzz"
-RUNS = {"predict_json": 3000, "oip_json": 3000, "oip_binary": 3000}
+RUNS = {"predict_json": 3000, "oip_json": 3000, "oip_binary": 3000, "sessions": 300}
 
 pytest.importorskip("atheris")
 
@@ -46,3 +46,22 @@ def test_a_non_ascii_digit_header_length_is_a_400(service_packages, tmp_path):
                                  headers={"Inference-Header-Content-Length": value})
             assert answer.status_code == 400, (value, answer.text)
             assert "Inference-Header-Content-Length" in answer.json()["error"]
+
+
+def test_a_datatype_that_is_not_a_string_is_a_400(service_packages, tmp_path):
+    """Found by the oip_json and oip_binary targets: "datatype": [2, 0] beside "data" made
+    the fast path look a list up in a dict (TypeError: a 500)."""
+    from fastapi.testclient import TestClient
+    from orthornn.service.http.app import create_app
+    from orthornn.service.settings import Settings
+
+    from .service_helpers import make_repo
+
+    repo = make_repo(service_packages, tmp_path / "repo", {"adding": [1]})
+    with TestClient(create_app(Settings(repo=repo))) as client:
+        for datatype in ([2, 0], {"a": 1}, 3, None):
+            body = {"inputs": [{"name": "x", "shape": [1, 1, 2], "datatype": datatype,
+                                "data": [0.5, 1.0]}]}
+            answer = client.post("/v2/models/adding/infer", json=body)
+            assert answer.status_code == 400, (datatype, answer.text)
+            assert "datatype" in answer.json()["error"], answer.text

@@ -1,10 +1,11 @@
 """Coverage-guided fuzz targets (atheris, libFuzzer's engine) for what parses a client's
-bytes: the three codecs. Whatever the input, the answer is a
-ServiceError below 500 or a result; anything else (another exception, a 5xx) is a crash.
+bytes: the three codecs and the session chunk logic (tests/fuzz/sessions.py). Whatever
+the input, the answer is a ServiceError below 500 or a result; anything else (another
+exception, a 5xx) is a crash.
 
     python tests/fuzz/fuzz.py TARGET [libFuzzer flags] [CORPUS_DIR...]
 
-TARGET: predict_json, oip_json or oip_binary. ``make fuzz`` runs each for
+TARGET: predict_json, oip_json, oip_binary or sessions. ``make fuzz`` runs each for
 FUZZ_SECONDS (600) from tests/fuzz/corpus/TARGET, writing what it finds to fuzz-corpus/
 (ignored by git); tests/test_fuzz.py runs a short smoke of each in make test. A crash
 leaves the input in crash-*; replay it as a test (tests/test_fuzz.py keeps the found ones).
@@ -55,13 +56,20 @@ def oip_binary_target(data: bytes) -> None:
 
 
 TARGETS = {"predict_json": predict_json_target, "oip_json": oip_json_target,
-           "oip_binary": oip_binary_target}
+           "oip_binary": oip_binary_target, "sessions": None}  # sessions: made at start
 
 
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in TARGETS:
         sys.exit(f"usage: fuzz.py TARGET [libFuzzer flags]; TARGET: one of {', '.join(TARGETS)}")
-    target = TARGETS[sys.argv.pop(1)]
+    name = sys.argv.pop(1)
+    if name == "sessions":
+        with atheris.instrument_imports(include=["orthornn.service"]):
+            from tests.fuzz.sessions import setup
+
+            target = setup()  # imports the app: instrumented too
+    else:
+        target = TARGETS[name]
     atheris.Setup(sys.argv, target)
     atheris.Fuzz()
 
