@@ -363,3 +363,71 @@ def replicas(repo: Path, count: int, **options) -> Iterator[list[Replica]]:
         for replica in started:
             if replica.proc is not None and replica.proc.poll() is None:
                 replica.kill()
+
+
+class CuttingProxy:
+    """A TCP proxy to 127.0.0.1:TARGET_PORT that, once ``arm(marker)``-ed, passes the next
+    client bytes holding MARKER on to the server and then cuts that connection instead of
+    passing the server's reply back: the command applied, its reply lost (what a broken
+    connection does to a client that then retries). ``cuts`` counts them."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.marker: bytes | None = None
+        self.cuts = 0
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def arm(self, marker: bytes) -> None:
+        with self.lock:
+            self.marker = marker
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            cut = threading.Event()  # set: the next reply is swallowed, both ends closed
+            threading.Thread(target=self._to_server, args=(client, upstream, cut),
+                             daemon=True).start()
+            threading.Thread(target=self._to_client, args=(upstream, client, cut),
+                             daemon=True).start()
+
+    def _to_server(self, client: socket.socket, upstream: socket.socket,
+                   cut: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                with self.lock:
+                    if self.marker is not None and self.marker in data:
+                        self.marker = None
+                        cut.set()
+                upstream.sendall(data)
+        with contextlib.suppress(OSError):
+            upstream.shutdown(socket.SHUT_WR)
+
+    def _to_client(self, upstream: socket.socket, client: socket.socket,
+                   cut: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := upstream.recv(65536):
+                if cut.is_set():  # the marked command's reply: lost with the connection
+                    with self.lock:
+                        self.cuts += 1
+                    break
+                client.sendall(data)
+        for sock in (client, upstream):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def __enter__(self) -> CuttingProxy:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -31,7 +31,7 @@ from orthornn.service.settings import Settings
 
 from orthornn.cli import main as cli
 
-from .cluster import RedisServer
+from .cluster import CuttingProxy, RedisServer
 from .service_helpers import OWNER, LiveServer, make_repo, reference
 
 SEQ = [[0.5, 1.0], [0.25, 0.0], [0.1, 1.0], [0.7, 0.0], [0.3, 1.0], [0.9, 0.0]]
@@ -136,6 +136,28 @@ def test_a_retry_is_answered_again_and_a_stale_position_is_409(repo, store_url):
             assert r.status_code == 400 and message in r.json()["error"], r.text
         r = c.post("/predict", json={"model": "adding", "inputs": [SEQ], "position": 0})
         assert r.status_code == 400 and "position: only with 'session'" in r.json()["error"]
+
+
+def test_a_chunk_is_applied_once_when_redis_loses_its_reply(repo, tmp_path):
+    """The Redis connection is cut after a chunk's write has applied and before its reply
+    arrives; redis-py sends the write again on a new connection. With or without a
+    position, the chunk is applied once (the write recognises itself by its stamp) and the
+    session ends as the whole sequence does."""
+    with (RedisServer(tmp_path / "redis") as server, CuttingProxy(server.port) as proxy,
+          serving(repo, f"redis://127.0.0.1:{proxy.port}/0") as c):
+        for sid, positions in (("plain", False), ("positioned", True)):
+            at = {"position": 0} if positions else {}
+            ok(chunk(c, sid, SEQ[:2], start=True, version=4, **at))
+            cuts = proxy.cuts
+            proxy.arm(b"EVAL")  # the advance's script (EVALSHA)
+            at = {"position": 2} if positions else {}
+            second = ok(chunk(c, sid, SEQ[2:4], **at))
+            assert proxy.cuts == cuts + 1, "the reply was not cut"
+            assert second["position"] == 4
+            at = {"position": 4} if positions else {}
+            final = ok(chunk(c, sid, SEQ[4:], end=True, **at))
+            assert final["outputs"][0]["value"] == pytest.approx(
+                value_of(repo / "adding" / "4", SEQ), abs=1e-5), sid
 
 
 def test_racing_chunks_at_one_position_apply_once(repo, store_url):

@@ -86,8 +86,14 @@ return {'ok', now}
 # into the ended set, whose oldest beyond max_ended are deleted):
 # KEYS = {hash, ended, index}; ARGV = {id, expected_position, state bytes, steps, ttl_ms,
 # finish, new stamp, expected stamp or '', max_ended, prefix of the session hashes}
-# -> {'gone'} | {'stale'} | {'conflict', position} | {'ok', HGETALL of the updated hash}
+# -> {'gone'} | {'stale'} | {'conflict', position} | {'ok', HGETALL of the updated hash};
+# the same write sent again (its new stamp already the record's) -> {'ok', HGETALL}
 ADVANCE_LUA = _NOW_AND_PRUNE + """
+if redis.call('HGET', KEYS[1], 'stamp') == ARGV[7] then
+  -- this very write has applied: a retry of it (redis-py re-sends a command whose reply a
+  -- broken connection lost), so its answer again, not a conflict that would re-run it
+  return {'ok', redis.call('HGETALL', KEYS[1])}
+end
 local position = redis.call('HGET', KEYS[1], 'position')
 if not position or redis.call('HEXISTS', KEYS[1], 'ended') == 1 then return {'gone'} end
 if ARGV[8] ~= '' and redis.call('HGET', KEYS[1], 'stamp') ~= ARGV[8] then
