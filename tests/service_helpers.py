@@ -221,4 +221,6 @@ class RawConnection:
 #: a session secret a test client chose (sent with every request of a client that starts
 #: sessions: its starts are then its own, and its later chunks present it)
 SECRET = "test-client-secret-0123456789abcdef"
+#: the session owner's header; tritonclient adds its own headers to the dict it is given
+#: (an int among them, which broke every later test that used this one): pass it a copy
 OWNER = {"Orthornn-Session-Secret": SECRET}

@@ -128,7 +128,7 @@ def test_tritonclient_round_trip(service_packages, tmp_path):
         for k, (a, b) in enumerate(itertools.pairwise(bounds)):
             chunk = triton.InferInput("x", [1, b - a, 1], "FP32")
             chunk.set_data_from_numpy(np.ascontiguousarray(seq[:, a:b]))
-            owner = {"headers": OWNER} if k == 0 else \
+            owner = {"headers": dict(OWNER)} if k == 0 else \
                 {"parameters": {"session_secret": SECRET}}
             result = client.infer("digits", [chunk], sequence_id=42, sequence_start=k == 0,
                                   sequence_end=b == seq.shape[1], **owner)
@@ -137,7 +137,7 @@ def test_tritonclient_round_trip(service_packages, tmp_path):
         np.testing.assert_allclose(result.as_numpy("state")[0], whole["state"], atol=1e-5)
         np.testing.assert_allclose(result.as_numpy("logits")[0], whole["logits"], atol=1e-5)
         with pytest.raises(triton.InferenceServerException, match="session '42' is not open"):
-            client.infer("digits", [chunk], sequence_id=42, headers=OWNER)
+            client.infer("digits", [chunk], sequence_id=42, headers=dict(OWNER))
         with pytest.raises(triton.InferenceServerException, match="unknown input"):
             bad = triton.InferInput("y", [1, 3], "INT64")
             bad.set_data_from_numpy(tokens)
