@@ -64,18 +64,23 @@ def _request(path: str, body: bytes) -> bytes:
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
+async def _status(reader: asyncio.StreamReader) -> str:
+    """The status of the next answer on READER, its body read and dropped."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line[:15].lower() == b"content-length:":
+            length = int(line[15:])
+    await reader.readexactly(length)
+    return head[9:12].decode()
+
+
 async def _client(port: int, request: bytes, stop: asyncio.Event, counts: dict) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         while not stop.is_set():
             writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n"):
-                if line[:15].lower() == b"content-length:":
-                    length = int(line[15:])
-            await reader.readexactly(length)
-            counts["ok" if head[9:12] == b"200" else "refused"] += 1
+            counts["ok" if await _status(reader) == "200" else "refused"] += 1
     finally:
         writer.close()
 
@@ -113,13 +118,7 @@ async def _readiness(port: int, stop: asyncio.Event, seen: dict) -> None:
     try:
         while not stop.is_set():
             writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n"):
-                if line[:15].lower() == b"content-length:":
-                    length = int(line[15:])
-            await reader.readexactly(length)
-            status = head[9:12].decode()
+            status = await _status(reader)
             seen[status] = seen.get(status, 0) + 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.1)

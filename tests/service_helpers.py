@@ -4,6 +4,7 @@ package, the torch outputs in golden.npz)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -26,6 +27,14 @@ def make_repo(stage: Path, root: Path, models: dict[str, list[int]]) -> Path:
         for v in versions:
             publish_copy(stage / name / str(v), root / name, v)
     return root
+
+
+def gated(model_dir: Path, version: int) -> None:
+    """Record a passed gate in VERSION's manifest (what export --gate writes)."""
+    path = model_dir / str(version) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["evaluation"] = {**(manifest["evaluation"] or {}), "gate": {"passed": True}}
+    path.write_text(json.dumps(manifest))
 
 
 def publish_copy(package: Path, model_dir: Path, version: int) -> Path:

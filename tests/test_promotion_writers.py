@@ -21,17 +21,10 @@ from pathlib import Path
 import pytest
 from orthornn.export.artifacts import records, repository, rollout
 
-from .service_helpers import make_repo
+from .service_helpers import gated, make_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSIONS = [1, 2, 3, 4]
-
-
-def gated(model_dir: Path, version: int) -> None:
-    path = model_dir / str(version) / "manifest.json"
-    manifest = json.loads(path.read_text())
-    manifest["evaluation"] = {**(manifest["evaluation"] or {}), "gate": {"passed": True}}
-    path.write_text(json.dumps(manifest))
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from orthornn.export.artifacts.repository import promote, read_promotion
 from orthornn.export.artifacts.rollout import LATENCY_BOUNDS, Side, Tally
 
 from .helpers import orthornn as run_orthornn
-from .service_helpers import SECRET, LiveServer, make_repo
+from .service_helpers import SECRET, LiveServer, gated, make_repo
 
 NOW = dt.datetime(2026, 11, 27, 12, 0, tzinfo=dt.UTC)
 
@@ -125,14 +125,6 @@ def test_routing_keys_fall_within_the_weight_in_proportion_and_always_the_same_w
 
 
 # -- the plan in a repository ------------------------------------------------------------------
-
-def gated(model_dir: Path, version: int) -> None:
-    """Record a passed gate in VERSION's manifest (what export --gate writes)."""
-    path = model_dir / str(version) / "manifest.json"
-    manifest = json.loads(path.read_text())
-    manifest["evaluation"] = {**(manifest["evaluation"] or {}), "gate": {"passed": True}}
-    path.write_text(json.dumps(manifest))
-
 
 @pytest.fixture
 def repo(service_packages, tmp_path) -> Path:
