@@ -239,9 +239,7 @@ def _subcommands() -> dict:
 def test_image_command_is_a_known_subcommand():
     parser, choices = _subcommands()
     cmd = json.loads(instructions("serve", "CMD")[0])
-    if cmd[0] not in choices:
-        pytest.xfail(f"`orthornn {cmd[0]}` arrives with the service issue; present now: "
-                     f"{', '.join(choices)}")
+    assert cmd[0] in choices, f"`orthornn {cmd[0]}`: subcommands are {', '.join(choices)}"
     parser.parse_args(cmd)  # exits (fails the test) on unknown flags
     result = _blocked_main([cmd[0], "--help"])
     assert result.returncode == 0, result.stderr
@@ -297,6 +295,7 @@ def test_rendered_manifests_pass_kubernetes_validate(tmp_path):
     for name, sets in VARIANTS.items():
         # ServiceMonitor is a CRD (prometheus-operator): no Kubernetes schema to check it by.
         docs = [d for d in render(*sets) if d["kind"] != "ServiceMonitor"]
+        assert len(docs) >= 8, name  # ConfigMap, Deployment, ... (test_default_render)
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump_all(docs))
         files.append(str(path))
@@ -393,7 +392,10 @@ def _pods(docs) -> dict[str, dict]:
 
 @pytest.mark.parametrize("sets", [(), tuple(FULL)], ids=["defaults", "full"])
 def test_security_contexts(sets):
-    for kind, pod in _pods(render(*sets)).items():
+    pods = _pods(render(*sets))
+    assert set(pods) == ({"Deployment", "CronJob", "Job"} if sets else {"Deployment"})
+    for kind, pod in pods.items():
+        assert len(pod["containers"]) == 1, kind
         psc = pod["securityContext"]
         assert psc["runAsNonRoot"] is True and psc["runAsUser"] > 0, kind
         assert psc["seccompProfile"] == {"type": "RuntimeDefault"}, kind
@@ -418,6 +420,7 @@ def test_full_render_gpu_autoscaling_monitoring_retraining():
     deployment = one(docs, "Deployment")
     assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
     pods = _pods(docs)
+    assert set(pods) == {"Deployment", "CronJob", "Job"}
     for kind, pod in pods.items():
         (c,) = pod["containers"]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1, kind
@@ -517,6 +520,7 @@ def _retraining_scripts(docs) -> dict[str, tuple[str, dict]]:
             (c,) = pod["containers"]
             assert c["command"] == ["/bin/sh", "-ec"], kind
             out[kind] = (c["args"][0], {e["name"]: e["value"] for e in c["env"]})
+    assert set(out) == {"CronJob", "Job"}  # callers loop over them
     return out
 
 
@@ -668,6 +672,8 @@ def test_network_policies_rendezvous_redis_and_named_peers():
             "networkPolicy.redisFrom[0].podSelector.matchLabels.role=redis-admin")
     docs = render(*sets)
     pods = _pod_labels(docs)
+    assert set(pods) == {"Deployment/server", "Deployment/sessions", "CronJob/retraining",
+                         "Job/retraining"}
     policies = {p["metadata"]["name"]: p for p in docs if p["kind"] == "NetworkPolicy"}
     assert set(policies) == {f"{RELEASE}-orthornn", f"{RELEASE}-orthornn-redis",
                              f"{RELEASE}-orthornn-retrain"}
@@ -807,6 +813,7 @@ def test_sessions_manifests_pass_kubernetes_validate(tmp_path):
     files, count = [], 0
     for name, sets in SESSIONS.items():
         docs = [d for d in render(*sets) if d["kind"] != "ServiceMonitor"]
+        assert len(docs) >= 8, name  # ConfigMap, Deployment, ... (test_default_render)
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump_all(docs))
         files.append(str(path))

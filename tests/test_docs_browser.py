@@ -56,7 +56,9 @@ def test_docs_pages_name_no_external_url(server):
     for page in ("/docs", "/redoc"):
         html = httpx.get(server.url + page).text
         assert not re.search(r"(https?:)?//", html.replace("http-equiv", "")), html
-        for asset in re.findall(r'(?:src|href)="([^"]+)"', html):
+        assets = re.findall(r'(?:src|href)="([^"]+)"', html)
+        assert assets, page  # the page's scripts and styles, served here
+        for asset in assets:
             r = httpx.get(server.url + asset)
             assert r.status_code == 200 and len(r.content) > 1000, asset
 

@@ -2,9 +2,13 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from orthornn.models import ALIASES, ARCHITECTURES, build_model
+from orthornn.models.activations import KINDS, Activation
+from orthornn.models.ops import rnn_scan
+from orthornn.models.registry import SVDRNN_ACTIVATIONS
 
 from tests.helpers import loop_rnn, spectral_error
 
@@ -65,6 +69,44 @@ def test_forward_equals_plain_loop_with_recurrent_weight(arch, dtype):
             continue  # parameters the loop does not touch (none here but the head)
         torch.testing.assert_close(a, b, atol=tol * 10, rtol=tol * 10)
         assert p.shape == a.shape
+
+
+# The cells' activations written out in numpy from their papers: loop_rnn and the scan
+# tests take the package's own, so a wrong formula there would pass them.
+SLOPE = 0.2
+HAND = {
+    "tanh": lambda z, b: (np.exp(z) - np.exp(-z)) / (np.exp(z) + np.exp(-z)),
+    "relu": lambda z, b: np.maximum(z, 0),
+    "leaky_relu": lambda z, b: np.maximum(SLOPE * z, z),  # svdRNN: max(leak x, x)
+    # scoRNN eq. 3: (z / |z|) (|z| + b) where |z| + b >= 0, else 0; z / |z| = sign(z) (real)
+    "modrelu": lambda z, b: np.where(np.abs(z) + b >= 0, np.sign(z) * (np.abs(z) + b), 0),
+    "abs": lambda z, b: np.where(z < 0, -z, z),  # DizzyRNN section 4.3
+}
+
+
+def test_every_cell_activation_has_a_hand_formula():
+    used = {make(arch).layer.activation.kind for arch in CELLS} | set(SVDRNN_ACTIVATIONS)
+    assert used == set(KINDS) == set(HAND)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_activation_is_the_papers_formula(kind):
+    z = torch.cat([torch.randn(5, 16, dtype=torch.float64) * 2,
+                   torch.zeros(1, 16, dtype=torch.float64)])
+    act = Activation(kind, 16, SLOPE).double()
+    if kind == "modrelu":
+        with torch.no_grad():
+            act.bias.normal_(0, 1)  # both signs: some |z| + b < 0 are cut to 0
+    bias = act.bias.detach().numpy() if act.bias is not None else None
+    expected = HAND[kind](z.numpy(), bias)
+    with torch.no_grad():
+        np.testing.assert_allclose(act(z).numpy(), expected, rtol=1e-12, atol=1e-12)
+        # the scan the cells' dense path runs: one step from h0 = 0 is g(u)
+        states, _ = rnn_scan(z[:, None], torch.zeros(16, 16, dtype=torch.float64),
+                             activation=kind, slope=SLOPE, bias=act.bias)
+    np.testing.assert_allclose(states[:, 0].numpy(), expected, rtol=1e-12, atol=1e-12)
+    if kind == "modrelu":
+        assert 0 < (expected == 0).mean() < 0.9  # the bias cut some units and kept others
 
 
 @pytest.mark.parametrize("arch", CELLS)

@@ -211,7 +211,9 @@ def test_help_shows_defaults(capsys):
 
 
 def test_bundled_ucr_sets_all_resolve():
-    for dataset in ucr_datasets():
+    datasets = ucr_datasets()
+    assert set(DATASETS) <= set(datasets)  # an empty list would resolve nothing
+    for dataset in datasets:
         config, _ = resolve({"arch": "svdrnn", "task": "ucr", "dataset": dataset})
         assert config.batch_size >= 1
 

@@ -107,17 +107,33 @@ def test_data_that_cannot_be_rebuilt_still_exports_without_evaluation(tmp_path):
         export_run(tmp_path / "run", tmp_path / "repo2", "mine", gated=True)
 
 
+def _mse(package: Path, test) -> float:
+    """A regress package's test MSE written out, not evaluation.score: onnxruntime's
+    outputs of its model.onnx on the whole split, mean((y_hat - y)^2) in float64."""
+    import numpy as np
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(package / "model.onnx"),
+                                providers=["CPUExecutionProvider"])
+    x, y = test.x.numpy(), test.y.numpy()
+    assert test.lengths is None  # the adding task: full-length sequences
+    (pred,) = sess.run(["value"], {"x": x, "lengths": np.full(len(x), x.shape[1], np.int64)})
+    assert pred.shape == y.shape == (1000, 1)  # no broadcasting
+    return float(np.mean((pred.astype(np.float64) - y) ** 2))
+
+
 def test_gate_promotes_a_better_candidate_and_refuses_a_worse_one(runs, tmp_path):
     repo = tmp_path / "repo"
     export_run(runs / "weak", repo, "adder")  # version 1, ungated
     second = export_run(runs / "strong", repo, "adder", gated=True)
     assert second.name == "2" and repository.promoted(repo / "adder") == 2
     assert repository.read_promotion(repo / "adder")["history"][-1]["action"] == "promote"
-    strong = score(second, rebuild_task(json.loads((runs / "strong" / "config.json")
-                                                   .read_text())))
-    weak = score(repo / "adder" / "1", rebuild_task(json.loads((runs / "strong" /
-                                                                "config.json").read_text())))
+    test = rebuild_task(json.loads((runs / "strong" / "config.json").read_text())).test
+    strong, weak = _mse(second, test), _mse(repo / "adder" / "1", test)
     assert strong < weak  # MSE: the independent scores agree with the gate's choice
+    for path, value in ((second, strong), (repo / "adder" / "1", weak)):
+        evaluation = json.loads((path / "manifest.json").read_text())["evaluation"]
+        assert evaluation["value"] == pytest.approx(value, rel=1e-5)
 
     # the weak run again, gated: worse than the task's baseline ...
     with pytest.raises(GateRefused, match=r"must beat the task's baseline 0\.166667"):

@@ -117,11 +117,27 @@ def test_latency_ratio_is_p99_over_p99():
         bound / LATENCY_BOUNDS[np.searchsorted(LATENCY_BOUNDS, 0.01)])
 
 
+def _crc32(data: bytes) -> int:
+    """CRC-32 (ISO-HDLC, reflected polynomial 0xEDB88320) bit by bit, without zlib."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0xEDB88320 & -(crc & 1))
+    return crc ^ 0xFFFFFFFF
+
+
 def test_routing_keys_fall_within_the_weight_in_proportion_and_always_the_same_way():
     keys = [f"session-{i}".encode() for i in range(20000)]
     share = np.mean([rollout.bucket(k) < 25 for k in keys])
     assert abs(share - 0.25) < 0.015
-    assert [rollout.bucket(k) for k in keys[:50]] == [rollout.bucket(k) for k in keys[:50]]
+    # Every replica (another process) routes a key the same way: the documented hash
+    # (docs/retraining.md: CRC-32, 10,000 buckets) and literal values, never a hash a
+    # process salts (Python's hash()) or a changed salt.
+    assert _crc32(b"123456789") == 0xCBF43926  # the CRC-32 check value
+    assert [rollout.bucket(k) for k in keys[:200]] == [_crc32(k) % 10000 / 100
+                                                       for k in keys[:200]]
+    assert [rollout.bucket(k) for k in keys[:4]] == [43.44, 41.58, 62.44, 67.86]
 
 
 # -- the plan in a repository ------------------------------------------------------------------
