@@ -1,9 +1,11 @@
 """Helpers for the service tests: repositories built from the staged packages, a live
 uvicorn server on 127.0.0.1, and independent references (onnxruntime run directly on a
-package, the torch outputs in golden.npz)."""
+package, the torch outputs in golden.npz), and waiting on a condition with a deadline
+(wait_until) where a test would otherwise sleep."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -11,6 +13,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +67,37 @@ def wait_ready(proc, url: str, timeout: float = 120.0) -> None:
             proc.kill()
             raise AssertionError(f"server not ready: {proc.stdout.read()[-3000:]}")
         time.sleep(0.1)
+
+
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05,
+               what: str | Callable[[], str] = "the condition"):
+    """Poll PREDICATE every INTERVAL seconds until it returns something true, and return
+    that. Past TIMEOUT seconds: AssertionError naming WHAT (a string, or a callable that
+    describes the state at the deadline). Tests wait on the condition itself, never on a
+    fixed sleep: a busy 2-core CI machine can outlast any sleep."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: "
+                                 f"{what() if callable(what) else what}")
+        time.sleep(interval)
+
+
+async def wait_until_async(predicate, timeout: float = 30.0, interval: float = 0.001,
+                           what: str | Callable[[], str] = "the condition"):
+    """wait_until on an event loop: the loop runs (asyncio.sleep) between the polls."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: "
+                                 f"{what() if callable(what) else what}")
+        await asyncio.sleep(interval)
 
 
 def free_port() -> int:

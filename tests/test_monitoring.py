@@ -28,6 +28,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -450,11 +451,73 @@ def metric_line(url: str, pattern: str) -> bool:
     return re.search(pattern, httpx.get(url + "/metrics", timeout=10).text, re.M) is not None
 
 
-def wait_for(condition, timeout: float = 20.0, what: str = "") -> None:
+def wait_for(condition, timeout: float = 20.0, what="") -> None:
+    """Until CONDITION() is true; past TIMEOUT, AssertionError naming WHAT (a string, or a
+    callable describing the state at the deadline)."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        assert time.monotonic() < deadline, \
+            f"not within {timeout} s: {what() if callable(what) else what}"
         time.sleep(0.1)
+
+
+Check = Callable[[], str | None]  # None: passed; else what is missing
+
+
+def data_checks(prom: Prometheus, start: float, pod: str) -> list[tuple[str, Check]]:
+    """What must have data in PROM from START to now, named: each check answers None once
+    it has, else what is missing (the range only grows: a check that passed stays passed).
+    Every recording rule of the chart; the alert on load failures, firing for the broken
+    version; every dashboard variable's query offering the chosen model, version and pod;
+    every panel's query with the variables at All and at those values, with a finite
+    sample."""
+    checks: list[tuple[str, Check]] = []
+
+    def has_data(expr: str, what: str) -> Check:
+        return lambda: None if prom.query_range(expr, start, time.time()) else what
+
+    for name in records(rule_spec()):  # every recording rule of the chart has data
+        checks.append((f"recording rule {name}", has_data(name, "no data")))
+    # the alert on load failures fired for the broken version
+    checks.append(("OrthornnModelLoadFailed", has_data(
+        'ALERTS{alertname="OrthornnModelLoadFailed",alertstate="firing",model="adding"}',
+        "did not fire")))
+
+    board = dashboard()
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    selector = variables["selector"]["query"]
+    chosen = {"model": "adding", "version": "2", "pod": pod}
+
+    def offers(name: str, value: str) -> Check:
+        query = interpolate(variables[name]["query"]["query"],
+                            {"selector": selector, "model": "adding", "pod": ".*"})
+
+        def check() -> str | None:
+            offered = label_values(prom, query, start, time.time())
+            return None if value in offered else f"{query} offers {offered}, not {value}"
+        return check
+
+    for name, value in chosen.items():  # each variable's query offers the value
+        checks.append((f"variable {name}", offers(name, value)))
+
+    def finite(expr: str) -> Check:
+        def check() -> str | None:
+            result = prom.query_range(expr, start, time.time())
+            if any(v not in ("NaN", "+Inf", "-Inf") for s in result for _, v in s["values"]):
+                return None
+            return f"{'only NaN' if result else 'no data'}: {expr}"
+        return check
+
+    selections = {"All": dict.fromkeys(chosen, ".*"),
+                  "one": {k: grafana_escape(v) for k, v in chosen.items()}}
+    for selection, values in selections.items():
+        substitutions = {"selector": selector, "__rate_interval": RATE_INTERVAL, **values}
+        for panel in panels(board):
+            for target in panel["targets"]:
+                expr = interpolate(target["expr"], substitutions)
+                checks.append((f"{selection}: {panel['title']} "
+                               f"[{target['legendFormat']}]", finite(expr)))
+    return checks
 
 
 def test_every_panel_and_recording_rule_returns_data_from_a_real_prometheus(
@@ -519,44 +582,21 @@ def test_every_panel_and_recording_rule_returns_data_from_a_real_prometheus(
                 wait_for(lambda: metric_line(server.url, r"^orthornn_session_store_up 1"),
                          what="the store seen up again")
                 assert sessions(server.url, "c") == [200, 200, 200]
-                time.sleep(3 * SCRAPE_S)  # every new series scraped a few times under load
+                # every check below polled under load until it passes: each new series
+                # scraped a few times (a rate needs two samples in its window) and the
+                # rules evaluated on the last state, however slowly Prometheus gets there
+                pending = {k: (name, check, "not run") for k, (name, check)
+                           in enumerate(data_checks(prom, start, pod))}
+
+                def passed() -> bool:  # runs the checks that have not passed yet
+                    for k, (name, check, _) in list(pending.items()):
+                        missing = check()
+                        if missing is None:
+                            del pending[k]
+                        else:
+                            pending[k] = (name, check, missing)
+                    return not pending
+
+                wait_for(passed, timeout=90, what=lambda: "\n".join(
+                    f"{name}: {missing}" for name, _, missing in pending.values()))
             assert load.answers and set(load.answers) <= {200, 503}, set(load.answers)
-            time.sleep(2 * SCRAPE_S)  # the last state scraped and the rules evaluated
-            end = time.time()
-
-            failures = []
-            # every recording rule of the chart has data
-            for name in records(rule_spec()):
-                if not prom.query_range(name, start, end):
-                    failures.append(f"recording rule {name}: no data")
-            # the alert on load failures fired for the broken version
-            if not prom.query_range('ALERTS{alertname="OrthornnModelLoadFailed",'
-                                    'alertstate="firing",model="adding"}', start, end):
-                failures.append("OrthornnModelLoadFailed did not fire")
-
-            board = dashboard()
-            variables = {v["name"]: v for v in board["templating"]["list"]}
-            selector = variables["selector"]["query"]
-            chosen = {"model": "adding", "version": "2", "pod": pod}
-            for name, value in chosen.items():  # each variable's query offers the value
-                query = interpolate(variables[name]["query"]["query"],
-                                    {"selector": selector, "model": "adding", "pod": ".*"})
-                offered = label_values(prom, query, start, end)
-                if value not in offered:
-                    failures.append(f"variable {name}: {query} offers {offered}, not {value}")
-            selections = {"All": dict.fromkeys(chosen, ".*"),
-                          "one": {k: grafana_escape(v) for k, v in chosen.items()}}
-            for selection, values in selections.items():
-                substitutions = {"selector": selector, "__rate_interval": RATE_INTERVAL,
-                                 **values}
-                for panel in panels(board):
-                    for target in panel["targets"]:
-                        expr = interpolate(target["expr"], substitutions)
-                        result = prom.query_range(expr, start, end)
-                        finite = [v for s in result for _, v in s["values"]
-                                  if v not in ("NaN", "+Inf", "-Inf")]
-                        if not finite:
-                            failures.append(f"{selection}: {panel['title']} "
-                                            f"[{target['legendFormat']}]: "
-                                            f"{'only NaN' if result else 'no data'}: {expr}")
-            assert not failures, "\n".join(failures)

@@ -11,20 +11,25 @@ import pytest
 from orthornn.service.errors import QueueFull
 from orthornn.service.registry.batcher import Batcher
 
+from .service_helpers import wait_until_async
+
 
 class Model:
     """A fake run(): records each call's sequence count; answers 2 * the sequence; the
-    first call can be held until released."""
+    first call can be held until released; ON_CALL (if any) runs first in each call."""
 
-    def __init__(self, hold_first: bool = False, delay: float = 0.0):
+    def __init__(self, hold_first: bool = False, delay: float = 0.0, on_call=None):
         self.calls: list[int] = []
         self.release = threading.Event()
         self.started = threading.Event()
         if not hold_first:
             self.release.set()
         self.delay = delay
+        self.on_call = on_call
 
     def __call__(self, seqs):
+        if self.on_call is not None:
+            self.on_call()
         self.started.set()
         self.release.wait(30)
         time.sleep(self.delay)
@@ -49,8 +54,13 @@ def own(rows):
 
 
 async def _started(model):
-    while not model.started.is_set():
-        await asyncio.sleep(0.001)
+    await wait_until_async(model.started.is_set, what="the model's first call")
+
+
+async def _queued(b: Batcher, sequences: int):
+    """Until SEQUENCES sequences wait in B's queue (their requests' tasks have run)."""
+    await wait_until_async(lambda: b.pending == sequences,
+                           what=lambda: f"{sequences} sequences queued, not {b.pending}")
 
 
 def test_requests_that_arrive_while_a_batch_runs_form_the_next_batch():
@@ -61,7 +71,7 @@ def test_requests_that_arrive_while_a_batch_runs_form_the_next_batch():
             first = asyncio.ensure_future(b.submit([seq(1)], own))
             await _started(model)  # the first request runs alone, held
             rest = [asyncio.ensure_future(b.submit([seq(v)], own)) for v in range(2, 7)]
-            await asyncio.sleep(0.05)
+            await _queued(b, 5)
             model.release.set()
             answers = await asyncio.gather(first, *rest)
         assert answers == [[2.0 * v] for v in range(1, 7)]
@@ -137,7 +147,7 @@ def test_max_batch_size_bounds_every_run():
             await _started(model)
             rest = [asyncio.ensure_future(b.submit([seq(v), seq(-v)], own))
                     for v in range(1, 6)]
-            await asyncio.sleep(0.05)
+            await _queued(b, 10)
             model.release.set()
             answers = await asyncio.gather(first, *rest)
         assert answers == [[0.0]] + [[2.0 * v, -2.0 * v] for v in range(1, 6)]
@@ -173,18 +183,26 @@ def test_the_window_waits_for_a_request_still_on_its_way():
 
 
 def test_models_take_turns_on_one_inference_thread():
+    """b's request, queued while a's first batch runs, runs right after that batch, not
+    after the 19 requests of a's queued ahead of it: after each batch a model's job queues
+    itself again, behind the other models' jobs."""
     async def main():
-        busy, other = Model(delay=0.02), Model()
+        busy = Model(hold_first=True, delay=0.02)
+        other = Model(on_call=lambda: before_b.append(len(busy.calls)))
+        before_b: list[int] = []  # a's batches done when b's ran
         with ThreadPoolExecutor(1) as pool:
             a = batcher(busy, pool, max_batch_size=1)
             b = batcher(other, pool)
             stream = [asyncio.ensure_future(a.submit([seq(v)], own)) for v in range(20)]
-            await asyncio.sleep(0.01)
-            done_b = await b.submit([seq(7)], own)
-            remaining = sum(not f.done() for f in stream)
+            await _started(busy)  # a's first batch runs (held), the other 19 wait
+            b_request = asyncio.ensure_future(b.submit([seq(7)], own))
+            await wait_until_async(lambda: b._jobs == 1, what="b's job handed to the thread")
+            busy.release.set()
+            done_b = await b_request
             await asyncio.gather(*stream)
         assert done_b == [14.0]
-        assert remaining > 5  # b did not wait for a's whole queue
+        assert before_b == [1]  # b did not wait for a's whole queue: one batch of it
+        assert busy.calls == [1] * 20
     asyncio.run(main())
 
 
@@ -197,7 +215,7 @@ def test_batching_off_runs_each_request_alone():
             await _started(model)
             two = asyncio.ensure_future(b.submit([seq(1), seq(2)], own))
             three = asyncio.ensure_future(b.submit([seq(3), seq(4), seq(5)], own))
-            await asyncio.sleep(0.05)
+            await _queued(b, 5)
             model.release.set()
             answers = await asyncio.gather(first, two, three)
         assert answers == [[0.0], [2.0, 4.0], [6.0, 8.0, 10.0]]
@@ -213,7 +231,7 @@ def test_a_full_queue_refuses_and_recovers():
             first = asyncio.ensure_future(b.submit([seq(0)], own))
             await _started(model)  # taken: the queue is empty again
             queued = asyncio.ensure_future(b.submit([seq(1), seq(2)], own))
-            await asyncio.sleep(0.01)
+            await _queued(b, 2)
             with pytest.raises(QueueFull, match="queue of model"):
                 await b.submit([seq(3)], own)
             model.release.set()
@@ -285,7 +303,9 @@ def test_a_batch_waiting_for_its_window_does_not_hold_the_inference_thread():
             on_the_way = [1]
             a.holders = lambda: a._submitted + on_the_way[0]
             waiting = asyncio.ensure_future(a.submit([seq(1)], own))
-            await asyncio.sleep(0.05)
+            # queued, and waiting for its window: a timer on the event loop, no job
+            await wait_until_async(lambda: a._timer is not None, what="a's window open")
+            assert a._jobs == 0
             b = batcher(b_model, pool)
             assert await asyncio.wait_for(b.submit([seq(3)], own), 5) == [6.0]
             assert not waiting.done()  # still in its window, on the event loop

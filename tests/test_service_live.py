@@ -38,6 +38,8 @@ from .service_helpers import (
     reference,
     softmax,
     wait_ready,
+    wait_until,
+    wait_until_async,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -282,6 +284,13 @@ def test_corrupt_or_half_written_versions_are_refused(service_packages, tmp_path
     with LiveServer(repo=repo, poll_interval_s=0.05) as srv, \
             httpx.Client(base_url=srv.url, timeout=30) as http:
         registry = srv.app.state.registry
+        scans, scan = [0], registry.policy.scan
+
+        def counted_scan() -> None:  # the repository thread's scans, counted when done
+            scan()
+            scans[0] += 1
+        registry.policy.scan = counted_scan
+
         def failed():
             text = http.get("/metrics").text
             line = [x for x in text.splitlines()
@@ -309,7 +318,10 @@ def test_corrupt_or_half_written_versions_are_refused(service_packages, tmp_path
         assert "golden check failed" in index["3"]["reason"]
         assert "no manifest.json" in index["4"]["reason"]
         assert index["1"]["state"] == "READY"
-        time.sleep(0.3)  # refused versions are not retried while unchanged
+        # refused versions are not retried while unchanged: three more scans (two of them
+        # begun after this point) leave them refused
+        done = scans[0]
+        wait_until(lambda: scans[0] >= done + 3, what="three more repository scans")
         assert failed() == 3 and registry.serving() == {"adding": [1]}
         assert _predict(http, probe)["version"] == 1
         # the explicit load API reports why; the half-written version, once complete, loads
@@ -417,7 +429,7 @@ def test_sigterm_drains_in_flight_requests(service_packages, tmp_path):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "orthornn", "serve", "--repo", str(repo), "--port", str(port),
-         "--shutdown-delay-s", "0.5", "--log-level", "warning"], cwd=ROOT,
+         "--shutdown-delay-s", "1", "--log-level", "warning"], cwd=ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     seqs = [[0.1, 0.2, 0.3], [0.5] * 64]
@@ -432,12 +444,21 @@ def test_sigterm_drains_in_flight_requests(service_packages, tmp_path):
             threads[-1].start()
         for h in halves:
             assert h.wait(30)
+        signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)  # two requests are half-way through their bodies
-        time.sleep(0.1)
-        assert httpx.get(url + "/v2/health/ready", timeout=5).status_code == 503
-        time.sleep(0.6)  # past the shutdown delay: the listener is closed, requests drain
-        with pytest.raises(httpx.TransportError):
-            httpx.get(url + "/v2/health/live", timeout=2)
+        # readiness turns 503 at once (a TransportError here: the listener closed before
+        # readiness was seen turning, i.e. no 503 for the shutdown delay)
+        wait_until(lambda: httpx.get(url + "/v2/health/ready", timeout=5).status_code == 503,
+                   what="readiness 503 after SIGTERM")
+
+        def closed() -> bool:  # past the shutdown delay: the listener is closed
+            try:
+                httpx.get(url + "/v2/health/live", timeout=2)
+            except httpx.TransportError:
+                return True
+            return False
+        wait_until(closed, what="the listener closed after the shutdown delay")
+        assert time.monotonic() - signalled >= 1.0  # not before it
         assert proc.poll() is None  # still finishing the two requests
         go_on.set()
         for t in threads:
@@ -541,8 +562,7 @@ def test_middleware_root_path_and_admission_apply_to_every_route(service_package
         srv.app.state.dataplane.predict = gated
         slow = threading.Thread(target=waiting)
         slow.start()
-        assert half.wait(30)
-        time.sleep(0.2)
+        assert half.wait(30)  # in predict: admission has given it the slot
         refused = httpx.post(srv.url + "/predict", content=body)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert "overloaded" in refused.json()["error"]
@@ -594,10 +614,8 @@ def test_listener_accepts_every_waiting_connection_at_once():
         assert len(made) == 100
         for c in clients:  # each accepted connection reads its client's bytes
             c.sendall(b"x")
-        for _ in range(100):
-            if len(received) == 100:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: len(received) >= 100, timeout=30,
+                               what=lambda: f"{len(received)} of 100 bytes received")
         assert received == [b"x"] * 100
         listener.close()
         with pytest.raises(OSError):
@@ -635,10 +653,12 @@ def test_listener_pauses_when_out_of_file_descriptors(monkeypatch):
 
         listener.sock = Full()
         client = socket.create_connection(sock.getsockname())
-        await asyncio.sleep(0.02)
-        assert len(calls) == 1  # paused: no busy loop on a readable listener
-        await asyncio.sleep(0.1)
-        assert 2 <= len(calls) <= 4 and calls[1] - calls[0] >= 0.045  # resumed after RETRY_S
+        # paused at each failure: no busy loop on a readable listener, each retry (resumed)
+        # RETRY_S after the failure before it
+        await wait_until_async(lambda: len(calls) >= 3, timeout=30,
+                               what=lambda: f"three accept tries: {calls}")
+        gaps = [b - a for a, b in itertools.pairwise(calls)]
+        assert min(gaps) >= 0.045, gaps
         client.close()
 
         made = []
@@ -655,10 +675,8 @@ def test_listener_pauses_when_out_of_file_descriptors(monkeypatch):
         listener.protocol_factory = lambda: type("P", (asyncio.Protocol,), {
             "connection_made": lambda self, t: made.append(t)})()
         client2 = socket.create_connection(sock.getsockname())
-        for _ in range(50):
-            if len(made) == 2:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: len(made) >= 2, timeout=30,
+                               what=lambda: f"two connections made: {made}, {calls}")
         # both queued connections (the one left waiting while paused, and the new one)
         assert calls == ["eperm"] and len(made) == 2
         for transport in made:

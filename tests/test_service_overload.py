@@ -42,7 +42,8 @@ def post(body: bytes = BODY, path: str = "/predict") -> bytes:
 class Slot:
     """A /predict that holds one in-flight slot until release(): its body is in and its
     answer waits, the service's dataplane gated for it (the request's top_k numbers its
-    gate). A body sent slowly holds no slot: admission takes one once the body is in."""
+    gate). A body sent slowly holds no slot: admission takes one once the body is in, so
+    ``taken`` is set once the request has reached its gate (in the dataplane)."""
 
     def __init__(self, live: LiveServer):
         dataplane = live.app.state.dataplane
@@ -52,14 +53,17 @@ class Slot:
             predict = dataplane.predict
 
             async def gated(req, *args, **kwargs):
-                gate = gates.get(req.top_k)
-                while gate is not None and not gate.is_set():
-                    await asyncio.sleep(0.005)
+                slot = gates.get(req.top_k)
+                if slot is not None:
+                    slot.taken.set()
+                    while not slot.gate.is_set():
+                        await asyncio.sleep(0.005)
                 return await predict(req, *args, **kwargs)
 
             dataplane.predict = gated
         number = len(gates) + 1
-        self.gate = gates[number] = threading.Event()
+        self.gate, self.taken = threading.Event(), threading.Event()
+        gates[number] = self
         self.client = RawConnection(live.settings.port)
         self.client.send(post(json.dumps({"model": "digits", "inputs": [[0.1, 0.2, 0.3]],
                                           "top_k": number}).encode()))
@@ -105,11 +109,11 @@ def test_a_refused_connection_is_not_read_until_retry_after_then_served(repo, ht
         slot = overloaded(live)
         before = refusals(live.url)
         client = RawConnection(live.settings.port)
+        sent = time.monotonic()  # the hold starts after the refusal: after this
         client.send(post())
         status, headers, body = client.answer()
         assert status == 503 and headers["retry-after"] == "1"
         assert "overloaded" in json.loads(body)["error"]
-        refused_at = time.monotonic()
         # retried at once while the slot is still taken: were it read, it would be
         # refused again at once; held, it gets no answer and costs no refusal
         client.send(post())
@@ -117,10 +121,10 @@ def test_a_refused_connection_is_not_read_until_retry_after_then_served(repo, ht
         assert refusals(live.url) == before + 1
         # the slot is free now, yet the held request waits for Retry-After, then is served
         assert slot.release() == 200
-        assert client.silent(max(0.05, refused_at + 0.8 - time.monotonic()))
+        assert client.silent(max(0.05, sent + 0.8 - time.monotonic()))
         status, _, body = client.answer(10)
         assert status == 200 and json.loads(body)["model"] == "digits"
-        assert time.monotonic() - refused_at >= 0.9
+        assert time.monotonic() - sent >= 0.95
         # served: the connection is read as usual again
         client.send(post())
         assert client.answer(5)[0] == 200
@@ -132,13 +136,13 @@ def test_requests_pipelined_behind_a_refusal_wait_then_are_served(repo, http):
     with LiveServer({"http": http}, repo=repo, max_inflight_requests=1) as live:
         slot = overloaded(live)
         client = RawConnection(live.settings.port)
+        sent = time.monotonic()  # the hold starts after the refusal: after this
         client.send(post() + post() + post())  # three requests in one write
         assert client.answer()[0] == 503
-        refused_at = time.monotonic()
         assert slot.release() == 200
-        assert client.silent(max(0.05, refused_at + 0.8 - time.monotonic()))
+        assert client.silent(max(0.05, sent + 0.8 - time.monotonic()))
         assert [client.answer(10)[0] for _ in range(2)] == [200, 200]
-        assert time.monotonic() - refused_at >= 0.9
+        assert time.monotonic() - sent >= 0.95
         client.close()
 
 
@@ -169,7 +173,8 @@ def test_health_and_metrics_stay_answered_under_overload(repo):
 def test_nothing_is_refused_while_a_slot_is_free(repo):
     with LiveServer(repo=repo, max_inflight_requests=3) as live:
         slots = [Slot(live), Slot(live)]  # two of three taken
-        time.sleep(0.2)
+        for s in slots:
+            assert s.taken.wait(30), "a slot's request never reached the dataplane"
         with httpx.Client(base_url=live.url, timeout=10) as http:
             for _ in range(10):  # the third slot, again and again, health probes beside
                 assert http.post("/predict", content=BODY).status_code == 200

@@ -257,12 +257,24 @@ def test_concurrent_advances_at_one_position_apply_once(url, kind):
     run(main())
 
 
-def test_idle_sessions_expire_and_free_the_limit_and_their_versions(url):
+def test_idle_sessions_expire_and_free_the_limit_and_their_versions(url, kind):
     """Idle expiry is the store's own (Redis TTL, lazy in memory): an expired session is
-    gone, counts no more against max_sessions and pins no version; a session in use stays."""
+    gone, counts no more against max_sessions and pins no version; a session in use stays.
+
+    Turn by turn, "busy" is advanced and "old" only read, until "old" has expired: no
+    sleep guessed at either deadline. The memory store runs on an injected clock, a turn
+    0.25 s of it (exact); Redis on its own clock, polled: "old" goes no earlier than its
+    timeout, and "busy", advanced at every turn, stays unless one turn (a 50 ms pause and
+    two calls) takes the whole 1 s."""
     async def main():
         async with stores(url) as make:
-            store = make(session_idle_timeout_s=1.0, max_sessions=2)
+            now = [0.0]
+            if kind == "memory":
+                store = MemoryStore(max_sessions=2, idle_timeout_s=1.0,
+                                    clock=lambda: now[0])
+            else:
+                store = make(session_idle_timeout_s=1.0, max_sessions=2)
+            created = time.monotonic()
             await store.create("old", MODEL, 1)
             await store.create("busy", MODEL, 2)
             assert await store.versions_in_use() == {MODEL: {1, 2}}
@@ -271,10 +283,24 @@ def test_idle_sessions_expire_and_free_the_limit_and_their_versions(url):
             assert isinstance(full.value, Overloaded) and full.value.status == 429
             assert full.value.headers == {"Retry-After": "1"}
             assert "maximum of 2 open sessions" in str(full.value)
-            await asyncio.sleep(0.6)
-            await store.advance("busy", 0, vec(1), 1)  # renews busy's idle expiry
-            await store.get("old")  # a read does not
-            await asyncio.sleep(0.6)  # old: idle 1.2 s (expired), busy: 0.6 s
+            turns = 0
+            while True:
+                if kind == "memory":
+                    now[0] += 0.25
+                else:
+                    assert time.monotonic() - created < 30, "old never expired"
+                    await asyncio.sleep(0.05)
+                await store.advance("busy", turns, vec(1), 1)  # renews busy's idle expiry
+                turns += 1
+                try:
+                    await store.get("old")  # a read does not
+                except UnknownSession as gone:
+                    assert "idle for over 1 s" in str(gone)
+                    break
+            if kind == "memory":  # gone on the turn its idle time reached 1 s, not before
+                assert turns == 4 and now[0] == 1.0
+            else:  # Redis's clock and this one run at one rate: not before 1 s
+                assert time.monotonic() - created >= 0.95
             assert await store.count() == 1
             assert await store.versions_in_use() == {MODEL: {2}}
             with pytest.raises(UnknownSession, match="idle for over 1 s"):
@@ -283,7 +309,7 @@ def test_idle_sessions_expire_and_free_the_limit_and_their_versions(url):
                 await store.advance("old", 0, vec(1), 1)
             await store.create("third", MODEL, 3)
             assert await store.versions_in_use() == {MODEL: {2, 3}}
-            assert (await store.get("busy")).position == 1
+            assert (await store.get("busy")).position == turns
     run(main())
 
 
@@ -549,8 +575,10 @@ def test_closing_sessions_ends_the_reconcile_task_even_if_a_cancel_is_lost():
     cancellation (as a library may): the task also stops at its next turn."""
     class Swallowing(MemoryStore):
         swallowed = 0
+        inside = False  # the reconcile task has entered versions_in_use
 
         async def versions_in_use(self):
+            self.inside = True
             try:
                 await asyncio.sleep(0.05)
             except asyncio.CancelledError:
@@ -568,7 +596,10 @@ def test_closing_sessions_ends_the_reconcile_task_even_if_a_cancel_is_lost():
         sessions = Sessions(store, NoVersions(),  # type: ignore[arg-type]
                             reconcile_interval_s=0.01)
         sessions.start()
-        await asyncio.sleep(0.03)  # inside versions_in_use (it sleeps 50 ms of every 60)
+        deadline = time.monotonic() + 10
+        while not store.inside:  # until the task is inside versions_in_use, in its sleep:
+            assert time.monotonic() < deadline  # each poll is one turn of the loop, so the
+            await asyncio.sleep(0)  # task has not left that 50 ms sleep when close() cancels
         started = time.monotonic()
         await asyncio.wait_for(sessions.close(), 5)
         assert time.monotonic() - started < 1.0  # the turn it was in, and no more

@@ -26,7 +26,7 @@ import httpx
 import pytest
 from orthornn.service.settings import Settings
 
-from .service_helpers import LiveServer, RawConnection, free_port, wait_ready
+from .service_helpers import LiveServer, RawConnection, free_port, wait_ready, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 LIVE = b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
@@ -201,9 +201,10 @@ def test_deadlines_cover_receiving_a_request_only(tmp_path, listener, http):
 #: their work does not share an interpreter lock with the normal clients. argv: port,
 #: connections, seconds between bytes, the head they trickle (never all of it). Each line
 #: read, SECONDS, is a wave: the connections are opened, each replaced when the server
-#: closes it, for SECONDS; then the tricklers close those left themselves. One JSON line
-#: answers: {"cuts": [[seconds from connect to the server's close, what the server sent
-#: first], ...], "left": [seconds each connection closed by the trickler had been open]}.
+#: closes it, for SECONDS; then the tricklers close those left themselves. A line "wave"
+#: says it has begun (before the first connection), then one JSON line answers:
+#: {"cuts": [[seconds from connect to the server's close, what the server sent first],
+#: ...], "left": [seconds each connection closed by the trickler had been open]}.
 TRICKLER = r"""
 import json, selectors, socket, sys, time
 
@@ -253,6 +254,7 @@ def wave(seconds):
 
 
 for line in sys.stdin:
+    print("wave", flush=True)
     print(json.dumps(wave(float(line))), flush=True)
 """
 
@@ -342,12 +344,13 @@ def test_trickling_clients_are_cut_at_the_deadline_others_keep_their_throughput(
             count_end, end = answered()
             return (count_end - count) / (end - start)
 
-        time.sleep(0.5)  # warmed up
+        # warmed up: every normal connection open and answered again and again
+        wait_until(lambda: answered()[0] >= 400, timeout=60, what="400 normal answers")
         for _ in range(pairs):
             alone = rate(0.6)
             attack.stdin.write("2.2\n")  # a wave: 300 connections, replaced for 2.2 s
             attack.stdin.flush()
-            time.sleep(0.05)  # connecting
+            assert attack.stdout.readline() == "wave\n"  # begun: connecting
             ratios.append(rate(2.1) / alone)
             wave = json.loads(attack.stdout.readline())
             cuts += wave["cuts"]
