@@ -7,6 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from .artifacts.repository import model_dir_of
+from .artifacts.rollout.flags import add_rollout_flags, flags_named, plan_options
+
 
 def add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
@@ -41,8 +44,6 @@ def add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--no-promote", action="store_true",
                         help="with --gate: a candidate that passes is published only (roll it "
                              "out later with orthornn rollout start)")
-    from .rollout_cli import add_rollout_flags
-
     add_rollout_flags(parser.add_argument_group("rollout (with --gate --rollout)"))
     parser.set_defaults(run=run_export)
 
@@ -89,8 +90,7 @@ def run_export(args: argparse.Namespace) -> int:
     if args.rollout and args.no_promote:
         raise ValueError("--rollout and --no-promote: choose one")
     from .artifacts.repository import promoted as promoted_version
-    from .artifacts.rollout import RUNNING, RolloutError, read_plan, start
-    from .rollout_cli import plan_options
+    from .artifacts.rollout import RolloutError, read_plan, start
 
     options = plan_options(args) if args.rollout else {}  # bad flags: before any work
     if args.rollout:  # a running rollout refuses the new one: before anything is published
@@ -98,8 +98,8 @@ def run_export(args: argparse.Namespace) -> int:
             running = read_plan(Path(args.repo) / args.name)
         except ValueError:
             running = None  # an unreadable plan is replaced (rollout.start)
-        if running is not None and running["state"] == RUNNING:
-            raise RolloutError(f"a rollout of version {running['candidate']} is already "
+        if running is not None and running.running:
+            raise RolloutError(f"a rollout of version {running.candidate} is already "
                                f"running for {args.name!r}; `orthornn rollout abort` or "
                                f"`promote` it first (nothing was exported)")
     if args.rollout and promoted_version(Path(args.repo) / args.name) is None:
@@ -113,8 +113,9 @@ def run_export(args: argparse.Namespace) -> int:
                           promote=not (args.rollout or args.no_promote))
         print(path)
         if args.rollout:
-            plan = start(path.parent, int(path.name), **options)
-            print(f"orthornn export: rollout {plan['id']} of version {plan['candidate']} "
+            with flags_named():
+                plan = start(path.parent, int(path.name), **options)
+            print(f"orthornn export: rollout {plan.id} of version {plan.candidate} "
                   f"started (orthornn rollout status --repo {args.repo} --name {args.name})",
                   file=sys.stderr)
     except AlreadyPublished as same:  # not an error: the model asked for is published
@@ -134,27 +135,15 @@ def _float(flag: str, text: str) -> float:
         raise ValueError(f"{flag} must be a number; got {text!r}") from None
 
 
-def _model_dir(args: argparse.Namespace) -> Path:
-    """REPO/NAME of --repo and --name, which must name an existing model."""
-    from .artifacts.repository import check_name
-
-    missing = [flag for flag, v in (("--repo", args.repo), ("--name", args.name)) if not v]
-    if missing:
-        raise ValueError(f"missing {', '.join(missing)}")
-    model_dir = Path(args.repo) / check_name(args.name)
-    if not model_dir.is_dir():
-        raise ValueError(f"no model {args.name!r} in {args.repo!r} (--repo, --name)")
-    return model_dir
-
-
 def _short(value: object, width: int = 12) -> str:
     return "-" if value is None else str(value)[:width]
 
 
 def run_versions(args: argparse.Namespace) -> int:
-    from .artifacts.repository import describe, read_promotion
+    from .artifacts.listing import describe
+    from .artifacts.repository import read_promotion
 
-    model_dir = _model_dir(args)
+    model_dir = model_dir_of(args)
     print(f"{'version':<24} {'status':<11} {'metric':<22} {'created':<25} {'parent':<6} "
           f"{'config':<12} {'source':<12}")
     for row in describe(model_dir):
@@ -166,7 +155,7 @@ def run_versions(args: argparse.Namespace) -> int:
               f"{_short(lineage.get('parent')):<6} {_short(lineage.get('config_sha256')):<12} "
               f"{_short(lineage.get('source_revision')):<12}")
         if row.get("reason"):
-            what = "rolled back" if row["status"] == "rolled-back" else "refused"
+            what = "rolled back" if row["status"] == "rolled_back" else "refused"
             print(f"{'':<24} {what}: {row['reason']}")
     history = read_promotion(model_dir)["history"]
     if history:
@@ -180,7 +169,7 @@ def run_versions(args: argparse.Namespace) -> int:
 def run_rollback(args: argparse.Namespace) -> int:
     from .artifacts.repository import rollback
 
-    model_dir = _model_dir(args)
+    model_dir = model_dir_of(args)
     to = None
     if args.to is not None:
         if not args.to.isdigit() or int(args.to) < 1:

@@ -80,9 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     bench.set_defaults(run=_bench)
     from orthornn.export.cli import add_export_parser
-    from orthornn.export.rollout_cli import add_rollout_parser
     from orthornn.quickstart import add_quickstart_parser
     from orthornn.service.cli import add_serve_parsers
+    from orthornn.service.rollout_cli import add_rollout_parser
     from orthornn.training.cli import add_plot_parser, add_train_parser
 
     add_train_parser(sub)

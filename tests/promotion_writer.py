@@ -5,7 +5,7 @@ history against them).
 
 Roles: ``promote`` (what ``orthornn export`` does last: repository.promote), ``rollback``
 (``orthornn rollback --to V`` and the admin API: repository.rollback), ``rollout`` (start
-a rollout and let the controller finish it: rollout.start, then rollout.control), and
+a rollout and let the controller finish it: rollout.start, then rollout.step), and
 ``loop`` (promote and write the plan for ever, to be SIGKILLed at random points).
 """
 
@@ -57,12 +57,12 @@ def main(role: str, model_dir: Path, rounds: int, seed: int, tag: str) -> None:
                 assert "already promoted" in str(error), error
                 continue
             tally = rollout.Tally(candidate=rollout.Side(1, 0), promoted=rollout.Side(1, 0))
-            report = {"rollout": plan["id"], "stages": {"0": tally.to_dict()}}
+            report = {"rollout": plan.id, "stages": {"0": tally.to_dict()}}
             later = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
-            done = rollout.control(model_dir, [report], later)
-            assert done is not None and done["state"] in ("promoted", "aborted"), done
-            say(action="rollout", id=plan["id"], state=done["state"],
-                version=plan["candidate"], previous=plan["promoted"], reason=done["reason"])
+            done = rollout.step(model_dir, [report], later)
+            assert done is not None and done.state in ("promoted", "aborted"), done
+            say(action="rollout", id=plan.id, state=done.state, version=plan.candidate,
+                previous=plan.promoted, reason=done.reason)
         else:
             raise SystemExit(f"unknown role {role!r}")
 

@@ -1044,7 +1044,7 @@ def _controller_command(script: str, env: dict) -> list[str]:
 
 
 def test_retraining_rollout_exports_with_rollout_then_runs_the_controller():
-    from orthornn.export.rollout_cli import plan_options
+    from orthornn.export.artifacts.rollout.flags import plan_options
 
     docs = render(*ROLLOUT)
     parser, _ = _subcommands()

@@ -5,6 +5,7 @@ a torch-free service, one line (exit 2) for a missing extra, one table per formu
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -247,3 +248,26 @@ def test_models_ops_modules_import_in_one_direction():
     imported = {node.module for node in ast.walk(reference)
                 if isinstance(node, ast.ImportFrom) and node.level == 1}
     assert not imported & {"scan", "triton_scan", "dispatch"}, imported
+
+
+def test_no_import_cycle_not_even_through_a_function_level_import(tmp_path):
+    """grimp (import-linter's graph) reads every import, at module level or inside a
+    function: no module may reach itself through them (import-linter's contracts in
+    pyproject.toml order the layers; this finds a cycle hidden behind a lazy import)."""
+    tree = tmp_path / "orthornn"  # laid out as the wheel installs it
+    tree.mkdir()
+    for path in (ROOT / "orthornn").glob("*.py"):
+        (tree / path.name).symlink_to(path)
+    for stage in STAGES:
+        (tree / stage).symlink_to(ROOT / stage)
+    code = ("import grimp\n"
+            "g = grimp.build_graph('orthornn', cache_dir=None)\n"
+            "for a in sorted(g.modules):\n"
+            "    for b in sorted(g.find_modules_directly_imported_by(a)):\n"
+            "        chain = g.find_shortest_chain(importer=b, imported=a)\n"
+            "        if chain:\n"
+            "            print(a, '->', ' -> '.join(chain))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "", f"import cycles:\n{done.stdout}"

@@ -1,4 +1,4 @@
-"""Rollouts (export/artifacts/rollout.py, the service's part, the commands): the rules
+"""Rollouts (export/artifacts/rollout/, the service's part, the commands): the rules
 against hand-computed values and numpy, the plan's life in a real repository, bad input,
 and one in-process service that runs its rollout itself (a writable repository)."""
 
@@ -17,6 +17,7 @@ import pytest
 from orthornn.export.artifacts import rollout
 from orthornn.export.artifacts.repository import promote, read_promotion
 from orthornn.export.artifacts.rollout import LATENCY_BOUNDS, Side, Tally
+from orthornn.service.registry.controller import Controller
 
 from .helpers import orthornn as run_orthornn
 from .service_helpers import SECRET, LiveServer, gated, make_repo
@@ -25,11 +26,12 @@ NOW = dt.datetime(2026, 11, 27, 12, 0, tzinfo=dt.UTC)
 
 
 def plan_of(stages=("shadow", 5, 100), stage=0, min_requests=10, interval_s=10.0,
-            **thresholds) -> dict:
-    return {"id": "p", "candidate": 2, "promoted": 1, "state": "running",
-            "stages": list(stages), "stage": stage, "stage_started": NOW.isoformat(),
-            "shadow": 0.1, "interval_s": interval_s, "min_requests": min_requests,
-            "thresholds": {**vars(rollout.Thresholds()), **thresholds}, "analysis": []}
+            **thresholds) -> rollout.Plan:
+    return rollout.Plan(id="p", model="m", candidate=2, promoted=1,
+                        state=rollout.Phase.RUNNING, stages=list(stages), stage=stage,
+                        stage_started=NOW.isoformat(), started=NOW.isoformat(), shadow=0.1,
+                        interval_s=interval_s, min_requests=min_requests,
+                        thresholds=rollout.Thresholds(**thresholds))
 
 
 def side(requests=0, errors=0, times=()) -> Side:
@@ -154,28 +156,59 @@ def orthornn(*args: object, code: int = 0) -> subprocess.CompletedProcess:
     return run_orthornn(*args, code=code, timeout=120)
 
 
-def report(plan: dict, stage: int, compared: int = 0, agreement: float = 1.0,
+def report(plan: rollout.Plan, stage: int, compared: int = 0, agreement: float = 1.0,
            candidate: Side | None = None) -> dict:
     tally = Tally(compared, agreement * compared, 0.0, 0, 0, candidate or Side(),
                   side(compared, 0))
-    return {"rollout": plan["id"], "stages": {str(stage): tally.to_dict()}}
+    return {"rollout": plan.id, "stages": {str(stage): tally.to_dict()}}
 
 
 def test_control_walks_every_stage_then_promotes_in_promotion_json(repo):
     model_dir = repo / "adding"
     plan = rollout.start(model_dir, 2, shadow=0.2, steps="50,100", interval_s=1,
                          min_requests=5)
-    t = rollout._time(plan["stage_started"])
+    t = dt.datetime.fromisoformat(plan.stage_started)
     for stage in range(3):
         tallies = report(plan, stage, compared=5, candidate=side(5, 0))
-        assert rollout.control(model_dir, [tallies], t + dt.timedelta(seconds=0.5))["stage"] \
+        assert rollout.step(model_dir, [tallies], t + dt.timedelta(seconds=0.5)).stage \
             == stage  # the interval is not over
         t += dt.timedelta(seconds=1.5)
-        plan = rollout.control(model_dir, [tallies], t)
-    assert plan["state"] == "promoted" and plan["reason"] == "passed shadow, 50%, 100%"
-    assert [a["stage"] for a in rollout.read_plan(model_dir)["analysis"]] == ["shadow", 50, 100]
+        plan = rollout.step(model_dir, [tallies], t)
+    assert plan.state == "promoted" and plan.reason == "passed shadow, 50%, 100%"
+    assert [a["stage"] for a in rollout.read_plan(model_dir).analysis] == ["shadow", 50, 100]
     record = read_promotion(model_dir)
     assert record["version"] == 2 and record["history"][-1]["action"] == "promote"
+
+
+def test_plan_round_trips_through_rollout_json_as_it_was_written(repo):
+    """rollout.json is a public file: the typed plan writes the same keys and values."""
+    model_dir = repo / "adding"
+    plan = rollout.start(model_dir, 2, shadow=0.2, steps="50,100", interval_s=1)
+    raw = json.loads((model_dir / "rollout.json").read_text())
+    assert raw["state"] == "running" and raw["stages"] == ["shadow", 50, 100]
+    assert raw["thresholds"] == {"min_agreement": 0.9, "max_error_rate": 0.01,
+                                 "max_latency_ratio": 2.0}
+    assert rollout.Plan.from_dict(raw) == plan and plan.to_dict() == raw
+    for broken in ({}, {**raw, "state": "rolled-back"}, {**raw, "stage": 3},
+                   {**raw, "thresholds": {"min_agreement": 2}}):
+        (model_dir / "rollout.json").write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match="rollout.json' cannot be read: not a rollout"):
+            rollout.read_plan(model_dir)
+
+
+def test_one_controller_steps_a_rollout_at_a_time(repo):
+    """Two controllers (two writable replicas, or one and `rollout run`): the lease makes
+    the first the only one to step, until it lapses; then the other takes over."""
+    model_dir = repo / "adding"
+    plan = rollout.start(model_dir, 2, shadow=0, steps="50,100", interval_s=3600)
+    first, second = Controller(model_dir, ttl_s=3600), Controller(model_dir, ttl_s=3600)
+    assert first.step([report(plan, 0)])[1] is True
+    now, stepped = second.step([report(plan, 0)])
+    assert stepped is False and now == rollout.read_plan(model_dir)
+    assert first.step([])[1] is True  # the holder renews
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(hours=2)  # the first one's lease lapsed
+    assert rollout.take_lease(model_dir, second.owner, 60, later)
+    assert not rollout.take_lease(model_dir, first.owner, 60, later)
 
 
 @pytest.mark.parametrize("action", ["abort", "promote"])
@@ -185,13 +218,13 @@ def test_abort_and_promote_by_hand_at_every_stage(repo, action):
         promote(model_dir, 1, "rollback", "the test starts over")
         plan = rollout.start(model_dir, 2, shadow=0.2, steps="50,100", interval_s=1,
                              min_requests=1)
-        t = rollout._time(plan["stage_started"])
+        t = dt.datetime.fromisoformat(plan.stage_started)
         for k in range(stage):
             t += dt.timedelta(seconds=2)
-            plan = rollout.control(model_dir, [report(plan, k, 1, candidate=side(1))], t)
-        assert plan["stage"] == stage
+            plan = rollout.step(model_dir, [report(plan, k, 1, candidate=side(1))], t)
+        assert plan.stage == stage
         out = orthornn("rollout", action, "--repo", repo, "--name", "adding").stdout
-        where = "in shadow" if stage == 0 else f"at {plan['stages'][stage]}%"
+        where = "in shadow" if stage == 0 else f"at {plan.stages[stage]}%"
         assert f"by hand {where}" in out
         expected = 1 if action == "abort" else 2
         assert read_promotion(model_dir)["version"] == expected
@@ -245,7 +278,9 @@ def test_one_writable_replica_runs_its_rollout_and_ends_failed_sessions(repo):
         base = server.url
         bad = httpx.post(base + "/v2/repository/models/adding/rollout/start",
                          json={"candidate": 2, "max_error_rate": 3})
-        assert bad.status_code == 400 and "--max-error-rate" in bad.json()["error"]
+        # the API's error names its field, not the command's flag
+        assert bad.status_code == 400 and "max_error_rate must be" in bad.json()["error"]
+        assert "--" not in bad.json()["error"]
         r = httpx.post(base + "/v2/repository/models/adding/rollout/start",
                        json={"candidate": 2, "shadow": 0, "steps": [50, 100],
                              "interval_s": 600, "min_requests": 1000})
@@ -271,7 +306,7 @@ def test_one_writable_replica_runs_its_rollout_and_ends_failed_sessions(repo):
         # a breach on errors, as `orthornn rollout run` would write it from the replicas'
         plan = rollout.read_plan(model_dir)
         failing = report(plan, 0, candidate=side(1000, 600))
-        assert rollout.control(model_dir, [failing])["state"] == "rolled_back"
+        assert rollout.step(model_dir, [failing]).state == "rolled_back"
         server.wait(lambda: server.app.state.registry.rollouts.running("adding") is None)
         for version, ids in sessions.items():
             r = httpx.post(base + "/predict", json={"model": "adding", "session": ids[0],
@@ -286,7 +321,7 @@ def test_one_writable_replica_runs_its_rollout_and_ends_failed_sessions(repo):
         text = httpx.get(base + "/metrics").text
         assert "orthornn_rollout_stage{" not in text  # the series ends with the rollout
     listing = orthornn("versions", "--repo", repo, "--name", "adding").stdout
-    assert "rolled-back" in listing and "error rate" in listing
+    assert "rolled_back" in listing and "error rate" in listing
     assert read_promotion(model_dir)["version"] == 1
 
 
@@ -307,9 +342,9 @@ def test_one_writable_replica_promotes_on_its_own_measurements(repo):
             return read_promotion(model_dir)["version"] == 2
         server.wait(promoted, timeout=60)
     plan = rollout.read_plan(model_dir)
-    assert plan["state"] == "promoted"
-    assert [a["stage"] for a in plan["analysis"]] == ["shadow", 50, 100]
-    assert plan["analysis"][0]["compared"] >= 3
+    assert plan.state == "promoted"
+    assert [a["stage"] for a in plan.analysis] == ["shadow", 50, 100]
+    assert plan.analysis[0]["compared"] >= 3
 
 
 def test_shadow_runs_compare_the_two_versions_outputs_on_the_same_inputs(repo):
@@ -418,15 +453,15 @@ def test_only_requests_the_rollout_placed_count_and_never_a_clients_4xx(repo):
         assert tally() == {"candidate": (2, 0), "promoted": (1, 0)}
         time.sleep(1.0)  # several scans: the controller judged and left it running
         plan = rollout.read_plan(model_dir)
-        assert plan["state"] == "running" and plan["stage"] == 0, plan
-        assert plan["current"]["errors"] == 0 and plan["current"]["requests"] == 2
+        assert plan.state == "running" and plan.stage == 0, plan
+        assert plan.current["errors"] == 0 and plan.current["requests"] == 2
         # a 4xx that is the candidate's: it refuses what the promoted version takes
         longer = [*seq, [0.3, 0.0]]
         assert post("/predict", {"model": "adding", "inputs": [longer]}, to_promoted) == 200
         assert post("/predict", {"model": "adding", "version": 2, "inputs": [longer]}) == 400
         assert tally() == {"candidate": (2, 0), "promoted": (2, 0)}
         assert post("/predict", {"model": "adding", "inputs": [longer]}, to_candidate) == 400
-        server.wait(lambda: rollout.read_plan(model_dir)["state"] == "rolled_back")
+        server.wait(lambda: rollout.read_plan(model_dir).state == "rolled_back")
         final = rollout.read_plan(model_dir)
-        assert final["breach"]["rule"] == "max_error_rate"
-        assert (final["analysis"][-1]["requests"], final["analysis"][-1]["errors"]) == (3, 1)
+        assert final.breach["rule"] == "max_error_rate"
+        assert (final.analysis[-1]["requests"], final.analysis[-1]["errors"]) == (3, 1)

@@ -329,7 +329,7 @@ def test_a_wrong_but_healthy_candidate_is_rolled_back_in_shadow(cluster_, models
     assert not load.failures, load.failures[:5]
     assert {v for _, v in load.answers} == {promoted}  # no client saw the candidate
     listing = orthornn("versions", "--repo", c.repo, "--name", "digits").stdout
-    assert "rolled-back" in listing and "top-1 agreement" in listing
+    assert "rolled_back" in listing and "top-1 agreement" in listing
     assert json.loads((c.repo / "digits" / "promotion.json").read_text())["version"] == \
         promoted
 

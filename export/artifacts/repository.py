@@ -8,6 +8,7 @@ version and above the last one ever published (REPO/<name>/.last_version).
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import os
@@ -257,42 +258,12 @@ def _rollback_target(model_dir: Path, on_disk: list[int], record: dict | None,
     return target
 
 
-def describe(model_dir: str | Path) -> list[dict]:
-    """Every version of model_dir and every kept refused candidate, oldest first: id,
-    status (promoted | published | rollout | rolled-back | rejected), evaluation, lineage
-    and, for a refused or rolled-back candidate, why (what ``orthornn versions`` prints).
-    Reads manifests; verifies nothing."""
-    from .rollout import RUNNING, read_plan, rolled_back
-
-    model_dir = Path(model_dir)
-    on_disk = versions(model_dir)
-    live = live_version(on_disk, promoted(model_dir))
-    try:
-        plan = read_plan(model_dir)
-    except ValueError:
-        plan = None
-    backed = rolled_back(plan)
-    rolling = plan["candidate"] if plan is not None and plan["state"] == RUNNING else None
-    rows = []
-    for path in [*(model_dir / str(v) for v in on_disk), *rejected(model_dir)]:
-        try:
-            manifest = json.loads((path / "manifest.json").read_text())
-        except (OSError, ValueError):
-            manifest = {}
-        row = {"id": path.name, "evaluation": manifest.get("evaluation"),
-               "lineage": manifest.get("lineage"), "created": manifest.get("created")}
-        if path.parent.name == REJECTED:
-            try:
-                gate = json.loads((path / "gate.json").read_text())
-            except (OSError, ValueError):
-                gate = {}
-            row.update(status="rejected", reason=gate.get("refused"))
-        else:
-            version = int(path.name)
-            row["status"] = "promoted" if version == live else "rollout" \
-                if version == rolling else "published"
-            if version in backed and version != live:  # a rollout broke a threshold
-                row.update(status="rolled-back", reason=backed[version]["reason"],
-                           breach=backed[version]["breach"])
-        rows.append(row)
-    return rows
+def model_dir_of(args: argparse.Namespace) -> Path:
+    """REPO/NAME of --repo and --name, which must name an existing model."""
+    missing = [flag for flag, v in (("--repo", args.repo), ("--name", args.name)) if not v]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)}")
+    model_dir = Path(args.repo) / check_name(args.name)
+    if not model_dir.is_dir():
+        raise ValueError(f"no model {args.name!r} in {args.repo!r} (--repo, --name)")
+    return model_dir

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 from orthornn.export.artifacts.package import INITIAL_STATE, TensorSpec
-from orthornn.export.artifacts.rollout import RULES, weight
+from orthornn.export.artifacts.rollout import RULES
 
 from ..errors import (
     SECRET_HEADER,
@@ -179,9 +179,8 @@ class DataPlane:
         plan = self.rollouts.plan(name)
         if plan is None:
             return None
-        return {"id": plan["id"], "candidate": str(plan["candidate"]), "state": plan["state"],
-                "stage": str(plan["stages"][plan["stage"]]), "weight": weight(plan),
-                "reason": plan["reason"]}
+        return {"id": plan.id, "candidate": str(plan.candidate), "state": plan.state,
+                "stage": str(plan.stage_name), "weight": plan.weight(), "reason": plan.reason}
 
     def model_ready(self, name: str, version: str | None) -> bool:
         """True when ready; False when in the repository but not ready; NotFound else."""
@@ -253,17 +252,20 @@ class DataPlane:
         (what ``orthornn rollout run`` adds across replicas)."""
         if not self.registry.model_ready(name) and self.rollouts.plan(name) is None:
             raise NotFound(f"model {name!r} is not loaded")
-        return {"model": name, "plan": self.rollouts.plan(name),
+        plan = self.rollouts.plan(name)
+        return {"model": name, "plan": None if plan is None else plan.to_dict(),
                 "report": self.rollouts.report(name)}
 
     async def start_rollout(self, name: str, req: RolloutStartRequest) -> dict:
         thresholds = {k: getattr(req, k) for k in RULES}
-        return await asyncio.to_thread(
+        plan = await asyncio.to_thread(
             self.registry.policy.start_rollout, name, req.candidate, req.shadow, req.steps,
             req.interval_s, req.min_requests, thresholds)
+        return plan.to_dict()
 
     async def end_rollout(self, name: str, action: str) -> dict:
-        return await asyncio.to_thread(self.registry.policy.end_rollout, name, action)
+        plan = await asyncio.to_thread(self.registry.policy.end_rollout, name, action)
+        return plan.to_dict()
 
     async def unload(self, name: str) -> dict:
         await asyncio.to_thread(self.registry.unload, name)
@@ -352,10 +354,10 @@ class DataPlane:
             return check(mv.spec)
         except ServiceError as error:
             plan = self.rollouts.running(mv.name)
-            if held.route_key is None or plan is None or plan["candidate"] != mv.version or \
+            if held.route_key is None or plan is None or plan.candidate != mv.version or \
                     not 400 <= error.status < 500:
                 raise
-            promoted = self.registry.versions(mv.name).get(plan["promoted"])
+            promoted = self.registry.versions(mv.name).get(plan.promoted)
             if promoted is not None:
                 try:
                     check(promoted.spec)

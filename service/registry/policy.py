@@ -26,12 +26,13 @@ from orthornn.export.artifacts.repository import (
     versions,
 )
 from orthornn.export.artifacts.repository import rollback as rollback_promotion
-from orthornn.export.artifacts.rollout import RolloutError, Thresholds, control, read_plan
+from orthornn.export.artifacts.rollout import Plan, RolloutError, Thresholds, read_plan
 
 from ..errors import NotFound, RollbackRefused, ServiceError
 from ..metrics import Metrics
 from ..settings import Settings
 from .catalog import Catalog, ModelVersion, model_names
+from .controller import Controller
 from .loader import Loader
 from .pins import SessionPins
 from .rollouts import Rollouts
@@ -68,6 +69,7 @@ class VersionPolicy:
         self.repo = Path(settings.repo)
         self.controls_rollouts = settings.rollout_controller == "on" or (
             settings.rollout_controller == "auto" and os.access(self.repo, os.W_OK))
+        self._controllers: dict[str, Controller] = {}  # per model, when it controls
         self._plan_error: dict[str, str] = {}  # unreadable rollout.json (logged once)
         self._promotion: dict[str, dict] = {}  # the last readable promotion.json
         self._promotion_error: dict[str, str] = {}  # unreadable promotion.json (logged once)
@@ -137,23 +139,25 @@ class VersionPolicy:
             return
         self._plan_error.pop(name, None)
         before = self.rollouts.plan(name)
-        if plan is not None and (before is None or (before["id"], before["state"],
-                                                    before["stage"]) !=
-                                 (plan["id"], plan["state"], plan["stage"])):
-            stage = plan["stages"][plan["stage"]]
-            log.info("%s: rollout %s of version %d: %s%s", name, plan["id"], plan["candidate"],
-                     plan["state"], f" at stage {stage}" if plan["state"] == "running" else
-                     f" ({plan['reason']})")
+        if plan is not None and (before is None or (before.id, before.state, before.stage)
+                                 != (plan.id, plan.state, plan.stage)):
+            log.info("%s: rollout %s of version %d: %s%s", name, plan.id, plan.candidate,
+                     plan.state, f" {plan.where()}" if plan.running else f" ({plan.reason})")
         self.rollouts.update(name, plan)
 
     def control_rollout(self, name: str) -> None:
         """The in-process controller (``controls_rollouts``): one step of NAME's running
-        rollout from this replica's tallies."""
+        rollout from this replica's tallies, when it holds the rollout's lease (a lease
+        outlives three scans)."""
         report = self.rollouts.report(name)
         if report is None:
             return
+        controller = self._controllers.get(name)
+        if controller is None:
+            ttl = 3 * max(self.settings.poll_interval_s, 1.0)
+            controller = self._controllers[name] = Controller(self.repo / name, ttl)
         try:
-            control(self.repo / name, [report])
+            controller.step([report])
         except (OSError, ValueError) as error:
             log.error("%s: the rollout controller could not write the plan: %s", name, error)
             return
@@ -286,7 +290,7 @@ class VersionPolicy:
         return done
 
     def start_rollout(self, name: str, candidate: int, shadow: float, steps: list[int],
-                      interval_s: float, min_requests: int, thresholds: dict) -> dict:
+                      interval_s: float, min_requests: int, thresholds: dict) -> Plan:
         """The repository API's rollout start (``orthornn rollout start``'s rules); the
         plan, applied here at once."""
         model_dir = self._model_dir(name)
@@ -294,12 +298,12 @@ class VersionPolicy:
             model_dir, candidate, shadow=shadow, steps=steps, interval_s=interval_s,
             min_requests=min_requests, thresholds=Thresholds(**thresholds)))
 
-    def end_rollout(self, name: str, action: str) -> dict:
+    def end_rollout(self, name: str, action: str) -> Plan:
         """The repository API's rollout promote or abort."""
         model_dir = self._model_dir(name)
         return self._write_plan(name, lambda: rollout.end_by_hand(model_dir, action))
 
-    def _write_plan(self, name: str, write: Callable[[], dict]) -> dict:
+    def _write_plan(self, name: str, write: Callable[[], Plan]) -> Plan:
         """WRITE the plan (start, promote, abort) and apply it here at once; its refusal
         as the status it carries, an unwritable repository as 409."""
         try:

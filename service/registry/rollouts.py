@@ -13,28 +13,11 @@ import contextlib
 import random
 import threading
 
-from orthornn.export.artifacts.rollout import (
-    LATENCY_BOUNDS,
-    ROLLED_BACK,
-    RUNNING,
-    SHADOW,
-    Side,
-    Tally,
-    bucket,
-    weight,
-)
+from orthornn.export.artifacts.rollout import LATENCY_BOUNDS, Phase, Plan, Side, Tally
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from ..metrics import Metrics
-
-
-def placed(plan: dict, key: bytes) -> int:
-    """The version running PLAN places a request (or session) with routing KEY on: the
-    candidate when KEY's bucket is below the stage's weight, else the promoted version
-    (the same rule as ``Rollouts.candidate_for``)."""
-    share = weight(plan)
-    return plan["candidate"] if share and bucket(key) < share else plan["promoted"]
 
 
 def version_error(status: int) -> bool:
@@ -49,15 +32,15 @@ class Rollouts:
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
         self._lock = threading.Lock()
-        self._plans: dict[str, dict] = {}  # the last plan read per model (any state)
-        self._running: dict[str, dict] = {}  # the running ones
+        self._plans: dict[str, Plan] = {}  # the last plan read per model (any state)
+        self._running: dict[str, Plan] = {}  # the running ones
         self._tallies: dict[str, dict[int, Tally]] = {}  # of the running rollout, per stage
         self._random = random.Random()
         metrics.registry.register(_ComputeTimes(self))
 
     # -- the plans (repository thread) --------------------------------------------------
 
-    def update(self, name: str, plan: dict | None) -> None:
+    def update(self, name: str, plan: Plan | None) -> None:
         """The plan of NAME as read now (None: none). A new rollout starts new tallies."""
         with self._lock:
             before = self._plans.get(name)
@@ -65,46 +48,45 @@ class Rollouts:
                 self._plans.pop(name, None)
             else:
                 self._plans[name] = plan
-            running = plan if plan is not None and plan["state"] == RUNNING else None
+            running = plan if plan is not None and plan.running else None
             if running is None:
                 self._running.pop(name, None)
             else:
                 self._running[name] = running
-                if before is None or before.get("id") != running["id"]:
+                if before is None or before.id != running.id:
                     self._tallies[name] = {}
         self._export(name, before, running)
 
-    def _export(self, name: str, before: dict | None, running: dict | None) -> None:
+    def _export(self, name: str, before: Plan | None, running: Plan | None) -> None:
         m = self.metrics
-        if before is not None and before["state"] == RUNNING and \
-                (running is None or running["id"] != before["id"]):
+        if before is not None and before.running and (running is None or running.id != before.id):
             for gauge in (m.rollout_stage, m.rollout_weight, m.shadow_agreement):
                 with contextlib.suppress(KeyError):
-                    gauge.remove(name, str(before["candidate"]))
+                    gauge.remove(name, str(before.candidate))
         if running is not None:
-            candidate = str(running["candidate"])
-            m.rollout_stage.labels(name, candidate).set(running["stage"])
-            m.rollout_weight.labels(name, candidate).set(weight(running))
+            candidate = str(running.candidate)
+            m.rollout_stage.labels(name, candidate).set(running.stage)
+            m.rollout_weight.labels(name, candidate).set(running.weight())
 
-    def plan(self, name: str) -> dict | None:
+    def plan(self, name: str) -> Plan | None:
         """The last plan read for NAME (running or finished)."""
         return self._plans.get(name)
 
-    def running(self, name: str) -> dict | None:
+    def running(self, name: str) -> Plan | None:
         return self._running.get(name)
 
     def candidate(self, name: str) -> int | None:
         """The candidate of NAME's running rollout (the registry keeps it loaded)."""
         plan = self._running.get(name)
-        return None if plan is None else plan["candidate"]
+        return None if plan is None else plan.candidate
 
     def ended_on_failures(self, name: str, version: int) -> str | None:
         """Why sessions on VERSION must end (409): its rollout was rolled back on errors."""
         plan = self._plans.get(name)
-        if plan is None or plan["state"] != ROLLED_BACK or plan["candidate"] != version or \
-                (plan.get("breach") or {}).get("rule") != "max_error_rate":
+        if plan is None or plan.state != Phase.ROLLED_BACK or plan.candidate != version or \
+                (plan.breach or {}).get("rule") != "max_error_rate":
             return None
-        return f"version {version}'s rollout was rolled back ({plan['reason']})"
+        return f"version {version}'s rollout was rolled back ({plan.reason})"
 
     # -- routing (event loop) -------------------------------------------------------------
 
@@ -114,28 +96,27 @@ class Rollouts:
         plan = self._running.get(name)
         if plan is None:
             return None
-        version = placed(plan, key)
-        return version if version == plan["candidate"] else None
+        version = plan.place(key)
+        return version if version == plan.candidate else None
 
     def shadow_of(self, name: str, version: int) -> int | None:
         """The candidate to shadow a request answered by VERSION with (the promoted one),
         for a sampled fraction of them; None: no shadow run."""
         plan = self._running.get(name)
-        if plan is None or version != plan["promoted"] or \
-                self._random.random() >= plan["shadow"]:
+        if plan is None or version != plan.promoted or self._random.random() >= plan.shadow:
             return None
-        return plan["candidate"]
+        return plan.candidate
 
     # -- the tallies ----------------------------------------------------------------------
 
-    def _tally(self, name: str) -> tuple[dict, Tally] | None:
+    def _tally(self, name: str) -> tuple[Plan, Tally] | None:
         plan = self._running.get(name)
         if plan is None:
             return None
         stages = self._tallies.setdefault(name, {})
-        tally = stages.get(plan["stage"])
+        tally = stages.get(plan.stage)
         if tally is None:
-            tally = stages[plan["stage"]] = Tally()
+            tally = stages[plan.stage] = Tally()
         return plan, tally
 
     def _side(self, name: str, version: int | None) -> Side | None:
@@ -143,9 +124,9 @@ class Rollouts:
         if found is None or version is None:
             return None
         plan, tally = found
-        if version == plan["candidate"]:
+        if version == plan.candidate:
             return tally.candidate
-        if version == plan["promoted"]:
+        if version == plan.promoted:
             return tally.promoted
         return None
 
@@ -155,7 +136,7 @@ class Rollouts:
         """One answered request that held VERSION of NAME, with its STATUS and compute time
         (SECONDS, None: it computed nothing). Counted only when the rollout placed it: KEY
         (its routing key; None: the client named the version, or states did) falls on
-        VERSION under the current stage (``placed``). Only the version's own failures are
+        VERSION under the current stage (``Plan.place``). Only the version's own failures are
         its errors: a 5xx other than 503 (``version_error``), or REFUSED (the candidate
         refused, 4xx, an input the promoted version takes). Any other 4xx is the client's
         and a 503 the deployment's: neither measures the version, so neither is counted at
@@ -166,7 +147,7 @@ class Rollouts:
             return
         with self._lock:
             plan = self._running.get(name)
-            if plan is None or version is None or placed(plan, key) != version:
+            if plan is None or version is None or plan.place(key) != version:
                 return
             side = self._side(name, version)
             if side is not None:
@@ -194,7 +175,7 @@ class Rollouts:
             tally.compared += 1
             tally.agreement += agreement
             tally.difference += difference
-            self.metrics.shadow_agreement.labels(name, str(plan["candidate"])).set(
+            self.metrics.shadow_agreement.labels(name, str(plan.candidate)).set(
                 tally.agreement / tally.compared)
 
     def shadow_failed(self, name: str) -> None:
@@ -218,9 +199,7 @@ class Rollouts:
             if plan is None:
                 return None
             stages = {str(i): t.to_dict() for i, t in self._tallies.get(name, {}).items()}
-            stage = plan["stages"][plan["stage"]]
-        return {"rollout": plan["id"], "stage": SHADOW if stage == SHADOW else stage,
-                "stages": stages}
+        return {"rollout": plan.id, "stage": plan.stage_name, "stages": stages}
 
 
 class _ComputeTimes(Collector):
@@ -245,8 +224,8 @@ class _ComputeTimes(Collector):
         rollouts = self.rollouts
         with rollouts._lock:
             for name, plan in rollouts._running.items():
-                for version, pick in ((plan["promoted"], "promoted"),
-                                      (plan["candidate"], "candidate")):
+                for version, pick in ((plan.promoted, "promoted"),
+                                      (plan.candidate, "candidate")):
                     side = Side()
                     for tally in rollouts._tallies.get(name, {}).values():
                         side.add(getattr(tally, pick))

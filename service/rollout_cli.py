@@ -1,6 +1,6 @@
 """``orthornn rollout start|status|promote|abort|run``: a candidate's rollout on live
-traffic (``export.artifacts.rollout``), and the flags ``orthornn export --gate --rollout``
-shares. Torch-free."""
+traffic (``export.artifacts.rollout``); ``run`` is the controller (``registry.controller``)
+over the replicas' measurements, fetched over HTTP. Torch-free."""
 
 from __future__ import annotations
 
@@ -13,54 +13,15 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .artifacts import rollout
+from orthornn.export.artifacts import rollout
+from orthornn.export.artifacts.repository import model_dir_of
+from orthornn.export.artifacts.rollout import Plan, RolloutError
+from orthornn.export.artifacts.rollout.flags import add_rollout_flags, flags_named, plan_options
+
+from .registry.controller import Controller
 
 #: exit status of a rollout that ended without promoting its candidate (as a gate refusal)
 NOT_PROMOTED_EXIT = 3
-
-
-def add_rollout_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """The plan's flags, for ``rollout start`` and ``export --gate --rollout``."""
-    t = rollout.Thresholds()
-    parser.add_argument("--shadow", default="0.1", metavar="FRACTION",
-                        help="share of requests the candidate also runs on, compared only, "
-                             "before any canary (default 0.1; 0: no shadow stage)")
-    parser.add_argument("--steps", default=",".join(map(str, rollout.DEFAULT_STEPS)),
-                        help="canary percentages, increasing, ending at 100 (default "
-                             "5,25,50,100)")
-    parser.add_argument("--interval", default="60", metavar="SECONDS",
-                        help="time per stage, at least (default 60)")
-    parser.add_argument("--min-requests", default="100", metavar="N",
-                        help="requests the candidate answers or shadows per stage, at least "
-                             "(default 100)")
-    parser.add_argument("--min-agreement", default=str(t.min_agreement), metavar="A",
-                        help=f"roll back when the candidate's top-1 agreement with the "
-                             f"promoted version falls below A (default {t.min_agreement})")
-    parser.add_argument("--max-error-rate", default=str(t.max_error_rate), metavar="R",
-                        help=f"roll back when its error rate exceeds the promoted version's "
-                             f"by more than R (default {t.max_error_rate})")
-    parser.add_argument("--max-latency-ratio", default=str(t.max_latency_ratio), metavar="X",
-                        help=f"roll back when its p99 compute time is more than X times the "
-                             f"promoted version's (default {t.max_latency_ratio})")
-
-
-def plan_options(args: argparse.Namespace) -> dict:
-    """The keyword arguments of ``rollout.start`` from the flags (RolloutError names the
-    flag of a value that is not a number)."""
-    def number(flag: str, text: str, kind: type = float) -> float:
-        try:
-            return kind(text)
-        except ValueError:
-            what = "an integer" if kind is int else "a number"
-            raise rollout.RolloutError(f"{flag} must be {what}; got {text!r}") from None
-    thresholds = rollout.Thresholds(
-        min_agreement=number("--min-agreement", args.min_agreement),
-        max_error_rate=number("--max-error-rate", args.max_error_rate),
-        max_latency_ratio=number("--max-latency-ratio", args.max_latency_ratio))
-    return {"shadow": number("--shadow", args.shadow), "steps": rollout.parse_steps(args.steps),
-            "interval_s": number("--interval", args.interval),
-            "min_requests": int(number("--min-requests", args.min_requests, int)),
-            "thresholds": thresholds}
 
 
 def add_rollout_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -100,36 +61,34 @@ def add_rollout_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def run_rollout(args: argparse.Namespace) -> int:
-    from .cli import _model_dir
-
-    model_dir = _model_dir(args)
+    model_dir = model_dir_of(args)
     if args.action == "start":
         if args.candidate is None or not str(args.candidate).isdigit():
-            raise rollout.RolloutError(f"--candidate must be a version number (a positive "
-                                       f"integer); got {args.candidate!r}")
-        plan = rollout.start(model_dir, int(args.candidate), **plan_options(args))
-        print(f"{args.name}: rollout {plan['id']} of version {plan['candidate']} started "
+            raise RolloutError(f"--candidate must be a version number (a positive integer); "
+                               f"got {args.candidate!r}")
+        with flags_named():
+            plan = rollout.start(model_dir, int(args.candidate), **plan_options(args))
+        print(f"{args.name}: rollout {plan.id} of version {plan.candidate} started "
               f"({describe_stage(plan)}); the replicas take it up at their next scan")
         return 0
     if args.action in ("promote", "abort"):
         plan = rollout.end_by_hand(model_dir, args.action)
-        print(f"{args.name}: rollout {plan['id']} {plan['state']}: {plan['reason']}")
+        print(f"{args.name}: rollout {plan.id} {plan.state}: {plan.reason}")
         return 0
     if args.action == "status":
         current = rollout.read_plan(model_dir)
         if args.json:
-            print(json.dumps(current, indent=2))
+            print(json.dumps(None if current is None else current.to_dict(), indent=2))
         else:
             print(status_text(current) if current else f"{args.name}: no rollout")
         return 0
     return controller(model_dir, args)
 
 
-def describe_stage(plan: dict) -> str:
-    stage = plan["stages"][plan["stage"]]
-    if stage == rollout.SHADOW:
-        return f"shadow, {plan['shadow']:g} of requests"
-    return f"canary {stage}%"
+def describe_stage(plan: Plan) -> str:
+    if plan.stage_name == rollout.SHADOW:
+        return f"shadow, {plan.shadow:g} of requests"
+    return f"canary {plan.stage_name}%"
 
 
 def _fmt(value: object, spec: str = ".3g") -> str:
@@ -137,19 +96,19 @@ def _fmt(value: object, spec: str = ".3g") -> str:
         else str(value)
 
 
-def status_text(plan: dict) -> str:
+def status_text(plan: Plan) -> str:
     """The plan and its analysis per stage, as ``orthornn rollout status`` prints it."""
-    t = plan["thresholds"]
-    lines = [f"model {plan['model']}: rollout {plan['id']} of version {plan['candidate']} "
-             f"(promoted: {plan['promoted']}), {plan['state']}"
-             + (f" at {describe_stage(plan)}" if plan["state"] == rollout.RUNNING else ""),
-             f"  stages {', '.join(map(str, plan['stages']))}; at least {plan['interval_s']:g} "
-             f"s and {plan['min_requests']} requests each; thresholds: agreement >= "
-             f"{t['min_agreement']:g}, excess error rate <= {t['max_error_rate']:g}, p99 "
-             f"ratio <= {t['max_latency_ratio']:g}"]
-    if plan.get("reason"):
-        lines.append(f"  {plan['state']}: {plan['reason']}")
-    rows = [*plan["analysis"], *([plan["current"]] if plan.get("current") else [])]
+    t = plan.thresholds
+    lines = [f"model {plan.model}: rollout {plan.id} of version {plan.candidate} "
+             f"(promoted: {plan.promoted}), {plan.state}"
+             + (f" at {describe_stage(plan)}" if plan.running else ""),
+             f"  stages {', '.join(map(str, plan.stages))}; at least {plan.interval_s:g} "
+             f"s and {plan.min_requests} requests each; thresholds: agreement >= "
+             f"{t.min_agreement:g}, excess error rate <= {t.max_error_rate:g}, p99 "
+             f"ratio <= {t.max_latency_ratio:g}"]
+    if plan.reason:
+        lines.append(f"  {plan.state}: {plan.reason}")
+    rows = [*plan.analysis, *([plan.current] if plan.current else [])]
     if rows:
         lines.append(f"  {'stage':<8} {'outcome':<9} {'requests':>8} {'compared':>8} "
                      f"{'agreement':>9} {'mean diff':>9} {'errors':>6} {'error rate':>10} "
@@ -170,7 +129,7 @@ def replica_urls(spec: str) -> list[str]:
         if part.startswith("dns:"):
             host, _, port = part[4:].rpartition(":")
             if not host or not port.isdigit():
-                raise rollout.RolloutError(f"--replicas: {part!r} must be dns:HOST:PORT")
+                raise RolloutError(f"--replicas: {part!r} must be dns:HOST:PORT")
             try:
                 infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
             except OSError:
@@ -181,7 +140,7 @@ def replica_urls(spec: str) -> list[str]:
         elif part.startswith(("http://", "https://")):
             urls.append(part.rstrip("/"))
         else:
-            raise rollout.RolloutError(f"--replicas: {part!r} must be http://HOST:PORT or "
+            raise RolloutError(f"--replicas: {part!r} must be http://HOST:PORT or "
                                        f"dns:HOST:PORT")
     return sorted(set(urls))
 
@@ -203,35 +162,37 @@ def fetch_reports(urls: list[str], name: str) -> tuple[list[dict], list[str]]:
 
 
 def controller(model_dir: Path, args: argparse.Namespace) -> int:
+    """``rollout run``: step the rollout from every replica's report until it ends."""
     if not args.replicas:
-        raise rollout.RolloutError("--replicas: required (the replicas' URLs, or "
-                                   "dns:HOST:PORT)")
+        raise RolloutError("--replicas: required (the replicas' URLs, or dns:HOST:PORT)")
     replica_urls(args.replicas)  # bad syntax: exit 2 now
     try:
         poll, timeout = float(args.poll), float(args.timeout)
     except ValueError:
-        raise rollout.RolloutError(f"--poll and --timeout must be numbers; got {args.poll!r}, "
-                                   f"{args.timeout!r}") from None
+        raise RolloutError(f"--poll and --timeout must be numbers; got {args.poll!r}, "
+                           f"{args.timeout!r}") from None
     if not 0.01 <= poll <= 3600 or timeout < 0:
-        raise rollout.RolloutError("--poll must be in [0.01, 3600] s and --timeout >= 0")
+        raise RolloutError("--poll must be in [0.01, 3600] s and --timeout >= 0")
     deadline = time.monotonic() + timeout if timeout else None
+    control = Controller(model_dir, ttl_s=max(3 * poll, 10.0))
     shown = None
     while True:
         reports, missing = fetch_reports(replica_urls(args.replicas), model_dir.name)
-        plan = rollout.control(model_dir, reports)
+        plan, stepped = control.step(reports)
         if plan is None:
-            raise rollout.RolloutError(f"no rollout for {model_dir.name!r}: `orthornn rollout "
-                                       f"start` first")
-        where = (plan["state"], plan["stage"])
+            raise RolloutError(f"no rollout for {model_dir.name!r}: `orthornn rollout start` "
+                               f"first")
+        where = (plan.state, plan.stage, stepped)
         if where != shown:
             shown = where
-            print(f"{model_dir.name}: {plan['state']}"
-                  + (f" at {describe_stage(plan)}" if plan["state"] == rollout.RUNNING
-                     else f": {plan['reason']}")
+            print(f"{model_dir.name}: {plan.state}"
+                  + (f" at {describe_stage(plan)}" if plan.running else f": {plan.reason}")
+                  + ("" if stepped or not plan.running else
+                     " (another controller holds the lease; watching)")
                   + (f" (no answer from {', '.join(missing)})" if missing else ""),
                   flush=True)
-        if plan["state"] != rollout.RUNNING:
-            return 0 if plan["state"] == rollout.PROMOTED else NOT_PROMOTED_EXIT
+        if not plan.running:
+            return 0 if plan.state == rollout.Phase.PROMOTED else NOT_PROMOTED_EXIT
         if deadline is not None and time.monotonic() > deadline:
             print(f"orthornn rollout run: --timeout {timeout:g} s passed; the rollout goes on "
                   f"(run the controller again)", file=sys.stderr)
