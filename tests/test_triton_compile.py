@@ -1,7 +1,7 @@
 """Every Triton kernel of models/ops compiles, ahead of time and without a GPU, for the
 cards users run: sm_80 (A100) and sm_90a (H100, H200), at every tile and warp count the
 launchers choose for the sizes the dispatch sends to a kernel, in both precisions and
-argument specializations (``models.ops.compile_check`` enumerates them from the
+argument specializations (``scripts/compile_check.py`` enumerates them from the
 launchers' own functions). The flags: every activation with every switch on, and relu
 with every switch off (412 compilations); ``--runslow`` adds every combination (2232).
 A configuration fails when ptxas spills any register, or the shared memory a launch
@@ -12,13 +12,20 @@ interpreter's kernels do not compile), on every CPU; Triton's cache
 (``~/.triton/cache`` or ``TRITON_CACHE_DIR``) makes reruns quick. This is what ptxas
 compiled, not what ran on a device."""
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
-from orthornn.models.ops import compile_check
+# a development tool in scripts/, not part of the wheel
+_SPEC = importlib.util.spec_from_file_location(
+    "compile_check", Path(__file__).resolve().parents[1] / "scripts" / "compile_check.py")
+compile_check = sys.modules["compile_check"] = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(compile_check)
 
 CONFIGS = compile_check.configurations()
 # The first test waits for every compilation (the session fixture): on 2 idle cores about

@@ -78,7 +78,7 @@ def launch_options(num_warps: int) -> dict:
     """Triton launch options of every kernel here: ``num_warps`` and ``maxnreg``, all the
     registers a thread of such a block may have. The kernels run few programs (one per
     16 sequences, rows or columns), so blocks per SM do not matter, and without the bound
-    ptxas at times spills a few bytes to use fewer registers (``compile_check``)."""
+    ptxas at times spills a few bytes to use fewer registers (``scripts/compile_check.py``)."""
     return dict(num_warps=num_warps,
                 maxnreg=min(MAX_REGISTERS, REGISTER_FILE // (32 * num_warps)))
 

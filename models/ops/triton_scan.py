@@ -309,7 +309,7 @@ def _precision() -> str:
 
 def launch_meta(n: int, kind: str, gated: bool, has_len: bool, precision: str):
     """(launch options, constexprs) of both scan kernels for hidden size n: what the
-    launchers below pass, and what ``compile_check`` compiles."""
+    launchers below pass, and what ``scripts/compile_check.py`` compiles."""
     block, resident, warps, k_block = _config(n)
     return launch_options(warps), dict(
         KIND=KINDS.index(check_kind(kind)), GATED=gated, HAS_LEN=has_len, BB=BLOCK_B, BN=block,

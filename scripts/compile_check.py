@@ -12,12 +12,13 @@ a kernel (``scan.MAX_TRITON_HIDDEN``, ``householder.MAX_TRITON_SIZE``,
 functions, so the check and the dispatch cannot drift apart. Sizes that compile to
 the same kernel (same constexprs, warps and argument specialization) are merged.
 
-    python -m orthornn.models.ops.compile_check               # the default set
-    python -m orthornn.models.ops.compile_check --full        # every flag combination
-    python -m orthornn.models.ops.compile_check --markdown    # the table of docs/gpu.md
-    python -m orthornn.models.ops.compile_check --json out.json
+    python scripts/compile_check.py               # the default set
+    python scripts/compile_check.py --full        # every flag combination
+    python scripts/compile_check.py --markdown    # the table of docs/gpu.md
+    python scripts/compile_check.py --json out.json
 
-It must run without ``TRITON_INTERPRET`` (the interpreter's kernels do not compile);
+A development tool, kept out of the runtime wheel. It must run without
+``TRITON_INTERPRET`` (the interpreter's kernels do not compile);
 ``run_subprocess`` starts it in a clean process for the tests. What it reports is what
 ptxas compiled, not what ran on a device.
 """
@@ -41,7 +42,7 @@ import tempfile
 from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 
-from .dispatch import MAX_REGISTERS, REGISTER_FILE
+from orthornn.models.ops.dispatch import MAX_REGISTERS, REGISTER_FILE
 
 #: Compute capability, ptxas architecture and the most shared memory one block may
 #: request (opt-in dynamic shared memory, which Triton's launcher opts into above the
@@ -162,8 +163,8 @@ def scan_configurations(full: bool = False, targets=tuple(TARGETS), aligns=ALIGN
     HAS_D_STATES) x PRECISION with ``full``; otherwise, per precision, every
     activation with every flag on (the most live values) and relu with every flag off,
     and in the unaligned specialization only the every-flag-on tanh and modrelu."""
-    from ..activations import KINDS
-    from . import scan, triton_scan
+    from orthornn.models.activations import KINDS
+    from orthornn.models.ops import scan, triton_scan
 
     out = []
     for (low, padded), kernel, target, align, precision in itertools.product(
@@ -198,7 +199,7 @@ def chain_configurations(full: bool = False, targets=tuple(TARGETS), aligns=ALIG
     ``rotations.MAX_TRITON_ROWS`` rows) kernels: every flag combination, except that in
     the unaligned specialization (unless ``full``) only transposed Householder chains
     and Givens chains with permutations (and saved inputs) are compiled."""
-    from . import householder, rotations, triton_chains
+    from orthornn.models.ops import householder, rotations, triton_chains
 
     out = []
     for target, align in itertools.product(targets, aligns):
@@ -308,7 +309,7 @@ def _signature(fn, config: Config):
     return signature, constexprs, attrs
 
 
-def compile_config(config: Config, package: str = __package__) -> dict:
+def compile_config(config: Config) -> dict:
     """Compile one configuration for its target and read ptxas's verdict."""
     if os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on"):
         raise RuntimeError("the compile check needs TRITON_INTERPRET unset "
@@ -316,7 +317,7 @@ def compile_config(config: Config, package: str = __package__) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    module = importlib.import_module(f"{package}.{config.module}")
+    module = importlib.import_module(f"orthornn.models.ops.{config.module}")
     fn = getattr(module, config.fn)
     target = TARGETS[config.target]
     signature, constexprs, attrs = _signature(fn, config)
@@ -370,23 +371,22 @@ def problems(config: Config, result: dict) -> list[str]:
     return out
 
 
-def _compile_entry(args):
-    config, package = args
+def _compile_entry(config: Config):
     try:
-        return config, compile_config(config, package), None
+        return config, compile_config(config), None
     except Exception as e:  # reported per configuration, not fatal to the run
         return config, None, f"{type(e).__name__}: {e}"
 
 
-def compile_all(configs: list[Config], jobs: int | None = None, package: str = __package__):
+def compile_all(configs: list[Config], jobs: int | None = None):
     """[(config, result or None, error or None)], compiled on ``jobs`` processes."""
     jobs = jobs or os.cpu_count() or 1
-    work = [(c, package) for c in configs]
+    work = list(configs)
     if jobs == 1:
         return [_compile_entry(w) for w in work]
     # heaviest first: the larger tiles take longest, and a late one would idle a worker
-    order = sorted(range(len(work)), key=lambda i: -int(dict(work[i][0].constexprs).get(
-        "BN", dict(work[i][0].constexprs).get("NP", 16))))
+    order = sorted(range(len(work)), key=lambda i: -int(dict(work[i].constexprs).get(
+        "BN", dict(work[i].constexprs).get("NP", 16))))
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         done = list(pool.map(_compile_entry, [work[i] for i in order], chunksize=1))
     back = [None] * len(work)
@@ -459,10 +459,10 @@ def markdown(rows: list[dict]) -> str:
 
 def run_subprocess(out: str, full: bool = False, jobs: int | None = None,
                    timeout: float = 900) -> dict:
-    """Run this module in a fresh interpreter without TRITON_INTERPRET (the test
+    """Run this script in a fresh interpreter without TRITON_INTERPRET (the test
     session has it set) and return its JSON: {"versions": ..., "rows": [...]}."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [sys.executable, "-m", __name__, "--json", out]
+    command = [sys.executable, os.path.abspath(__file__), "--json", out]
     if full:
         command.append("--full")
     if jobs:
