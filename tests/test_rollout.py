@@ -192,7 +192,7 @@ def test_plan_round_trips_through_rollout_json_as_it_was_written(repo):
     for broken in ({}, {**raw, "state": "rolled-back"}, {**raw, "stage": 3},
                    {**raw, "thresholds": {"min_agreement": 2}}):
         (model_dir / "rollout.json").write_text(json.dumps(broken))
-        with pytest.raises(ValueError, match="rollout.json' cannot be read: not a rollout"):
+        with pytest.raises(ValueError, match=r"rollout\.json' cannot be read: not a rollout"):
             rollout.read_plan(model_dir)
 
 
