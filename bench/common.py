@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
+
+from orthornn.export.artifacts.records import write_json
 
 
 def seconds(fn) -> float:
@@ -16,9 +17,7 @@ def seconds(fn) -> float:
 def write_result(path: Path, result) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(path)
+    write_json(path, result)
     print(f"wrote {path}")
 
 

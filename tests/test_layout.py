@@ -20,9 +20,11 @@ COMMAND = ("orthornn.cli", "orthornn.quickstart", "orthornn.__main__")
 # what each stage may import of the others (prefixes of module names)
 ALLOWED = {
     "models": (),
-    # the one link from training to export: the word tokenizer, a torch-free leaf module,
-    # so training's vocabulary and the service's tokenisation cannot drift (README)
-    "training": ("orthornn.models", "orthornn.export.artifacts.vocabulary"),
+    # the links from training to export, torch-free leaf modules: the word tokenizer, so
+    # training's vocabulary and the service's tokenisation cannot drift (README), and the
+    # one atomic write
+    "training": ("orthornn.models", "orthornn.export.artifacts.vocabulary",
+                 "orthornn.export.artifacts.records"),
     "export": ("orthornn.models", "orthornn.training"),
     # the torch-free half of export (the package format, the repository, scoring)
     "service": ("orthornn.export.artifacts",),

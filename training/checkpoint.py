@@ -7,41 +7,24 @@
     RUN_DIR/metrics.jsonl       the training log
     RUN_DIR/last.safetensors + trainer_state.pt   what --resume continues from
 
-Every file is written to a temporary name in RUN_DIR and renamed into place, so a
-reader never sees a half-written file.
+Every file is written by ``export.artifacts.records.atomic_write`` (a temporary name in
+RUN_DIR, fsynced, renamed into place), so a reader never sees a half-written file.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
+from orthornn.export.artifacts.records import atomic_write, write_json
 from orthornn.models import build_model
 from safetensors.torch import load_file, save_file
 
 FORMAT = "orthornn-run/1"
 
 
-def atomic_write(path: Path, write) -> None:
-    """Call write(tmp_path), then rename tmp_path to path (same directory)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json(path: Path, obj) -> None:
-    def write(tmp):
-        Path(tmp).write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-    atomic_write(path, write)
+__all__ = ["atomic_write", "write_json"]  # the run's writers, re-exported
 
 
 def write_text(path: Path, text: str) -> None:

@@ -19,8 +19,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from orthornn.export.artifacts.records import atomic_write
 
-    from .checkpoint import atomic_write, read_run_config
+    from .checkpoint import read_run_config
 
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)

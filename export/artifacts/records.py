@@ -11,10 +11,10 @@ through here, so the rule lives once.
   while the rollout holds the lock). It does not hold on file systems that ignore or fake
   locks: NFS mounted with ``nolock`` / ``local_lock=all``, some FUSE file systems
   (s3fs, gcsfuse, goofys), SMB without byte-range locks.
-- ``replace_json(path, data)``: a temporary file in the same folder, written and fsynced,
-  renamed over PATH, then the folder fsynced: a reader (who takes no lock) sees the old
-  file or the new one, never a partial or empty one, also after a crash of the writer or
-  of the node.
+- ``replace_json(path, data)``: ``atomic_write``, the one atomic write: a temporary file
+  in the same folder, written and fsynced, renamed over PATH, then the folder fsynced: a
+  reader (who takes no lock) sees the old file or the new one, never a partial or empty
+  one, also after a crash of the writer or of the node.
 - ``update_json(model_dir, name, change)``: both, the read done under the lock.
 """
 
@@ -85,21 +85,17 @@ def fsync_dir(folder: str | Path) -> None:
         os.close(fd)
 
 
-def replace_json(path: str | Path, data: Any) -> None:
-    """Replace PATH by DATA as JSON, crash-safe: a temporary file in the same folder,
-    fsynced, renamed over PATH, the folder fsynced. The caller holds the lock."""
+def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:
+    """WRITE(tmp) a temporary file beside PATH, fsync it, rename it over PATH and fsync the
+    folder: a reader sees the old file or the new one, never a partial or empty one, also
+    after a crash of the writer or of the node. The one atomic write of the project (the
+    repository's records, training's checkpoints and plots, bench results)."""
     path = Path(path)
-    text = (json.dumps(data, indent=2) + "\n").encode()
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # a killed writer's (we hold
-        with contextlib.suppress(OSError):                  # the lock: nobody else writes)
-            stale.unlink()
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o664)
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            view = memoryview(text)
-            while view:
-                view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -108,6 +104,22 @@ def replace_json(path: str | Path, data: Any) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)  # only when the rename did not happen
     fsync_dir(path.parent)
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """DATA as indented JSON at PATH, by ``atomic_write``."""
+    text = json.dumps(data, indent=2) + "\n"
+    atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def replace_json(path: str | Path, data: Any) -> None:
+    """``write_json`` of a record; the caller holds the lock, so a killed writer's
+    temporary files are removed first (nobody else writes)."""
+    path = Path(path)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+    write_json(path, data)
 
 
 def update_json(model_dir: str | Path, name: str, change: Callable[[Path], Any]) -> Any:

@@ -66,9 +66,9 @@ def publish(repo: str | Path, name: str, build: Callable[[Path, int], None]) -> 
                 version = next_version(model_dir)
                 build(tmp, version)  # the manifest names the version: write it again
                 continue
-            marker_tmp = model_dir / f".last_version.{uuid.uuid4().hex[:8]}"
-            marker_tmp.write_text(f"{version}\n")
-            os.replace(marker_tmp, model_dir / ".last_version")
+            marker = f"{version}\n"
+            records.atomic_write(model_dir / ".last_version",
+                                 lambda tmp: tmp.write_text(marker))  # noqa: B023 (called now)
             return target
         raise OSError(f"could not claim a version number in {str(model_dir)!r}")
     finally:

@@ -9,7 +9,6 @@ import asyncio
 import errno
 import logging
 import math
-import os
 import signal
 import socket
 import sys
@@ -19,6 +18,7 @@ from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
+from orthornn.export.artifacts.records import atomic_write
 
 from ..http.app import create_app
 from ..registry.devices import select_providers
@@ -134,13 +134,10 @@ def write_address(path: Path, sock: socket.socket) -> None:
     host, port = sock.getsockname()[:2]
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(url + "\n")
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: tmp.write_text(url + "\n"))
     except OSError as error:
         log.warning("address_file %s could not be written: %s", path, error)
-        tmp.unlink(missing_ok=True)
 
 
 def listen(host: str, port: int) -> socket.socket:
