@@ -1,6 +1,6 @@
 """Package discovery for the one distribution `orthornn` (the rest is in pyproject.toml).
 
-The stages keep their top-level folders (DESIGN.md: the layout is fixed) and install as
+The stages keep their top-level folders (docs/design.md: the layout is fixed) and install as
 `orthornn.<stage>`. setuptools' own discovery finds packages by folder name, so it
 cannot follow this mapping; here each stage folder is walked with `find_packages` and
 its subpackages are named under the stage's installed name. A new subfolder with an

@@ -1,6 +1,6 @@
 """Networks: a recurrent layer with an input stage and a task head, and the SVD MLP.
 
-Tasks (DESIGN.md):
+Tasks (docs/design.md):
     classify  float [B, T, d] -> logits [B, C]      (head on each sequence's last state)
     regress   float [B, T, d] -> [B, num_outputs]   (num_outputs defaults to 1)
     seq2seq   float [B, T, d] -> logits [B, T, C]   (head on every state; copy task)

@@ -1,7 +1,7 @@
 """The ``orthornn`` console script: composes the stages' subcommands.
 
-Each stage exposes its own parser (``training.cli``, ``export.cli``,
-``service.commands``), importable without torch or the server's packages; a stage's
+Each stage exposes its own parser (``training.cli``, ``export.cli``, ``service.cli``,
+``service.rollout_cli``), importable without torch or the server's packages; a stage's
 heavy modules are imported only when its command runs. A command whose extra is not
 installed ends with one line naming the extra (exit 2), never a traceback.
 """

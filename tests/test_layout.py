@@ -1,4 +1,4 @@
-"""The package layout rules of DESIGN.md, checked on the source (the lint rule) and in
+"""The package layout rules of docs/design.md, checked on the source (the lint rule) and in
 fresh interpreters: one installed name, stages that import each other in one direction,
 a torch-free service, one line (exit 2) for a missing extra, one table per formula."""
 

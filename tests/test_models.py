@@ -1,4 +1,4 @@
-"""The model zoo through its public interface (DESIGN.md's contract)."""
+"""The model zoo through its public interface (docs/design.md's contract)."""
 
 import math
 

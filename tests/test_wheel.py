@@ -1,4 +1,4 @@
-"""What users install is what CI runs (DESIGN.md, Artifacts). The rest of the suite runs
+"""What users install is what CI runs (docs/design.md, Public contracts). The rest of the suite runs
 from the editable checkout, which cannot see a packaging bug (a module left out of the
 wheel, a dependency missing from an extra); here the wheel built from this checkout
 (the `wheel` fixture, tests/artifacts.py):
@@ -43,7 +43,7 @@ from .artifacts import (
 )
 from .service_helpers import free_port, make_repo
 
-# installed package -> its folder in the repository (setup.py, DESIGN.md)
+# installed package -> its folder in the repository (setup.py, docs/design.md)
 STAGES = {"orthornn": "orthornn", "orthornn.models": "models",
           "orthornn.training": "training", "orthornn.export": "export",
           "orthornn.service": "service"}
