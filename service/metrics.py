@@ -4,10 +4,10 @@ instance (so several apps in one process, as in the tests, do not collide)."""
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from orthornn.export.artifacts.numbers import is_number
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -201,10 +201,9 @@ class Metrics:
         if not isinstance(evaluation, dict):
             return None
         metric, value = evaluation.get("metric"), evaluation.get("value")
-        if not isinstance(metric, str) or not metric or isinstance(value, bool) or \
-                not isinstance(value, int | float) or not math.isfinite(value):
-            return None
-        return metric, float(value)
+        if isinstance(metric, str) and metric and is_number(value):
+            return metric, float(value)
+        return None
 
     def model_loaded(self, manifest: Manifest) -> None:
         name, version = manifest.name, str(manifest.version)

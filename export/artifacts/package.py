@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .numbers import is_number
+
 if TYPE_CHECKING:
     import onnxruntime as ort
 
@@ -252,9 +254,8 @@ class Manifest:
 
 
 def _numbers(name: str, value: Any, sizes: tuple[int, ...]) -> list[float]:
-    if not isinstance(value, list) or len(value) not in sizes or not all(
-            isinstance(v, int | float) and not isinstance(v, bool) and np.isfinite(v)
-            for v in value):
+    if not isinstance(value, list) or len(value) not in sizes or \
+            not all(is_number(v) for v in value):
         raise PackageError(f"manifest field {name!r} must be a list of "
                            f"{' or '.join(map(str, sizes))} finite numbers; got {value!r}")
     return value

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import records
+from .numbers import is_integer
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -107,7 +108,7 @@ def read_promotion(model_dir: str | Path) -> dict:
     except (OSError, ValueError) as error:
         raise ValueError(f"{str(path)!r} cannot be read: {error}") from None
     version = data.get("version") if isinstance(data, dict) else None
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+    if not is_integer(version) or version < 1:
         raise ValueError(f"{str(path)!r}: 'version' must be a positive integer; got {version!r}")
     return {"version": version, "history": list(data.get("history") or [])}
 
@@ -244,7 +245,7 @@ def _rollback_target(model_dir: Path, on_disk: list[int], record: dict | None,
                              f"versions it could use: {usable()}")
     else:
         target = to
-    if isinstance(target, bool) or not isinstance(target, int) or target not in on_disk:
+    if not is_integer(target) or target not in on_disk:
         raise ValueError(f"version {target!r} is not in {str(model_dir)!r}; versions it could "
                          f"use: {usable()}")
     if target == current:

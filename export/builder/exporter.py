@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 import torch
+from orthornn.export.artifacts.numbers import is_integer, is_number
 from orthornn.models import spectral_summary
 from orthornn.models.cells import LSTMLayer
 from orthornn.models.networks import SequenceModel
@@ -131,8 +131,7 @@ def published_version(model_dir: Path, checkpoint_sha256: str, mode: str,
 def _number(name: str, value: object, low: float | None = None) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-            or (low is not None and value < low):
+    if not (is_number(value) and (low is None or value >= low)):
         where = f" >= {low:g}" if low is not None else ""
         raise ValueError(f"{name} must be a finite number{where}; got {value!r}")
 
@@ -168,8 +167,7 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
         raise ValueError("--min-metric and --tolerance apply only with --gate")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-    if isinstance(opset, bool) or not isinstance(opset, int) or not \
-            MIN_OPSET <= opset <= MAX_OPSET:
+    if not is_integer(opset) or not MIN_OPSET <= opset <= MAX_OPSET:
         raise ValueError(f"opset must be an integer in [{MIN_OPSET}, {MAX_OPSET}]; got {opset!r}")
     run_dir = Path(run_dir)
     if not run_dir.is_dir():

@@ -17,6 +17,7 @@ from importlib.metadata import version as dist_version
 from typing import Any
 
 import numpy as np
+from orthornn.export.artifacts.numbers import is_integer
 from orthornn.export.artifacts.package import INITIAL_STATE, TensorSpec
 from orthornn.export.artifacts.rollout import RULES
 
@@ -506,9 +507,7 @@ class DataPlane:
         for key, flag in (("sequence_start", start), ("sequence_end", end)):
             if flag is not None and not isinstance(flag, bool):
                 raise ClientError(f"parameters.{key}: must be true or false")
-        if position is not None and (isinstance(position, bool) or
-                                     not isinstance(position, int) or
-                                     not 0 <= position < 2**62):
+        if position is not None and (not is_integer(position) or not 0 <= position < 2**62):
             raise ClientError("parameters.sequence_position: must be an integer >= 0 (the "
                               "time steps the sequence has consumed)")
         return str(sid), bool(start), bool(end), position

@@ -15,6 +15,7 @@ import binascii
 from typing import Any
 
 import numpy as np
+from orthornn.export.artifacts.numbers import is_integer
 
 from ..errors import ClientError, StateConflict
 from .encoding import state_bytes, state_from_bytes
@@ -47,7 +48,7 @@ def check_state(value: object, where: str) -> None:
         raise ClientError(f"{where}: must be a state exactly as a response returned it "
                           f"(an object with model, version and data)")
     version = value["version"]
-    if not isinstance(version, int) or isinstance(version, bool):
+    if not is_integer(version):
         raise ClientError(f"{where}.version must be an integer (the version that made the "
                           f"state); got {json_type(version)}")
     if not isinstance(value["data"], str):

@@ -3,11 +3,12 @@ REPO/<name>/rollout.json holds it (``Plan.to_dict`` / ``Plan.from_dict``)."""
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
+
+from orthornn.export.artifacts.numbers import is_number
 
 SHADOW = "shadow"
 DEFAULT_STEPS = (5, 25, 50, 100)
@@ -36,11 +37,10 @@ class RolloutError(ValueError):
 
 def check_number(name: str, value: object, low: float, high: float) -> float:
     """VALUE, a finite number in [LOW, HIGH]; RolloutError naming NAME otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or \
-            not math.isfinite(value) or not low <= value <= high:
-        raise RolloutError(f"{name} must be a number in [{low:g}, {high:g}]; got {value!r}",
-                           field=name)
-    return value
+    if is_number(value) and low <= value <= high:
+        return value
+    raise RolloutError(f"{name} must be a number in [{low:g}, {high:g}]; got {value!r}",
+                       field=name)
 
 
 @dataclass(frozen=True)

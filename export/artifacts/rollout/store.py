@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from orthornn.export.artifacts import records
+from orthornn.export.artifacts.numbers import is_integer
 from orthornn.export.artifacts.repository import live_version, promote, read_promotion, versions
 
 from .analysis import combine, decide
@@ -88,13 +89,11 @@ def start(model_dir: str | Path, candidate: int, *, shadow: float = 0.1,
     stages = parse_steps(steps)
     check_number("shadow", shadow, 0.0, 1.0)
     check_number("interval_s", interval_s, 0.001, 7 * 86400.0)
-    if isinstance(min_requests, bool) or not isinstance(min_requests, int) or \
-            not 1 <= min_requests <= 10**9:
+    if not is_integer(min_requests) or not 1 <= min_requests <= 10**9:
         raise RolloutError(f"min_requests must be an integer >= 1; got {min_requests!r}",
                            field="min_requests")
     on_disk = versions(model_dir)
-    if isinstance(candidate, bool) or not isinstance(candidate, int) or \
-            candidate not in on_disk:
+    if not is_integer(candidate) or candidate not in on_disk:
         raise RolloutError(f"candidate: version {candidate!r} is not in {str(model_dir)!r} "
                            f"(versions: {on_disk or 'none'})", 404, "candidate")
     _base(model_dir, on_disk, candidate)  # refused early, before the slow checks

@@ -6,6 +6,7 @@ for the outputs that ask for ``binary_data``."""
 from __future__ import annotations
 
 import orjson
+from orthornn.export.artifacts.numbers import is_integer
 
 from ...dataplane.messages import Inference, InferenceResult
 from ...dataplane.schemas import InferenceRequest
@@ -46,7 +47,7 @@ def binary_chunks(req: InferenceRequest, tail: bytes) -> dict[str, bytes]:
         size = (inp.parameters or {}).get("binary_data_size")
         if size is None:
             continue
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        if not is_integer(size) or size < 0:
             raise ClientError(f"inputs[{inp.name}].parameters.binary_data_size: must be a "
                               f"non-negative integer")
         if offset + size > len(tail):
