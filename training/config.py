@@ -17,7 +17,7 @@ TASK_NAMES = ("adding", "copy", "digits", "permuted-digits", "mnist1d", "ucr", "
 OPTIMIZERS = ("rmsprop", "adam")
 SCHEDULES = ("constant", "cosine", "step", "linear")
 SELECTS = ("auto", "best", "last")
-COPY_LOSSES = ("all", "copied")  # training.tasks.COPY_LOSSES (this module stays torch-free)
+COPY_LOSSES = ("all", "copied")  # cross-entropy over every step, or the copied steps only
 DEVICES = ("auto", "cpu", "cuda")
 
 

@@ -18,7 +18,7 @@ import torch
 from orthornn.models.validation import check_choice, check_int
 
 from . import corpus as corpus_lib
-from .config import TASK_NAMES
+from .config import COPY_LOSSES, TASK_NAMES
 from .data import Split, TokenStream
 
 SPLIT_SEED = 2018  # fixed splits and permutations: independent of the training seed
@@ -77,7 +77,6 @@ def adding_batch(batch: int, steps: int, generator: torch.Generator) -> Split:
 COPY_LENGTH = 10  # symbols to memorise and copy (Arjovsky et al.; DizzyRNN sec. 6)
 COPY_DATA = 8  # data symbols of the default (Arjovsky) variant: 1-8
 COPY_SYMBOLS = COPY_DATA + 2  # its alphabet: 0 blank, 1-8 data, 9 the marker
-COPY_LOSSES = ("all", "copied")  # cross-entropy over every step, or the copied steps only
 
 
 def copy_batch(batch: int, lag: int, generator: torch.Generator,
