@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from orthornn.export.artifacts.package import INITIAL_STATE, GraphIO
 
-from ..errors import ClientError
+from ..errors import ClientError, NotFound
 from ..registry.runtime import Chunk
 from ..registry.spec import ModelSpec
 from .messages import Inference, InputTensor, Prediction
@@ -225,3 +225,14 @@ def infer_sequences(spec: ModelSpec, req: Inference, io: GraphIO, max_sequences:
         states = _model_tensor(st, "FP32")
         seqs = [Chunk(s, states[i]) for i, s in enumerate(arrays)]
     return seqs, steps
+
+
+def version_param(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return value
+    if not (isinstance(value, str) and value.isascii() and value.isdigit()) or \
+            not 1 <= int(value) < 2**62:
+        raise NotFound(f"version must be a positive integer; got {value!r}")
+    return int(value)

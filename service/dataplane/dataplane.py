@@ -12,20 +12,15 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as dist_version
 from typing import Any
 
 import numpy as np
-from orthornn.export.artifacts.numbers import is_integer
-from orthornn.export.artifacts.package import INITIAL_STATE, TensorSpec
-from orthornn.export.artifacts.rollout import RULES
+from orthornn.export.artifacts.package import INITIAL_STATE
 
 from ..errors import (
     SECRET_HEADER,
     ClientError,
     NotFound,
-    RollbackRefused,
     ServiceError,
     StateConflict,
 )
@@ -35,12 +30,11 @@ from ..registry.registry import ModelVersion, Registry
 from ..registry.runtime import Chunk
 from ..registry.spec import ModelSpec
 from ..sessions.manager import Sessions
-from ..sessions.owners import MAX_ID_LENGTH
 from ..sessions.store import open_store
 from ..sessions.tokens import decode_state, encode_state, state_version
 from ..settings import Settings
 from . import generate
-from .checks import infer_sequences, predict_sequences, range_warning
+from .checks import infer_sequences, predict_sequences, range_warning, version_param
 from .messages import (
     Document,
     Inference,
@@ -50,23 +44,13 @@ from .messages import (
     PredictResult,
     Served,
 )
+from .metadata import Metadata
 from .outputs import outputs_to_tensors, shape_outputs
+from .repository import Repository
 from .schemas import (
     GenerateRequest,
-    RepositoryIndexRequest,
-    RollbackRequest,
-    RolloutStartRequest,
 )
 from .shadow import Shadows
-
-SEQUENCE_KEYS = ("sequence_id", "sequence_start", "sequence_end", "sequence_position")
-
-
-def server_version() -> str:
-    try:
-        return dist_version("orthornn")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 def _secret(header: str | None, field: object, name: str) -> str | None:
@@ -80,17 +64,6 @@ def _secret(header: str | None, field: object, name: str) -> str | None:
     return header if header is not None else field
 
 
-def version_param(value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, int):
-        return value
-    if not (isinstance(value, str) and value.isascii() and value.isdigit()) or \
-            not 1 <= int(value) < 2**62:
-        raise NotFound(f"version must be a positive integer; got {value!r}")
-    return int(value)
-
-
 class DataPlane:
     def __init__(self, settings: Settings, registry: Registry,
                  metrics: Metrics | None = None):
@@ -100,6 +73,8 @@ class DataPlane:
                                  secrets=settings.session_secrets)
         self.rollouts = registry.rollouts
         self.shadows = Shadows(registry)
+        self.metadata = Metadata(settings, registry)  # the routes' other two jobs
+        self.repository = Repository(registry)
 
     def observe(self, held: Held, status: int) -> None:
         """An answered request, for a running rollout's analysis: counted only when the
@@ -144,74 +119,6 @@ class DataPlane:
         finally:
             self.registry.release(mv, batched=batched)
 
-    # -- server and model metadata ----------------------------------------------------------
-
-    @staticmethod
-    def server_metadata() -> dict:
-        return {"name": "orthornn", "version": server_version(),
-                "extensions": ["binary_tensor_data", "model_repository", "sequences"]}
-
-    def ready(self) -> bool:
-        return self.registry.ready()
-
-    def model_metadata(self, name: str, version: str | None) -> Document:
-        mv = self.registry.get(name, version_param(version))
-        io = mv.spec.io["model"]
-        promoted = self.registry.promoted(name)
-        return Document(Served(name, mv.version), {
-            "name": name, "versions": [str(v) for v in self.registry.serving().get(name, [])],
-            "platform": "onnxruntime_onnx",
-            "inputs": [t.to_dict() for t in io.inputs],
-            "outputs": [t.to_dict() for t in io.outputs],
-            "parameters": {"version": str(mv.version), "task": mv.spec.task,
-                           "arch": mv.spec.arch, "max_length": mv.spec.max_length,
-                           "labels": mv.spec.labels, "streaming": mv.spec.streaming,
-                           "preprocessing": mv.manifest.preprocessing,
-                           "spectral": mv.manifest.spectral or {},
-                           "promoted": None if promoted is None else str(promoted),
-                           # why promotion.json cannot be read (what serves stays), or None
-                           "promotion_error": self.registry.promotion_error(name),
-                           "rollout": self._rollout_summary(name),
-                           "evaluation": mv.manifest.evaluation,
-                           "lineage": mv.manifest.lineage}})
-
-    def _rollout_summary(self, name: str) -> dict | None:
-        """The model's last rollout as this replica read it (None: none)."""
-        plan = self.rollouts.plan(name)
-        if plan is None:
-            return None
-        return {"id": plan.id, "candidate": str(plan.candidate), "state": plan.state,
-                "stage": str(plan.stage_name), "weight": plan.weight(), "reason": plan.reason}
-
-    def model_ready(self, name: str, version: str | None) -> bool:
-        """True when ready; False when in the repository but not ready; NotFound else."""
-        v = version_param(version)
-        if self.registry.model_ready(name, v):
-            return True
-        if name not in {r["name"] for r in self.registry.index()}:
-            raise NotFound(f"model {name!r} is not in the repository")
-        return False
-
-    def model_config(self, name: str) -> Document:
-        """Triton's model configuration, as tritonclient reads it."""
-        s = self.settings
-        mv = self.registry.get(name)
-        io = mv.spec.io["model"]
-
-        def tensors(items: list[TensorSpec]) -> list[dict[str, Any]]:
-            return [{"name": t.name, "data_type": "TYPE_" + t.datatype, "dims": t.shape[1:],
-                     **({"optional": True} if t.optional else {})} for t in items]
-        config = {"name": name, "platform": "onnxruntime_onnx",
-                  "max_batch_size": s.max_request_sequences,
-                  "input": tensors(io.inputs), "output": tensors(io.outputs),
-                  "dynamic_batching": {"max_queue_delay_microseconds":
-                                       int(s.max_queue_delay_ms * 1000)} if s.batching else None,
-                  "version_policy": {s.version_policy: {"num_versions": s.keep_versions}}}
-        if mv.spec.streaming:  # sequences: state kept per sequence_id, idle ones ended
-            config["sequence_batching"] = {
-                "max_sequence_idle_microseconds": int(s.session_idle_timeout_s * 1e6)}
-        return Document(Served(name, mv.version), config)
-
     # -- /generate ---------------------------------------------------------------------------
 
     async def generate(self, req: GenerateRequest, held: Held) -> Document:
@@ -224,53 +131,6 @@ class DataPlane:
                                              prompt, req, self.settings.max_lm_output_bytes)
         return Document(Served(mv.name, mv.version),
                       {"model": mv.name, "version": mv.version, **result})
-
-    # -- the model repository ------------------------------------------------------------------
-
-    async def repository_index(self, req: RepositoryIndexRequest) -> list[dict]:
-        rows = await asyncio.to_thread(self.registry.index)
-        if req.ready is not None:
-            rows = [r for r in rows if (r["state"] == "READY") == req.ready]
-        return rows
-
-    async def load(self, name: str) -> dict:
-        errors = await asyncio.to_thread(self.registry.load, name)
-        if not self.registry.model_ready(name):
-            raise ClientError(f"model {name!r} failed to load: " + "; ".join(errors))
-        return {"name": name, "versions": self.registry.serving()[name], "refused": errors}
-
-    async def rollback(self, name: str, req: RollbackRequest) -> dict:
-        """Promote an earlier version (the request's, or the one promoted before the
-        current one) and swap to it now; 409 naming the usable versions when it cannot."""
-        try:
-            return await asyncio.to_thread(self.registry.rollback, name,
-                                           version_param(req.version))
-        except RollbackRefused as error:
-            raise RollbackRefused(f"rollback of model {name!r}: {error}") from None
-
-    def rollout(self, name: str) -> dict:
-        """NAME's rollout plan as this replica read it, and this replica's tallies of it
-        (what ``orthornn rollout run`` adds across replicas)."""
-        if not self.registry.model_ready(name) and self.rollouts.plan(name) is None:
-            raise NotFound(f"model {name!r} is not loaded")
-        plan = self.rollouts.plan(name)
-        return {"model": name, "plan": None if plan is None else plan.to_dict(),
-                "report": self.rollouts.report(name)}
-
-    async def start_rollout(self, name: str, req: RolloutStartRequest) -> dict:
-        thresholds = {k: getattr(req, k) for k in RULES}
-        plan = await asyncio.to_thread(
-            self.registry.policy.start_rollout, name, req.candidate, req.shadow, req.steps,
-            req.interval_s, req.min_requests, thresholds)
-        return plan.to_dict()
-
-    async def end_rollout(self, name: str, action: str) -> dict:
-        plan = await asyncio.to_thread(self.registry.policy.end_rollout, name, action)
-        return plan.to_dict()
-
-    async def unload(self, name: str) -> dict:
-        await asyncio.to_thread(self.registry.unload, name)
-        return {"name": name, "unloaded": True}
 
     # -- /predict --------------------------------------------------------------------------
 
@@ -435,14 +295,13 @@ class DataPlane:
 
     async def infer(self, req: Inference, name: str, version: str | None, held: Held,
                     key: bytes = b"", secret: str | None = None) -> InferenceResult:
-        """An OIP inference request on model NAME (VERSION: the URL's). The request
-        parameters ``sequence_id``, ``sequence_start`` and ``sequence_end`` (as tritonclient
-        sends them) run it on a session; ``sequence_position`` makes the chunk exactly-once
-        (as /predict's ``position``); ``session_secret`` (or SECRET, the request's header)
-        is the session's secret."""
+        """An OIP inference request on model NAME (VERSION: the URL's); with a
+        ``sequence``, a chunk of that session (its position makes it exactly-once, as
+        /predict's ``position``); ``session_secret`` (or SECRET, the request's header) is
+        the session's secret."""
         position = given = None
-        if any(k in req.parameters for k in SEQUENCE_KEYS):
-            sid, start, end, position_param = self._sequence(req.parameters)
+        if req.sequence is not None:
+            sid = req.sequence.id
 
             async def chunk(mv: ModelVersion, state: np.ndarray | None
                             ) -> tuple[tuple[list[OutputTensor], str | None], np.ndarray, int]:
@@ -454,15 +313,15 @@ class DataPlane:
                 return (tensors, warning), self._state_of(tensors), len(seq)
             held.routed(sid.encode())  # a sequence is placed by its id
             applied = await self.sessions.chunk(
-                sid, name, chunk, version=version_param(version), start=start, end=end,
-                position=position_param, what="sequence", held=held,
-                secret=_secret(secret, req.parameters.get("session_secret"),
-                               "parameters.session_secret"))
+                sid, name, chunk, version=version_param(version), start=req.sequence.start,
+                end=req.sequence.end, position=req.sequence.position, what="sequence",
+                held=held, secret=_secret(secret, req.session_secret,
+                                          "parameters.session_secret"))
             tensors, warning = applied.answer
             served = Served(applied.model, applied.version, warning)
             position, given = applied.position, applied.secret
         else:
-            if "session_secret" in req.parameters:
+            if req.session_secret is not None:
                 raise ClientError("parameters.session_secret: only with sequence_id")
             number = version_param(version)
             stateless = all(t.name != INITIAL_STATE for t in req.inputs)
@@ -487,30 +346,6 @@ class DataPlane:
     def _state_of(tensors: list[OutputTensor]) -> np.ndarray:
         (state,) = [t.data for t in tensors if t.name == "state"]
         return state[0]
-
-    @staticmethod
-    def _sequence(params: dict) -> tuple[str, bool, bool, int | None]:
-        """(sequence_id, sequence_start, sequence_end, sequence_position) of an inference
-        request's parameters, checked."""
-        sid, start, end, position = (params.get(k) for k in SEQUENCE_KEYS)
-        if isinstance(sid, bool) or not isinstance(sid, int | str) or sid in ("", 0):
-            raise ClientError("parameters.sequence_id: required with sequence_start, "
-                              "sequence_end or sequence_position, a non-zero integer or a "
-                              "non-empty string")
-        # one bound for session ids on both protocols (/predict's session), checked before
-        # the id is kept anywhere
-        if isinstance(sid, int) and not -2**63 <= sid < 2**64:
-            raise ClientError("parameters.sequence_id: an integer id must fit in 64 bits")
-        if isinstance(sid, str) and len(sid) > MAX_ID_LENGTH:
-            raise ClientError(f"parameters.sequence_id: 1 to {MAX_ID_LENGTH} characters; got "
-                              f"{len(sid)}")
-        for key, flag in (("sequence_start", start), ("sequence_end", end)):
-            if flag is not None and not isinstance(flag, bool):
-                raise ClientError(f"parameters.{key}: must be true or false")
-        if position is not None and (not is_integer(position) or not 0 <= position < 2**62):
-            raise ClientError("parameters.sequence_position: must be an integer >= 0 (the "
-                              "time steps the sequence has consumed)")
-        return str(sid), bool(start), bool(end), position
 
     def _infer_sequences(self, mv: ModelVersion, req: Inference, held: Held
                          ) -> tuple[list, int]:

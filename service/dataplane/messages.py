@@ -40,6 +40,17 @@ class InputTensor:
 
 
 @dataclass(frozen=True)
+class Sequence:
+    """An inference request's session: the parameters ``sequence_id``, ``sequence_start``,
+    ``sequence_end`` (as tritonclient sends them) and ``sequence_position``."""
+
+    id: str
+    start: bool = False
+    end: bool = False
+    position: int | None = None
+
+
+@dataclass(frozen=True)
 class Inference:
     """An inference request: the URL's model (and version), the body's inputs."""
 
@@ -47,6 +58,8 @@ class Inference:
     outputs: list[RequestOutput] | None = None  # None: every output of the model
     id: str | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    sequence: Sequence | None = None  # None: stateless
+    session_secret: str | None = None  # the parameter (the header comes beside it)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..dataplane.batching import Batching
-from ..dataplane.dataplane import DataPlane, server_version
+from ..dataplane.dataplane import DataPlane
+from ..dataplane.metadata import server_version
 from ..errors import ServiceError
 from ..metrics import Metrics
 from ..registry.devices import ProviderChoice, select_providers

@@ -15,7 +15,8 @@ from collections.abc import Callable
 import orjson
 from fastapi.responses import Response
 
-from ..dataplane.dataplane import DataPlane, version_param
+from ..dataplane.checks import version_param
+from ..dataplane.dataplane import DataPlane
 from ..dataplane.messages import Served
 from ..dataplane.schemas import (
     ErrorResponse,
@@ -143,7 +144,7 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
                         headers={**headers, oip_binary.HEADER_LENGTH: str(len(head))})
 
     async def server_metadata(call: Call) -> Response:
-        return JSON(dataplane.server_metadata())
+        return JSON(dataplane.metadata.server_metadata())
 
     async def live(call: Call) -> Response:
         return JSON({"live": True})
@@ -151,21 +152,21 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
     async def ready(call: Call) -> Response:
         if draining():
             return error(503, "shutting down")
-        if not dataplane.ready():
+        if not dataplane.metadata.ready():
             return error(503, "models are still loading (or failed: see /v2/repository/index)")
         return JSON({"ready": True})
 
     async def model_metadata(call: Call) -> Response:
         name = call.params["name"]
         call.held.name(name)
-        result = dataplane.model_metadata(name, call.params.get("version"))
+        result = dataplane.metadata.model_metadata(name, call.params.get("version"))
         _served(call, result.served)
         return JSON(result.body)
 
     async def model_ready(call: Call) -> Response:
         name, version = call.params["name"], call.params.get("version")
         call.held.name(name, _version_or_none(version))
-        if dataplane.model_ready(name, version):
+        if dataplane.metadata.model_ready(name, version):
             return JSON({"name": name, "ready": True})
         return error(503, f"model {name!r}" + (f" version {version}" if version else "")
                      + " is not ready")
@@ -173,47 +174,47 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
     async def model_config(call: Call) -> Response:
         name = call.params["name"]
         call.held.name(name)
-        result = dataplane.model_config(name)
+        result = dataplane.metadata.model_config(name)
         _served(call, result.served)
         return JSON(result.body)
 
     async def repository_index(call: Call) -> Response:
         admin(call.scope, False)  # reads only
         req = parse(RepositoryIndexRequest, call.body, allow_empty=True)
-        return JSON(await dataplane.repository_index(req))
+        return JSON(await dataplane.repository.repository_index(req))
 
     async def load_model(call: Call) -> Response:
         admin(call.scope, True)
         _admin_body(call.body)
-        return JSON(await dataplane.load(call.params["name"]))
+        return JSON(await dataplane.repository.load(call.params["name"]))
 
     async def rollback_model(call: Call) -> Response:
         admin(call.scope, True)
         req = parse(RollbackRequest, call.body, allow_empty=True)
-        return JSON(await dataplane.rollback(call.params["name"], req))
+        return JSON(await dataplane.repository.rollback(call.params["name"], req))
 
     async def rollout_status(call: Call) -> Response:
-        return JSON(dataplane.rollout(call.params["name"]))
+        return JSON(dataplane.repository.rollout(call.params["name"]))
 
     async def rollout_start(call: Call) -> Response:
         admin(call.scope, True)
         req = parse(RolloutStartRequest, call.body)
-        return JSON(await dataplane.start_rollout(call.params["name"], req))
+        return JSON(await dataplane.repository.start_rollout(call.params["name"], req))
 
     async def rollout_promote(call: Call) -> Response:
         admin(call.scope, True)
         _admin_body(call.body)
-        return JSON(await dataplane.end_rollout(call.params["name"], "promote"))
+        return JSON(await dataplane.repository.end_rollout(call.params["name"], "promote"))
 
     async def rollout_abort(call: Call) -> Response:
         admin(call.scope, True)
         _admin_body(call.body)
-        return JSON(await dataplane.end_rollout(call.params["name"], "abort"))
+        return JSON(await dataplane.repository.end_rollout(call.params["name"], "abort"))
 
     async def unload_model(call: Call) -> Response:
         admin(call.scope, True)
         _admin_body(call.body)
-        return JSON(await dataplane.unload(call.params["name"]))
+        return JSON(await dataplane.repository.unload(call.params["name"]))
 
     async def prometheus(call: Call) -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)

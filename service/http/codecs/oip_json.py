@@ -11,12 +11,14 @@ from typing import Any
 
 import numpy as np
 import simdjson
+from orthornn.export.artifacts.numbers import is_integer
 from orthornn.export.artifacts.package import DATATYPES
 from pydantic import ValidationError
 
-from ...dataplane.messages import Inference, InferenceResult, InputTensor
+from ...dataplane.messages import Inference, InferenceResult, InputTensor, Sequence
 from ...dataplane.schemas import InferenceRequest, RequestInput, parse
 from ...errors import ClientError
+from ...sessions.owners import MAX_ID_LENGTH
 from .simd import NUMBER_ERRORS, parse_object
 
 #: the numbers of each input's JSON data as read by the fast path (None: no data, or not
@@ -46,9 +48,42 @@ def to_inference(req: InferenceRequest, arrays: Arrays, binaries: dict[str, byte
         if value is not None and in_url is not None and value != in_url:
             raise ClientError(f"{field}: the body names {value!r}, the URL {in_url!r}")
     read = arrays or [None] * len(req.inputs)
+    parameters = req.parameters or {}
+    secret = parameters.get("session_secret")
+    if secret is not None and not isinstance(secret, str):
+        raise ClientError("parameters.session_secret: must be a string")
     return Inference(inputs=[decode_input(inp, binaries.get(inp.name), arr)
                              for inp, arr in zip(req.inputs, read, strict=True)],
-                     outputs=req.outputs, id=req.id, parameters=req.parameters or {})
+                     outputs=req.outputs, id=req.id, parameters=parameters,
+                     sequence=sequence_of(parameters), session_secret=secret)
+
+
+SEQUENCE_KEYS = ("sequence_id", "sequence_start", "sequence_end", "sequence_position")
+
+
+def sequence_of(params: dict) -> Sequence | None:
+    """The session of an inference request's parameters, checked (None: none)."""
+    if not any(k in params for k in SEQUENCE_KEYS):
+        return None
+    sid, start, end, position = (params.get(k) for k in SEQUENCE_KEYS)
+    if isinstance(sid, bool) or not isinstance(sid, int | str) or sid in ("", 0):
+        raise ClientError("parameters.sequence_id: required with sequence_start, "
+                          "sequence_end or sequence_position, a non-zero integer or a "
+                          "non-empty string")
+    # one bound for session ids on both protocols (/predict's session), checked before
+    # the id is kept anywhere
+    if isinstance(sid, int) and not -2**63 <= sid < 2**64:
+        raise ClientError("parameters.sequence_id: an integer id must fit in 64 bits")
+    if isinstance(sid, str) and len(sid) > MAX_ID_LENGTH:
+        raise ClientError(f"parameters.sequence_id: 1 to {MAX_ID_LENGTH} characters; got "
+                          f"{len(sid)}")
+    for key, flag in (("sequence_start", start), ("sequence_end", end)):
+        if flag is not None and not isinstance(flag, bool):
+            raise ClientError(f"parameters.{key}: must be true or false")
+    if position is not None and (not is_integer(position) or not 0 <= position < 2**62):
+        raise ClientError("parameters.sequence_position: must be an integer >= 0 (the "
+                          "time steps the sequence has consumed)")
+    return Sequence(str(sid), bool(start), bool(end), position)
 
 
 def binary_outputs(inference: Inference) -> set[str]:
