@@ -280,12 +280,12 @@ def test_train_help_shows_every_default():
         if f.default is None:
             assert f.name in UNSET, f.name
     assert UNSET["steps"].startswith(f"{trainer.DEFAULT_STEPS} ")
-    lm = inspect.signature(tasks._lm).parameters
+    lm = inspect.signature(tasks.lm_task).parameters
     assert UNSET["vocab_size"] == str(lm["vocab_size"].default)
     assert UNSET["bptt"] == str(lm["bptt"].default)
-    assert UNSET["seq_len"] == (f"{inspect.signature(tasks._adding).parameters['seq_len'].default}"
+    assert UNSET["seq_len"] == (f"{inspect.signature(tasks.adding_task).parameters['seq_len'].default}"
                                 f" for adding, "
-                                f"{inspect.signature(tasks._copy).parameters['seq_len'].default}"
+                                f"{inspect.signature(tasks.copy_task).parameters['seq_len'].default}"
                                 f" for copy")
 
 

@@ -1,0 +1,89 @@
+"""The UCR/UEA classification sets sktime ships, with their official splits and the
+Spectral-RNN appendix's folding of a series into steps."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..data import Split
+from .task import Task, classification, holdout
+
+UCR_VAL = 0.2  # of the official training set held out (Spectral-RNN appendix)
+
+
+def ucr_holdout(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return holdout(n, max(1, round(UCR_VAL * n)))  # one series at least, however small
+
+
+def sktime_data() -> Path:
+    import sktime
+
+    return Path(sktime.__file__).parent / "datasets" / "data"
+
+
+def ucr_datasets() -> list[str]:
+    """Equal-length UCR/UEA classification sets that sktime ships in the package."""
+    names = []
+    for folder in sorted(sktime_data().iterdir()):
+        train = folder / f"{folder.name}_TRAIN.ts"
+        if not (train.is_file() and (folder / f"{folder.name}_TEST.ts").is_file()):
+            continue
+        header = train.read_text(errors="replace")[:20000].lower()
+        header = header[: header.find("@data")]
+        if "@classlabel true" in header and "@equallength false" not in header:
+            names.append(folder.name)
+    return names
+
+
+def step_width(length: int) -> int:
+    """n_i: the largest divisor of L not above sqrt(L) (Spectral-RNN appendix)."""
+    return max(d for d in range(1, math.isqrt(length) + 1) if length % d == 0)
+
+
+def fold_series(x: np.ndarray, point_by_point: bool) -> np.ndarray:
+    """[N, channels, L] -> [N, L / n_i, channels n_i] (or [N, L, channels])."""
+    n, channels, length = x.shape
+    width = 1 if point_by_point else step_width(length)
+    x = x.reshape(n, channels, length // width, width).transpose(0, 2, 1, 3)
+    return x.reshape(n, length // width, channels * width)
+
+
+def ucr_task(dataset: str | None = None, point_by_point: bool = False) -> Task:
+    """A bundled UCR/UEA set with its official train/test split; 20% of train (fixed,
+    seeded) is held out for validation, as in the Spectral-RNN appendix."""
+    from sktime.datasets import load_from_tsfile
+
+    available = ucr_datasets()
+    if dataset is None:
+        raise ValueError(f"task 'ucr' needs --dataset NAME (dataset), one of: "
+                         f"{', '.join(available)}")
+    if dataset not in available:
+        raise ValueError(f"dataset must be one of the UCR/UEA sets bundled with sktime: "
+                         f"{', '.join(available)}; got {dataset!r}")
+    root = sktime_data() / dataset
+    arrays = {}
+    for part in ("TRAIN", "TEST"):
+        x, y = load_from_tsfile(str(root / f"{dataset}_{part}.ts"), return_data_type="numpy3D")
+        arrays[part] = (np.asarray(x, dtype=np.float32), np.asarray(y).astype(str))
+    labels = sorted({str(v) for part in arrays.values() for v in part[1]})
+    index = {label: i for i, label in enumerate(labels)}
+
+    def split(part):
+        x, y = arrays[part]
+        return Split(torch.tensor(fold_series(x, point_by_point)),
+                     torch.tensor([index[v] for v in y]))
+    train_all, test = split("TRAIN"), split("TEST")
+    train, val = ucr_holdout(len(train_all))
+    return classification("ucr", train_all.take(train), train_all.take(val),
+                           test, labels, {"dataset": dataset, "point_by_point": point_by_point})
+
+
+def series_count(path: Path) -> int:
+    """Series in a .ts file: the non-empty lines after @data."""
+    lines = path.read_text(errors="replace").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().lower() == "@data")
+    return sum(1 for line in lines[start + 1:] if line.strip() and not line.startswith("#"))
