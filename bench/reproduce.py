@@ -54,7 +54,7 @@ def _row(group, label, arch, given, budget, paper=None, claim=None, source="", f
 
 
 # Arjovsky et al.'s copy task, as Spectral-RNN sec. 7.1 and scoRNN sec. 5.1 run it: the
-# cross-entropy of every step, 8 data symbols (training/tasks.py); DizzyRNN's preset
+# cross-entropy of every step, 8 data symbols (training/tasks/generated.py); DizzyRNN's preset
 # scores the copied portion only (sec. 6), so its Arjovsky rows name the variant.
 ARJOVSKY = {"copy_loss": "all", "copy_symbols": 8}
 
