@@ -200,7 +200,7 @@ class Metrics:
         evaluation = getattr(manifest, "evaluation", None)
         if not isinstance(evaluation, dict):
             return None
-        metric, value = evaluation.get("metric"), evaluation.get("value")
+        metric, value = evaluation.get("metric"), evaluation.get("value", 0.0)
         if isinstance(metric, str) and metric and is_number(value):
             return metric, float(value)
         return None

@@ -283,10 +283,9 @@ def test_train_help_shows_every_default():
     lm = inspect.signature(tasks.lm_task).parameters
     assert UNSET["vocab_size"] == str(lm["vocab_size"].default)
     assert UNSET["bptt"] == str(lm["bptt"].default)
-    assert UNSET["seq_len"] == (f"{inspect.signature(tasks.adding_task).parameters['seq_len'].default}"
-                                f" for adding, "
-                                f"{inspect.signature(tasks.copy_task).parameters['seq_len'].default}"
-                                f" for copy")
+    adding, copy = (inspect.signature(build).parameters["seq_len"].default
+                    for build in (tasks.adding_task, tasks.copy_task))
+    assert UNSET["seq_len"] == f"{adding} for adding, {copy} for copy"
 
 
 def test_missing_required_flags_are_named(tmp_path, capsys):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -128,7 +128,7 @@ def published_version(model_dir: Path, checkpoint_sha256: str, mode: str,
     return None
 
 
-def _number(name: str, value: object, low: float | None = None) -> None:
+def _number(name: str, value: Any, low: float | None = None) -> None:
     if value is None:
         return
     if not (is_number(value) and (low is None or value >= low)):

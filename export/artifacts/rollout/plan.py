@@ -7,6 +7,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
+from typing import Any
 
 from orthornn.export.artifacts.numbers import is_number
 
@@ -35,7 +36,7 @@ class RolloutError(ValueError):
         self.field = field
 
 
-def check_number(name: str, value: object, low: float, high: float) -> float:
+def check_number(name: str, value: Any, low: float, high: float) -> float:
     """VALUE, a finite number in [LOW, HIGH]; RolloutError naming NAME otherwise."""
     if is_number(value) and low <= value <= high:
         return value
