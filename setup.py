@@ -5,7 +5,7 @@ The stages keep their top-level folders (docs/design.md: the layout is fixed) an
 cannot follow this mapping; here each stage folder is walked with `find_packages` and
 its subpackages are named under the stage's installed name. A new subfolder with an
 `__init__.py` is in the next wheel without any list to update
-(tests/test_wheel.py compares the wheel with every `.py` of these folders).
+(tests/system/test_wheel.py compares the wheel with every `.py` of these folders).
 """
 
 from setuptools import find_packages, setup

@@ -17,7 +17,7 @@
 # Run from the checkout: OUT=/some/dir bash bench/gpu_check.sh. Writes 8 files to $OUT
 # (the most a lent machine returns): summary.json (every step's exit code and seconds),
 # env.txt, log.txt (every step's output), ops.json (the point), ops-grid.json, chains.json,
-# throughput.json, reproduce.json. The compile check (tests/test_triton_compile.py) needs
+# throughput.json, reproduce.json. The compile check (tests/unit/models/test_triton_compile.py) needs
 # no GPU and is not rerun here.
 # Environment: BUDGET (seconds, default 470), PYTHON (default python), SMOKE=1 (a tiny run
 # of every step on the CPU through the Triton interpreter: checks the script, not the GPU).
@@ -308,7 +308,7 @@ step throughput 110 "$PYTHON" "$SCRATCH/throughput.py" "$OUT/throughput.json"
 
 # 4. compiled kernels against the reference (the tests pick CUDA when it is there)
 step tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider "${TESTS[@]}" \
-    tests/test_triton_ops.py tests/test_scan.py
+    tests/unit/models/test_triton_ops.py tests/unit/models/test_scan.py
 
 # 5. the op benchmark over the docs' grid
 step ops_grid 120 "$PYTHON" bench/ops.py "${OPS_GRID[@]}" --out "$OUT/ops-grid.json"

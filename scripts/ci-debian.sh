@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Installs the real components that the tests start or drive, from Debian's packages, in
 # one `apt-get update` and one `apt-get install -y` (make test's tools step):
-#   headless Chromium          chromium, chromium-driver  tests/test_docs_browser.py
-#   Redis and haproxy          redis-server, haproxy      tests/test_session_store.py and
+#   headless Chromium          chromium, chromium-driver  tests/system/test_docs_browser.py
+#   Redis and haproxy          redis-server, haproxy      tests/integration/test_session_store.py and
 #                                                         the cluster tests (tests/cluster.py)
-#   Prometheus and promtool    prometheus                 tests/test_monitoring.py (the chart's
+#   Prometheus and promtool    prometheus                 tests/integration/test_monitoring.py (the chart's
 #                                                         rules and dashboard)
-#   podman and a Debian base   podman, runc, mmdebstrap   make images, tests/test_images.py
+#   podman and a Debian base   podman, runc, mmdebstrap   make images, tests/system/test_images.py
 # Only what is missing is installed (a no-op when every program is on PATH). The tests
 # start their own processes on free loopback ports; the packages' system services are
 # neither needed nor started. The versions are not pinned: Debian's archive keeps only the

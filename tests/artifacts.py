@@ -1,4 +1,4 @@
-"""What users install, built from the checkout for the tests: the wheel (tests/test_wheel.py
+"""What users install, built from the checkout for the tests: the wheel (tests/system/test_wheel.py
 installs and runs it in fresh virtual environments) and those environments. The container
 images are built by scripts/images.sh, from a copy of the same files.
 

@@ -5,7 +5,7 @@ Kubernetes is not here, and podman's `kube play` needs an infra (pause) containe
 podman 4.3 builds only from catatonit (a package recommended, not required, by Debian's
 podman) or else pulls from a registry, and a pod network (CNI plugins); so a rendered pod's
 container becomes `podman run` flags in one place, `run_flags` (tested in
-tests/test_images.py against the rendered chart): its command and args, its env (literal,
+tests/system/test_images.py against the rendered chart): its command and args, its env (literal,
 from the rendered ConfigMap and Secret), its user and group, a read-only root, dropped
 capabilities, no privilege escalation, emptyDir volumes as tmpfs and the other volumes bound
 from host folders (read-only where the pod mounts them so). The network is the host's

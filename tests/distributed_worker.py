@@ -1,4 +1,4 @@
-"""A torchrun worker for tests/test_distributed.py: trains every case of a JSON file
+"""A torchrun worker for tests/integration/test_distributed.py: trains every case of a JSON file
 ({name: TrainConfig fields}) in one process group, and saves what this rank's model
 holds after training (its parameters and the transition matrix W the forward pass uses)
 to OUT/<name>-rank<r>.pt, so the test can check every rank, not only rank 0's run

@@ -1,6 +1,6 @@
 """A writer of a model's promotion.json and rollout.json, run as a process of its own by
-tests/test_promotion_writers.py: ``python -m tests.promotion_writer ROLE MODEL_DIR ROUNDS
-SEED TAG``. Each action it completed is one JSON line on stdout (the test checks the
+tests/integration/test_promotion_writers.py: ``python -m tests.promotion_writer ROLE MODEL_DIR
+ROUNDS SEED TAG``. Each action it completed is one JSON line on stdout (the test checks the
 history against them).
 
 Roles: ``promote`` (what ``orthornn export`` does last: repository.promote), ``rollback``

@@ -6,7 +6,8 @@ an equal value; lists have the shown length; numbers agree within ``TOLERANCE``)
 answer must appear in the output (case-insensitive). A sampled ``/generate`` answer's
 words (``SAMPLED``) vary with the CPU that trained the model (docs/training.md, "Across
 CPUs"): only their form is checked (as many ids and tokens as shown; the text a string),
-and tests/test_end_to_end.py checks that they are the model's words and the same twice."""
+and tests/integration/test_end_to_end.py checks that they are the model's words and the
+same twice."""
 
 from __future__ import annotations
 

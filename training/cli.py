@@ -53,7 +53,7 @@ HELP = {
 }
 
 
-# what an unset (None) option means (tests/test_cli.py checks these against the tasks'
+# what an unset (None) option means (tests/integration/test_cli.py checks these against the tasks'
 # and the trainer's defaults); the other defaults are TrainConfig's own values
 UNSET = {
     "out": "none: required",

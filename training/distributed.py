@@ -9,8 +9,8 @@ its share of every global batch under DistributedDataParallel (training.trainer)
 Equal to one process: every rank's loss is the mean over its own equal-sized share of the
 global batch, and DDP averages the gradients over the ranks, so the averaged gradient is the
 one-process mean over the whole batch, up to the order of the floating-point sums
-(tests/test_distributed.py). Rank 0 alone reads and writes the run directory; what it read
-(the state to resume from, or why not) reaches the others by ``from_rank0``.
+(tests/integration/test_distributed.py). Rank 0 alone reads and writes the run directory; what
+it read (the state to resume from, or why not) reaches the others by ``from_rank0``.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ BACKENDS = ("auto", "gloo", "nccl")
 #: seconds a rendezvous, or a collective waiting for a slower rank, may take (--dist-timeout-s);
 #: a rank that rank 0 keeps waiting while it validates waits inside this too
 DEFAULT_TIMEOUT_S = 600.0
-#: fault injection for the tests only (tests/test_distributed.py): "RANK:STEP" makes that rank
-#: SIGKILL itself as it starts step STEP, on the group's first attempt only (torchrun's
+#: fault injection for the tests only (tests/integration/test_distributed.py): "RANK:STEP" makes
+#: that rank SIGKILL itself as it starts step STEP, on the group's first attempt only (torchrun's
 #: TORCHELASTIC_RESTART_COUNT 0), as a worker killed from outside would die
 FAULT_ENV = "ORTHORNN_TEST_KILL_RANK_AT_STEP"
 T = TypeVar("T")

@@ -11,7 +11,7 @@ reading and starts the next pipelined request), ``connection_lost``, and its ``f
 (uvicorn's FlowControl), ``transport`` and ``loop``. uvicorn has changed this surface about
 once a year, so ``surface_problems`` names whatever of it is missing: the service
 refuses to start with that list (``--listener uvicorn`` runs uvicorn's own listener
-instead), and tests/test_service_live.py checks it against the pinned uvicorn.
+instead), and tests/integration/test_service_live.py checks it against the pinned uvicorn.
 
 Holding: admission (``service.http.admission``) refuses a request over the in-flight limit with
 503 and Retry-After. A client that retries at once (wrk, most load generators, many

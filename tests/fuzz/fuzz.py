@@ -7,8 +7,9 @@ exception, a 5xx) is a crash.
 
 TARGET: predict_json, oip_json, oip_binary or sessions. ``make fuzz`` runs each for
 FUZZ_SECONDS (600) from tests/fuzz/corpus/TARGET, writing what it finds to fuzz-corpus/
-(ignored by git); tests/test_fuzz.py runs a short smoke of each in make test. A crash
-leaves the input in crash-*; replay it as a test (tests/test_fuzz.py keeps the found ones).
+(ignored by git); tests/integration/test_fuzz.py runs a short smoke of each in make test. A
+crash leaves the input in crash-*; replay it as a test (tests/integration/test_fuzz.py keeps
+the found ones).
 """
 
 from __future__ import annotations

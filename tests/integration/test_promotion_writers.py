@@ -1,0 +1,164 @@
+"""promotion.json and rollout.json under concurrent writers and killed writers
+(export/artifacts/records.py): every writer holds the model's one lock, re-reads under it,
+and replaces the file crash-safe. Writers are processes of their own
+(tests/promotion_writer.py), as the export CronJob, a person's rollback, the admin API and
+the rollout controller are."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from orthornn.export.artifacts import records, repository, rollout
+
+from ..service_helpers import gated, make_repo
+
+ROOT = Path(__file__).resolve().parents[2]
+VERSIONS = [1, 2, 3, 4]
+
+
+@pytest.fixture
+def model_dir(service_packages, tmp_path) -> Path:
+    repo = make_repo(service_packages, tmp_path / "repo", {"adding": VERSIONS})
+    for v in VERSIONS:
+        gated(repo / "adding", v)
+    repository.promote(repo / "adding", 1, "publish", "first")
+    return repo / "adding"
+
+
+def writer(role: str, model_dir: Path, rounds: int, seed: int, tag: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.promotion_writer", role,
+                             str(model_dir), str(rounds), str(seed), tag], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_concurrent_writers_lose_no_action_and_keep_a_valid_order(model_dir):
+    """Five processes at once (two promoting as export does, two rolling back, one
+    starting rollouts that the controller finishes), 200 rounds in all: the history holds
+    every action that completed, each from the promotion the one before it left."""
+    roles = [("promote", 40), ("promote", 40), ("rollback", 40), ("rollback", 40),
+             ("rollout", 40)]
+    procs = [writer(role, model_dir, rounds, seed, f"w{seed}")
+             for seed, (role, rounds) in enumerate(roles)]
+    done = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        done.extend(json.loads(line) for line in out.splitlines())
+    done = [d for d in done if "action" in d]
+    record = repository.read_promotion(model_dir)
+    history = record["history"]
+    # every entry continues from the one before it: no write was lost or overwritten
+    assert history[0]["action"] == "publish" and history[0]["previous"] is None
+    for before, entry in itertools.pairwise(history):
+        assert entry["previous"] == before["version"], (before, entry)
+    assert record["version"] == history[-1]["version"]
+    # every completed action is there once, as its writer saw it
+    promoted = [d for d in done if d["action"] == "promote"]
+    by_reason = {e["reason"]: e for e in history if e["action"] == "promote"}
+    for d in promoted:
+        entry = by_reason.pop(d["tag"])
+        assert (entry["version"], entry["previous"]) == (d["version"], d["previous"])
+    for seed in (0, 1):  # each writer's own actions in its order
+        mine = [int(e["reason"].split(":")[1]) for e in history
+                if e["reason"].startswith(f"w{seed}:")]
+        assert mine == sorted(mine) and len(mine) == 40
+    rollbacks = Counter((d["previous"], d["version"]) for d in done if d["action"] == "rollback")
+    assert rollbacks == Counter((e["previous"], e["version"]) for e in history
+                                if e["action"] == "rollback")
+    assert sum(rollbacks.values()) > 0
+    for e in history:
+        if e["action"] == "rollback":
+            assert e["reason"] == f"rolled back from version {e['previous']}"
+    # a rollout promotes only over the version it started from, else it stops
+    rollouts = [d for d in done if d["action"] == "rollout"]
+    finished = {d["id"]: d for d in rollouts if d["state"] == "promoted"}
+    assert by_reason.keys() == {f"rollout {i}: passed 100%" for i in finished}
+    for rid, d in finished.items():
+        entry = by_reason[f"rollout {rid}: passed 100%"]
+        assert (entry["version"], entry["previous"]) == (d["version"], d["previous"])
+    for d in rollouts:
+        if d["state"] == "aborted":
+            assert d["reason"].startswith("not promoted: the promotion moved"), d
+    assert len(history) == 1 + len(promoted) + sum(rollbacks.values()) + len(finished)
+    assert rollout.read_plan(model_dir).state in ("promoted", "aborted")
+    assert not list(model_dir.glob(".*.tmp"))
+
+
+def test_a_writer_killed_anywhere_leaves_the_old_file_or_the_new(model_dir):
+    """SIGKILL at random points of a writer looping over promotion.json and rollout.json:
+    after each kill both files parse and hold a state a write completed; the next writer
+    takes the lock (the dead one's is gone) and carries on from it."""
+    rng = random.Random(7)
+    length = len(repository.read_promotion(model_dir)["history"])
+    rounds = -1
+    for kill in range(30):
+        proc = writer("loop", model_dir, 0, kill, f"k{kill}")
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline()) == {"ready": True}
+        time.sleep(rng.uniform(0.005, 0.08))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        record = repository.read_promotion(model_dir)  # raises on an empty or partial file
+        history = record["history"]
+        assert len(history) >= length and record["version"] in VERSIONS
+        assert record["version"] == history[-1]["version"]
+        for before, entry in itertools.pairwise(history):
+            assert entry["previous"] == before["version"]
+        length = len(history)
+        path = model_dir / rollout.ROLLOUT  # the loop writes raw JSON, not a plan
+        plan = json.loads(path.read_text()) if path.exists() else None  # never partial
+        if plan is not None:
+            assert plan["padding"] == "x" * 4096
+            if plan["id"].startswith(f"k{kill}-"):
+                rounds = max(rounds, plan["round"])
+    assert length > 10  # the writers did write between the kills
+    repository.promote(model_dir, 2, "rollback", "after the kills")
+    assert repository.read_promotion(model_dir)["history"][-1]["reason"] == "after the kills"
+    assert not list(model_dir.glob(".*.tmp"))  # the killed writers' temporary files: gone
+
+
+def test_the_lock_excludes_threads_and_is_reentrant(tmp_path):
+    """The service writes from several threads (the admin API, the rollout controller):
+    the lock excludes them as it excludes processes, and the rollout's final promotion
+    takes it again inside its own."""
+    inside, overlaps = [], []
+
+    def work() -> None:
+        for _ in range(50):
+            with records.locked(tmp_path):
+                inside.append(1)
+                if len(inside) > 1:
+                    overlaps.append(1)
+                with records.locked(tmp_path):  # re-entered
+                    assert records.holds(tmp_path)
+                inside.pop()
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not overlaps and not records.holds(tmp_path)
+
+
+def test_an_unreadable_promotion_is_kept_aside_when_replaced(model_dir):
+    (model_dir / "promotion.json").write_text("")
+    with pytest.raises(ValueError, match="cannot be read"):
+        repository.rollback(model_dir)  # which step back: unknown
+    done = repository.rollback(model_dir, 3)  # a named version repairs it
+    assert done == {"model": "adding", "promoted": 3, "previous": None}
+    (kept,) = model_dir.glob("promotion.json.unreadable-*")
+    assert kept.read_text() == ""
+    assert "kept as promotion.json.unreadable-" in \
+        repository.read_promotion(model_dir)["history"][-1]["reason"]
+    assert os.stat(model_dir / "promotion.json").st_size > 0

@@ -1,0 +1,92 @@
+"""CI cannot pass by skipping (tests/skips.py, scripts/ci-debian.sh under CI_TOOLS_STRICT=1):
+a run that skipped a test for an unexpected reason fails and names it; a missing tool that
+cannot be installed fails the tools step and names it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SUITE = '''
+import pytest
+
+def test_passes():
+    assert True
+
+@pytest.mark.skip(reason="needs a CUDA device")
+def test_gpu():
+    pass
+
+{unexpected}
+'''
+REDIS = '''
+def test_redis():
+    pytest.skip("redis-server not found on PATH or in /usr/sbin")
+'''
+
+
+def run_suite(tmp_path: Path, unexpected: bool, strict: bool) -> subprocess.CompletedProcess:
+    (tmp_path / "test_suite.py").write_text(SUITE.format(unexpected=REDIS if unexpected else ""))
+    env = {k: v for k, v in os.environ.items() if k != "CI_TOOLS_STRICT"}
+    env["PYTHONPATH"] = str(ROOT)
+    if strict:
+        env["CI_TOOLS_STRICT"] = "1"
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-p", "tests.skips", "--rootdir", str(tmp_path), "-c", os.devnull,
+                           str(tmp_path / "test_suite.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_strict_run_with_an_unexpected_skip_fails_and_names_it(tmp_path):
+    result = run_suite(tmp_path, unexpected=True, strict=True)
+    assert result.returncode == 1, result.stdout
+    assert "unexpected skips (CI_TOOLS_STRICT=1: the run fails)" in result.stdout
+    assert "test_suite.py::test_redis: redis-server not found" in result.stdout
+    assert "test_gpu" not in result.stdout.split("unexpected skips")[1]  # expected: not listed
+
+
+def test_a_strict_run_with_only_expected_skips_passes(tmp_path):
+    result = run_suite(tmp_path, unexpected=False, strict=True)
+    assert result.returncode == 0, result.stdout
+    assert "unexpected skips" not in result.stdout
+
+
+def test_a_run_that_is_not_strict_passes_and_warns(tmp_path):
+    result = run_suite(tmp_path, unexpected=True, strict=False)
+    assert result.returncode == 0, result.stdout
+    assert "skips that CI_TOOLS_STRICT=1 would fail" in result.stdout
+    assert "test_suite.py::test_redis" in result.stdout
+
+
+def test_ci_runs_make_test_strictly():
+    script = (ROOT / ".ci" / "run").read_text()
+    assert "CI_TOOLS_STRICT=1 make test" in script
+
+
+def test_the_tools_step_fails_under_strict_when_a_tool_cannot_be_installed(tmp_path):
+    """No apt-get and none of the programs on PATH: strict exits 1 and names them; not
+    strict warns and exits 0."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("bash", "id", "env"):
+        (bin_dir / name).symlink_to(shutil.which(name))
+    script = str(ROOT / "scripts" / "ci-debian.sh")
+    base = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+    strict = subprocess.run([str(bin_dir / "bash"), script], env={**base, "CI_TOOLS_STRICT": "1"},
+                            capture_output=True, text=True, timeout=60)
+    # the script also looks in /usr/sbin, which this PATH cannot hide
+    named = [p for p in ("chromium", "redis-server", "haproxy", "prometheus", "podman", "runc",
+                         "mmdebstrap") if not Path("/usr/sbin", p).exists()]
+    assert named
+    assert strict.returncode == 1, strict.stderr
+    assert strict.stderr.startswith("ci-debian: no apt-get (not a Debian-based system); "
+                                    f"cannot install {' '.join(named)} (CI_TOOLS_STRICT=1")
+    lenient = subprocess.run([str(bin_dir / "bash"), script], env=base, capture_output=True,
+                             text=True, timeout=60)
+    assert lenient.returncode == 0, lenient.stderr
+    assert "will be skipped" in lenient.stderr
