@@ -1,6 +1,6 @@
 """Reproduce the papers' headline results from the task presets, over seeds.
 
-Every row trains one architecture on one task with that task's preset (training/presets.py:
+Every row trains one architecture on one task with that task's preset (training/presets/table.py:
 the papers' recipes) for 3 seeds and reports the mean +- sd of the test metric with the
 budget beside it (optimizer steps and wall seconds per seed), the paper's figure and a
 verdict:
