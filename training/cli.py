@@ -184,7 +184,8 @@ def launch_from_args(args: argparse.Namespace):
         return None
     import os
 
-    from .distributed import DEFAULT_TIMEOUT_S, Launch
+    from .distributed import DEFAULT_TIMEOUT_S
+    from .launcher import Launch
 
     if "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ:
         raise ValueError("--nproc-per-node: this process already runs under torchrun "
@@ -253,7 +254,7 @@ def run_train(args: argparse.Namespace) -> int:
     progress = not getattr(args, "no_progress", False)
     launch = launch_from_args(args)
     if launch is not None:
-        from .distributed import launch_workers
+        from .launcher import launch_workers
 
         return launch_workers(config, launch, resume=resume, progress=progress)
     from .distributed import DEFAULT_TIMEOUT_S, RankError, context

@@ -321,7 +321,6 @@ def _train(config: TrainConfig, resume: bool, progress: bool, threads: int,
                        desc=f"train {config.arch} {task.name}")
     clock = time.perf_counter()
     for step in range(start, total):
-        distributed.fault_point(ctx, step + 1)
         log_now = (step + 1) % config.log_every == 0 or step + 1 == total
         h0 = None
         if task.kind == "lm":  # this rank's columns of the window (TokenStream.rows)

@@ -18,7 +18,6 @@ from orthornn.models import build_model
 from orthornn.training import checkpoint
 from orthornn.training.config import TrainConfig
 from orthornn.training.data import EpochSampler, Split, TokenStream
-from orthornn.training.distributed import FAULT_ENV
 from orthornn.training.reproducibility import usable_cores
 from orthornn.training.trainer import train
 
@@ -32,6 +31,17 @@ STEPS = 20
 TOLERANCE = 1e-5
 #: ||W^T W - I||_2 of a float32 orthogonal W (products of rotations, a Cayley solve)
 ORTHOGONALITY = 1e-5
+
+
+#: tests/faults/sitecustomize.py: "RANK:STEP" kills that worker as it starts STEP
+FAULT_ENV = "ORTHORNN_TEST_KILL_RANK_AT_STEP"
+FAULTS = Path(__file__).parents[1] / "faults"
+
+
+def _fault(spec: str) -> dict:
+    """The environment that makes worker RANK die as it starts STEP (SPEC "RANK:STEP")."""
+    path = os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH")) if p)
+    return {FAULT_ENV: spec, "PYTHONPATH": path}
 
 
 def _env(**extra) -> dict:
@@ -178,7 +188,7 @@ def _close_to(weights: dict, reference: dict) -> float:
 def test_a_killed_worker_ends_the_run_then_resume_finishes_it(data, tmp_path, lm_one_process):
     run = tmp_path / "run"
     start = time.monotonic()
-    killed = _orthornn([*_lm_run(data, run), "--nproc-per-node", "2"], **{FAULT_ENV: "1:7"})
+    killed = _orthornn([*_lm_run(data, run), "--nproc-per-node", "2"], **_fault("1:7"))
     assert killed.returncode == 1 and time.monotonic() - start < 60
     last = killed.stderr.strip().splitlines()[-1]
     assert last.startswith("orthornn train: error: worker rank 1 (pid "), killed.stderr[-2000:]
@@ -198,7 +208,7 @@ def test_max_restarts_resumes_the_group_from_the_last_checkpoint(data, tmp_path,
                                                                  lm_one_process):
     run = tmp_path / "run"
     result = _orthornn([*_lm_run(data, run), "--nproc-per-node", "2", "--max-restarts", "1"],
-                       **{FAULT_ENV: "1:7"})
+                       **_fault("1:7"))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "failed (exitcode: -9) local_rank: 1" in result.stderr  # it did die, once
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
