@@ -2,7 +2,7 @@
 
 What the service will run (onnxruntime on ``model.onnx``), not torch, is what is scored,
 and the gate compares two packages on the same data this way. The metric is the one the
-trainer reports in summary.json (``training.trainer.evaluate``), computed in numpy:
+trainer reports in summary.json (``training.evaluation.evaluate``), computed in numpy:
 accuracy (classify), MSE (regress), cross-entropy over every step (seq2seq, the copy
 task), perplexity with the state carried across windows (lm).
 

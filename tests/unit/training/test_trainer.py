@@ -215,7 +215,7 @@ def test_select_keeps_the_best_or_the_last_checkpoint(tmp_path, select):
 
 
 def test_select_auto_rule():
-    from orthornn.training.trainer import MIN_SELECT_SIZE, resolve_select
+    from orthornn.training.evaluation import MIN_SELECT_SIZE, resolve_select
 
     small_val = make_task("ucr", dataset="ItalyPowerDemand").val  # 13 series
     large_val = make_task("digits").val
