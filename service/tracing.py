@@ -1,33 +1,5 @@
-"""OpenTelemetry tracing of requests: optional (the ``otel`` extra), off by default
-(``tracing`` setting, ``--tracing``, ``ORTHORNN_TRACING=true``).
-
-A leaf: it imports nothing of the service, and nothing of OpenTelemetry until tracing is
-switched on (``open_tracing(True)``); off, the layers hold ``None`` instead of a
-``Tracer`` and each hook is one ``is not None`` check. The spans of one request:
-
-    POST /predict        the server span, named after the route template (http.route)
-      decode             the body into a typed request (the protocol's codec)
-      queue              the wait in the model version's batching queue
-      inference          the batch that answered it (its size, requests and id)
-      encode             the typed result into the response body
-
-The server span is the one the HTTP server already opened for the request when there is
-one (FastAPI's own OpenTelemetry telemetry opens it as soon as an SDK is configured; or an
-ASGI instrumentation's): it gets the route's name and attributes, so a request never has
-two server spans. Without one, ``request`` opens it, its parent read from the
-``traceparent`` header by the configured propagator (W3C trace context by default).
-
-A batch answers several requests, each in a trace of its own, so each request gets an
-``inference`` span of its own (the batch's times and attributes, ``orthornn.batch.id``
-naming the batch), a child of its request span: every trace shows the run that answered it.
-The queue and inference spans are made in the inference thread, after the batch ran, from
-the request's context (captured on the event loop when it was queued) and explicit times.
-
-Exporting: the SDK configured from the standard ``OTEL_*`` variables by the SDK's own
-classes (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_SERVICE_NAME``, ``OTEL_TRACES_SAMPLER``,
-...), OTLP over HTTP; a tracer provider already configured in the process (the SDK's
-auto-instrumentation, a test) is used as it is.
-"""
+"""OpenTelemetry tracing of requests: optional (the ``otel`` extra), off by default (the
+reasoning: docs/design.md, "Tracing")."""
 
 from __future__ import annotations
 

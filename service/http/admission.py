@@ -1,31 +1,5 @@
-"""Admission: the outermost of the service's ASGI middleware.
-
-Over ``max_inflight_requests`` in flight, a request gets 503 with Retry-After at once (so
-answered requests keep a bounded latency). Where the server offers a ``Connection`` (the
-eager listener does, under ``scope["state"][CONNECTION]``):
-
-- the refused connection is held: not read again until Retry-After has passed (and a
-  random fraction of ``RETRY_JITTER_S`` more, so that connections refused together do
-  not all come back together, in the same order), so a client that retries at once
-  waits in TCP instead of costing another refusal;
-- its next request, the retry, is not refused again when it finds every slot taken: it
-  waits (at most ``max_inflight_requests`` such retries) for the next slot to come free,
-  ahead of any new request. Without this, the connections being served would keep the
-  slots for ever (each sends its next request the moment its answer arrives, before a
-  retry can take the slot) and the others would be refused at every retry.
-
-A slot counts work, not connections: a request takes one only once its body is in (read
-here, then handed to the route as it came), so clients that send their bodies slowly
-hold no slot and the others keep being served. The bodies being received are bounded
-together (``max_receiving``; 503 past it) and each by the server's body deadline.
-
-Nothing is refused while a slot is free; health and metrics take no slot. A body over the
-limit gets 413. While the service drains (``draining()``), every answer carries
-``Connection: close``, so keep-alive clients reconnect (to another replica) instead of
-being reset when the listener closes. What admission answers itself (503, an early 413)
-it counts itself; every other request is counted by the route dispatcher
-(``routing.Routes``).
-"""
+"""Admission, the outermost ASGI middleware: the in-flight limit, the body limit, held
+connections (the reasoning: docs/design.md, "Admission")."""
 
 from __future__ import annotations
 

@@ -1,23 +1,5 @@
-"""The HTTP layer assembled into one app: the route table (``http.routes``), its
-dispatcher and admission, FastAPI for the documents, and the lifespan that starts and
-stops the registry and the sessions.
-
-Every route is a row of the route table (``service.http.routing``): method, path template,
-handler ``(Call) -> Response`` and its OpenAPI description. ``routing.Routes`` answers the
-table without FastAPI's routing, dependency and validation layers (the fast path), 405 for
-another method on a path of the table; the OpenAPI document is generated from the same
-rows. FastAPI itself serves only /openapi.json, /docs and /redoc, and 404 for what matches
-nothing. The middleware, outermost first:
-
-    admission.Admission: the body read before a slot is taken, 503 with Retry-After over
-        ``max_inflight_requests``, the body-size limit, the in-flight gauge,
-        ``Connection: close`` while draining;
-    any middleware added with ``app.add_middleware`` (it sees every route);
-    routing.Routes: the table, with the one error mapping
-        (``responses.error_response``), request counts and durations.
-
-Every client mistake is a 4xx with {"error": "..."}; anything else is a logged 500.
-"""
+"""The HTTP layer assembled into one app: the route table, its dispatcher and admission,
+FastAPI for the documents, the lifespan (the reasoning: docs/design.md, "The app")."""
 
 from __future__ import annotations
 

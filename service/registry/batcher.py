@@ -1,27 +1,5 @@
-"""Dynamic batching for one model version.
-
-Requests put their sequences on a queue. Up to ``workers`` drain jobs run in the
-inference executor (shared by all models); each takes what is queued (up to
-``max_batch_size`` sequences), runs it, hands the answers to the event loop (one callback
-per batch) and queues itself again for the next batch. Batches follow each other without
-a round trip through the event loop, so the model does not idle while answers are sent
-and new requests are read: the requests that arrive while a batch runs form the next one.
-A job starts at the end of the event loop's turn in which requests were queued, so that
-the requests read in one turn form one batch. A batch of fewer than max_batch_size
-sequences waits for more only while another request holding this model version is still
-on its way to the queue, and at most ``max_queue_delay_ms`` after the first waiting one;
-that wait is a timer on the event loop, never an inference thread held idle.
-
-Sequences are sorted by length and run in groups of at most ``max_batch_size`` whose
-longest sequence is at most twice their shortest, so padding stays small. The graphs take
-``lengths`` and padded steps never change a result, so an answer does not depend on what
-it was batched with. More than ``max_queue_size`` waiting sequences: QueueFull (429).
-Batching off: every request runs alone, bounded by the same queue.
-
-Tracing on (a ``tracer``, ``service.tracing``): a request's context is captured when it is
-queued, and after each batch the inference thread makes its ``queue`` and ``inference``
-spans from it; off, a check of ``tracer`` per request and per batch is all it costs.
-"""
+"""Dynamic batching for one model version (the reasoning: docs/design.md, "Dynamic
+batching")."""
 
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ from orthornn.export.artifacts.records import atomic_write
 from ..http.app import create_app
 from ..registry.devices import select_providers
 from ..settings import Settings
-from .listener import Deadlines, head_bounded, listen_eagerly, with_deadlines
+from .listener import listen_eagerly
+from .protocol import Deadlines, head_bounded, with_deadlines
 
 log = logging.getLogger("orthornn.service")
 

@@ -1,31 +1,5 @@
-"""Server-side sessions: the state of a sequence kept in the service (``session``: ID)
-rather than by the client (``tokens``).
-
-The state lives in the session store (``service.sessions.store``: this process's memory,
-or a Redis the replicas share). A session is pinned to the version it started on, on
-whichever replica continues it (the registry keeps that version loaded while sessions use
-it, and a replica that lacks it loads it on demand). A chunk is applied exactly once: the
-store's compare-and-set advances the session's position (time steps consumed) only from
-the position the chunk was computed at. A chunk may name that position (``position``): at
-the session's position it is applied; at the position before the last applied chunk it is
-a retry of that chunk, answered again from the state before it without advancing; at any
-other, 409 naming the session's position. Without a position, chunks apply in arrival
-order: one at a time per session within a replica (an asyncio lock, first come, first
-served), re-run on a compare-and-set conflict with another replica.
-
-A read of a remote store is a round trip, as much as the write: so a replica keeps the
-last record of each of its sessions (a bounded cache) and computes the next chunk from it
-without reading, its compare-and-set given the record's stamp (the store applies it only
-to that very record). Whatever else a cached record would answer (a conflict, a retry, an
-ended session, another model or version), and a cached record the store refuses (another
-replica wrote the session since), is decided again from a fresh read: the answers are
-those of a read every time.
-
-A session belongs to whoever started it (``owners``): with ``secrets`` on (the
-``session_secrets`` setting, the default) its start gives out a secret, and a chunk that
-does not present it is answered as for an id never started (404), before anything else
-about the session is said; a start on an id open for someone else gets 409.
-"""
+"""Server-side sessions: exactly-once chunks on the session store, pinned versions, owners
+(the reasoning: docs/design.md, "Server-side sessions")."""
 
 from __future__ import annotations
 

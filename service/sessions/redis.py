@@ -1,29 +1,5 @@
-"""Sessions in a Redis the replicas share (``session_store =
-"redis://[:PASSWORD@]HOST[:PORT][/DB]"``): any replica continues any session, and one that
-dies loses none.
-
-Redis data layout, under ``session_key_prefix`` P (default "orthornn:"):
-
-* ``P session:<id>``: a hash. ``model`` (str), ``version`` (int), ``position`` (int),
-  ``state`` (float32 little-endian bytes; absent before the first chunk),
-  ``previous_position`` (int; absent before the first chunk), ``previous_state`` (bytes;
-  absent when the state before the last chunk was the initial one), ``last_used`` (ms since
-  the epoch, Redis TIME), ``ended`` ("1" once ``finish`` ended it; absent while open),
-  ``stamp`` (16 random hex digits, new at every write: a compare-and-set given a record's
-  stamp applies only to that very record), ``secret`` (the SHA-256 hex of the session's
-  secret, ``owners``; absent for a session started without one). Its TTL is the idle
-  timeout, renewed by ``create``/``advance``/``finish``.
-* ``P sessions``: a sorted set of the open session ids, scored by their expiry time (ms,
-  Redis TIME), the same instant as the hash's PEXPIREAT. Every script first removes the
-  members whose score has passed, so ZCARD is the number of live sessions across replicas;
-  ``finish`` removes the id at once (the ended hash lives on until its TTL).
-* ``P ended``: a sorted set of the ended session ids, scored by their hash's expiry time
-  (ms): ``finish`` adds the id, and beyond ``max_ended`` members deletes the oldest ended
-  hashes; ``create`` (the id starts again) and ``delete`` remove it.
-
-A Redis that is down, unreachable or slow answers no call later than
-``session_store_timeout_s``: the call raises ``StoreUnavailable`` (503, Retry-After).
-"""
+"""Sessions in a Redis the replicas share: any replica continues any session, and one that
+dies loses none (the reasoning: docs/design.md, "Sessions in Redis")."""
 
 from __future__ import annotations
 

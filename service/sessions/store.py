@@ -1,33 +1,5 @@
-"""Where server-side sessions live: one typed interface (``SessionStore``), two stores.
-
-``MemoryStore`` (``session_store = "memory"``, the default; ``sessions.memory``) keeps the
-sessions in this process: a session belongs to the replica that started it. ``RedisStore``
-(``session_store = "redis://[:PASSWORD@]HOST[:PORT][/DB]"``; ``sessions.redis``) keeps them
-in a Redis that the replicas share, so any replica behind a load balancer continues any
-session, and one that dies loses none.
-
-A session's record holds its model and pinned version, the state after the chunks applied
-so far and their number of time steps (``position``), and the state and position before
-the last applied chunk (``previous_*``), from which a retried chunk is answered again
-without advancing twice. Chunks are applied exactly once by compare-and-set:
-``advance(sid, expected_position, state, steps)`` applies only while the stored position
-is still ``expected_position`` (in Redis one Lua script, so two replicas racing on one
-session cannot both apply), and otherwise raises ``PositionConflict`` naming the current
-position. Given a record's ``stamp`` too, it applies only while the session is still that
-very record (no write since, by any replica), else ``StaleRecord``: a replica may then
-compute a chunk from the record its last write returned, without reading it again.
-
-``finish`` is ``advance`` that also ends the session: the ended record stays readable
-(``get``, with ``ended``) until its idle timeout, so that a retried final chunk is answered
-again, but it is no longer open: it counts against no limit, pins no version, and its id
-may start again.
-
-Idle sessions expire by themselves (Redis's own key TTL; lazily in memory): no replica
-sweeps. The maximum number of sessions and ``versions_in_use`` count only live sessions
-(not ended ones); at most ``max_ended`` ended records are kept (the oldest ended go
-first); the memory store counts its expiries (``orthornn_session_expiries``), Redis
-expires keys without telling anyone.
-"""
+"""Where server-side sessions live: one typed interface (``SessionStore``), two stores
+(the reasoning: docs/design.md, "The session stores")."""
 
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ def test_the_body_deadline_scales_with_the_body_limit(tmp_path):
 
 def test_the_pinned_uvicorn_has_what_the_deadlines_use():
     import uvicorn
-    from orthornn.service.server.listener import Deadlines, deadline_problems, deadlined
+    from orthornn.service.server.protocol import Deadlines, deadline_problems, deadlined
     from uvicorn.protocols.http.h11_impl import H11Protocol
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
