@@ -3,6 +3,9 @@ import os
 import pytest
 import torch
 
+from . import background
+from .background import QUICKSTART_TEST
+
 # Without a GPU, the Triton kernels run in the interpreter. TRITON_INTERPRET is read
 # when triton is imported (lazily, by models.ops at the first kernel launch, never by
 # `import torch`), so it is set here, before any test module runs. With CUDA the real
@@ -23,25 +26,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
-    # The tests that run the container images go last (stably ordered): their build runs
-    # beside the other tests (pytest_collection_finish starts it).
+    # The tests that run the container images go last (stably ordered), after the
+    # quickstart's: their build and its training run beside the other tests
+    # (pytest_collection_finish starts them).
     images = [item for item in items if "containers" in item.keywords]
-    items[:] = [item for item in items if "containers" not in item.keywords] + images
+    late = [item for item in items if item.nodeid.endswith(QUICKSTART_TEST)]
+    items[:] = [item for item in items if item not in images and item not in late] + \
+        late + images
 
 
 def pytest_collection_finish(session):
     """Start the image build (tests/containers.py) when a test still selected after -m and
-    -k deselection runs an image (it uses the `engine` fixture)."""
+    -k deselection runs an image (it uses the `engine` fixture), and the quickstart's
+    training when its test is selected (tests/background.py)."""
     if any("engine" in getattr(item, "fixturenames", ()) for item in session.items):
         from .containers import start_build
 
         start_build()
+    if any(item.nodeid.endswith(QUICKSTART_TEST) for item in session.items):
+        background.start_quickstart()
 
 
 def pytest_sessionfinish(session):
     from .containers import stop_build
 
     stop_build()
+    background.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import background
+from tests.background import OTHER_NUMERICS
 from tests.readme_examples import check, examples
 from tests.service_helpers import free_port, wait_ready
 
@@ -43,24 +45,6 @@ def stop(proc):
     finally:
         if proc.poll() is None:
             proc.kill()
-
-
-#: the quickstart's word model is trained a second time under this numerics setting
-#: (bench/numerics.py): ATen's scalar kernels instead of the vectorised ones that every
-#: x86-64 CPU with AVX2 runs, so other bytes than the quickstart's on any CI machine. The
-#: docs' answers must hold for both, as they must for a model trained on another CPU.
-OTHER_NUMERICS = "aten-default"
-
-
-def train_words_under(setting: str, run: Path) -> subprocess.Popen:
-    """The quickstart's word model (its config as the quickstart trains it, not through
-    `orthornn train`, whose task presets would fill in other options) trained into RUN
-    under a bench/numerics.py setting, in the background, beside the quickstart's own."""
-    from bench.numerics import environment
-
-    return subprocess.Popen([sys.executable, str(ROOT / "bench" / "numerics.py"),
-                             "--train-worker", str(run)], cwd=ROOT, env=environment(setting),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def docs_examples_answered(url: str, vocabulary: set[str], words_only: bool = False
@@ -98,16 +82,11 @@ def vocabulary_of(package: Path) -> set[str]:
 @pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
 @pytest.mark.timeout(1500)  # training both models: 2.5 min on 2 busy cores, 10 under heavy load
 def test_quickstart_serves_every_readme_example(tmp_path):
-    root = tmp_path / "qs"
-    other_run = tmp_path / "other" / "words"
-    other = train_words_under(OTHER_NUMERICS, other_run)
-    try:
-        built = orthornn("quickstart", "--dir", root, "--no-serve", timeout=1100)  # not a tty
-        other_log, _ = other.communicate(timeout=1100)
-    finally:
-        if other.poll() is None:
-            other.kill()
-    assert other.returncode == 0, other_log[-3000:]
+    # the quickstart and the word model under OTHER_NUMERICS, trained in the background
+    # since the session started (tests/background.py)
+    jobs = background.quickstart()
+    root, other_run = jobs.root, jobs.other_run
+    built, _ = jobs.wait(timeout=1100)
     assert (root / "models" / "digits" / "1" / "manifest.json").is_file()
     assert (root / "models" / "words" / "1" / "step.onnx").is_file()
     # progress in the log: lines with step, rate and ETA (5 s apart), and the exports
