@@ -24,6 +24,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,21 +61,31 @@ class Models:
 def models(tmp_path_factory) -> Models:
     work = tmp_path_factory.mktemp("rollout")
     runs, repo = work / "runs", work / "repo"
-    orthornn("train", *DIGITS, "--steps", "200", "--out", runs / "digits")
-    orthornn("export", runs / "digits", "--repo", repo, "--name", "digits", "--no-progress")
-    orthornn("train", "--resume", "--out", runs / "digits", "--steps", "260", "--select",
-             "last", "--no-progress")
-    orthornn("export", runs / "digits", "--repo", repo, "--name", "digits", "--gate",
-             "--no-promote", "--no-progress")
-    orthornn("train", *DIGITS, "--task", "permuted-digits", "--steps", "200", "--out",
-             runs / "permuted")
+
+    def digits() -> None:  # versions 1 (promoted) and 2 (the good candidate)
+        orthornn("train", *DIGITS, "--steps", "200", "--out", runs / "digits")
+        orthornn("export", runs / "digits", "--repo", repo, "--name", "digits", "--no-progress")
+        orthornn("train", "--resume", "--out", runs / "digits", "--steps", "260", "--select",
+                 "last", "--no-progress")
+        orthornn("export", runs / "digits", "--repo", repo, "--name", "digits", "--gate",
+                 "--no-promote", "--no-progress")
+
+    def adder() -> None:  # versions 1 (promoted) and 2 (the failing candidate)
+        orthornn("train", *ADDING, "--seq-len", "12", "--steps", "60", "--out", runs / "adder")
+        orthornn("export", runs / "adder", "--repo", repo, "--name", "adder", "--no-progress")
+        orthornn("train", *ADDING, "--seq-len", "6", "--steps", "60", "--out", runs / "short")
+        orthornn("export", runs / "short", "--repo", repo, "--name", "adder", "--gate",
+                 "--no-promote", "--min-metric", "1", "--tolerance", "1", "--no-progress")
+
+    # the three trainings side by side (the exports of one model stay in order)
+    with ThreadPoolExecutor(3) as pool:
+        jobs = [pool.submit(digits), pool.submit(adder), pool.submit(
+            orthornn, "train", *DIGITS, "--task", "permuted-digits", "--steps", "200",
+            "--out", runs / "permuted")]
+        for job in jobs:
+            job.result()
     orthornn("export", runs / "permuted", "--repo", repo, "--name", "digits", "--gate",
-             "--no-promote", "--tolerance", "1", "--no-progress")
-    orthornn("train", *ADDING, "--seq-len", "12", "--steps", "60", "--out", runs / "adder")
-    orthornn("export", runs / "adder", "--repo", repo, "--name", "adder", "--no-progress")
-    orthornn("train", *ADDING, "--seq-len", "6", "--steps", "60", "--out", runs / "short")
-    orthornn("export", runs / "short", "--repo", repo, "--name", "adder", "--gate",
-             "--no-promote", "--min-metric", "1", "--tolerance", "1", "--no-progress")
+             "--no-promote", "--tolerance", "1", "--no-progress")  # version 3: the wrong one
     promotion = json.loads((repo / "digits" / "promotion.json").read_text())
     assert promotion["version"] == 1  # --no-promote left the promotion alone
     return Models(repo, good=2, wrong=3, failing=2)
