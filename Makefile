@@ -40,7 +40,7 @@ test: $(VENV)/.installed tools lint docs
 	$(BIN)/python -m pytest -q
 
 # Day-to-day work: the lint and the unit tests (tests/unit/: no servers, no images, no
-# Debian tools), about two minutes on 2 cores. make test stays the whole suite.
+# Debian tools), about four minutes on 2 cores. make test stays the whole suite.
 check: lint
 	$(BIN)/python -m pytest -q tests/unit
 

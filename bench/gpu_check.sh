@@ -17,7 +17,7 @@
 # Run from the checkout: OUT=/some/dir bash bench/gpu_check.sh. Writes 8 files to $OUT
 # (the most a lent machine returns): summary.json (every step's exit code and seconds),
 # env.txt, log.txt (every step's output), ops.json (the point), ops-grid.json, chains.json,
-# throughput.json, reproduce.json. The compile check (tests/unit/models/test_triton_compile.py) needs
+# throughput.json, reproduce.json. The compile check (tests/integration/test_triton_compile.py) needs
 # no GPU and is not rerun here.
 # Environment: BUDGET (seconds, default 470), PYTHON (default python), SMOKE=1 (a tiny run
 # of every step on the CPU through the Triton interpreter: checks the script, not the GPU).

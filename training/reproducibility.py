@@ -10,7 +10,7 @@ Two things made the same command with the same seed train different weights:
 - oneDNN's LSTM kernel splits its weight gradients by thread; training turns oneDNN off
   (``deterministic_cpu``), which leaves the same ops on ATen's and MKL's paths.
 With both, measured on every architecture: identical bytes for 1 and 2 threads, and
-for the same command twice (tests/unit/training/test_reproducibility.py).
+for the same command twice (tests/integration/test_reproducibility.py).
 
 Across CPUs there is no such guarantee. MKL picks its branch by CPU (``MKL_CBWR``'s
 AUTO: AVX-512 here, another on an AMD EPYC), ATen its kernels by instruction set

@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 # a development tool in scripts/, not part of the wheel
 _SPEC = importlib.util.spec_from_file_location(
-    "compile_check", Path(__file__).resolve().parents[3] / "scripts" / "compile_check.py")
+    "compile_check", Path(__file__).resolve().parents[2] / "scripts" / "compile_check.py")
 compile_check = sys.modules["compile_check"] = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(compile_check)
 

@@ -15,7 +15,7 @@ from orthornn.training.reproducibility import idle_cores, pick_threads, usable_c
 
 import orthornn
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def train(out: Path, *flags: str, env: dict | None = None) -> dict:
