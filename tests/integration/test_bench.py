@@ -143,6 +143,7 @@ def test_answered_probe_splits_latency_by_status(service_packages, tmp_path):
         assert set(json.loads(out.read_text())["by_status"]) == {"404"}
 
 
+@pytest.mark.slow  # 85 s in CI; the same bytes at 1 and 2 threads: test_reproducibility
 def test_threads_benchmark_runs(tmp_path):
     """Every cell trains the same bytes (the benchmark's own check: exit 0)."""
     out = tmp_path / "threads.json"
@@ -198,6 +199,7 @@ def test_images_benchmark_refuses_a_bad_run_count(capsys):
     assert "--runs must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 52 s in CI; 1 and 2 processes reaching one result: test_distributed
 def test_distributed_benchmark_runs(tmp_path):
     """1 and 2 processes (torchrun's launcher), one round of toy runs: the rows and their
     speed-ups are there (the rates of such short runs are noise, and may be missing)."""

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FUZZ = ROOT / "tests" / "fuzz"
-RUNS = {"predict_json": 3000, "oip_json": 3000, "oip_binary": 3000, "sessions": 300}
+RUNS = {"predict_json": 3000, "oip_json": 3000, "oip_binary": 3000, "sessions": 100}
 
 pytest.importorskip("atheris")
 
