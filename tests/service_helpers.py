@@ -69,6 +69,14 @@ def wait_ready(proc, url: str, timeout: float = 120.0) -> None:
         time.sleep(0.1)
 
 
+def _poll(predicate, deadline: float, timeout: float, what: str | Callable[[], str]):
+    """PREDICATE's value; AssertionError naming WHAT when it is false past DEADLINE."""
+    value = predicate()
+    if not value and time.monotonic() > deadline:
+        raise AssertionError(f"not within {timeout:g} s: {what() if callable(what) else what}")
+    return value
+
+
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05,
                what: str | Callable[[], str] = "the condition"):
     """Poll PREDICATE every INTERVAL seconds until it returns something true, and return
@@ -76,28 +84,18 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05,
     describes the state at the deadline). Tests wait on the condition itself, never on a
     fixed sleep: a busy 2-core CI machine can outlast any sleep."""
     deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: "
-                                 f"{what() if callable(what) else what}")
+    while not (value := _poll(predicate, deadline, timeout, what)):
         time.sleep(interval)
+    return value
 
 
 async def wait_until_async(predicate, timeout: float = 30.0, interval: float = 0.001,
                            what: str | Callable[[], str] = "the condition"):
     """wait_until on an event loop: the loop runs (asyncio.sleep) between the polls."""
     deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: "
-                                 f"{what() if callable(what) else what}")
+    while not (value := _poll(predicate, deadline, timeout, what)):
         await asyncio.sleep(interval)
+    return value
 
 
 def free_port() -> int:

@@ -288,11 +288,12 @@ def test_helm_lint_strict(sets):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_rendered_manifests_pass_kubernetes_validate(tmp_path):
+def _kubernetes_validate(variants: dict, tmp_path) -> None:
+    """Every document of every variant's render passes kubernetes-validate --strict."""
     validate = tool("kubernetes-validate")
     files = []
     count = 0
-    for name, sets in VARIANTS.items():
+    for name, sets in variants.items():
         # ServiceMonitor is a CRD (prometheus-operator): no Kubernetes schema to check it by.
         docs = [d for d in render(*sets) if d["kind"] != "ServiceMonitor"]
         assert len(docs) >= 8, name  # ConfigMap, Deployment, ... (test_default_render)
@@ -303,6 +304,10 @@ def test_rendered_manifests_pass_kubernetes_validate(tmp_path):
     result = run([validate, "--strict", "--kubernetes-version", KUBERNETES_VERSION, *files])
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("passed") == count
+
+
+def test_rendered_manifests_pass_kubernetes_validate(tmp_path):
+    _kubernetes_validate(VARIANTS, tmp_path)
 
 
 def test_default_render():
@@ -809,18 +814,7 @@ def test_helm_lint_strict_sessions(name):
 
 
 def test_sessions_manifests_pass_kubernetes_validate(tmp_path):
-    validate = tool("kubernetes-validate")
-    files, count = [], 0
-    for name, sets in SESSIONS.items():
-        docs = [d for d in render(*sets) if d["kind"] != "ServiceMonitor"]
-        assert len(docs) >= 8, name  # ConfigMap, Deployment, ... (test_default_render)
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump_all(docs))
-        files.append(str(path))
-        count += len(docs)
-    result = run([validate, "--strict", "--kubernetes-version", KUBERNETES_VERSION, *files])
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("passed") == count
+    _kubernetes_validate(SESSIONS, tmp_path)
 
 
 def _server(docs) -> dict:
