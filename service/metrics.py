@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from orthornn.export.artifacts.numbers import is_number
 from prometheus_client import (
@@ -200,9 +200,9 @@ class Metrics:
         evaluation = getattr(manifest, "evaluation", None)
         if not isinstance(evaluation, dict):
             return None
-        metric, value = evaluation.get("metric"), evaluation.get("value", 0.0)
+        metric, value = evaluation.get("metric"), evaluation.get("value")
         if isinstance(metric, str) and metric and is_number(value):
-            return metric, float(value)
+            return metric, float(cast(float, value))  # is_number: a finite int or float
         return None
 
     def model_loaded(self, manifest: Manifest) -> None:

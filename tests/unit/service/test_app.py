@@ -468,3 +468,19 @@ def test_errors_carry_their_status_and_one_handler_answers_them(caplog):
     with caplog.at_level("ERROR", logger="orthornn.service"):
         assert error_response(RuntimeError("bug"), "GET /x").status_code == 500
     assert "internal error on GET /x" in caplog.text
+
+
+def test_only_an_evaluation_with_a_metric_and_a_finite_value_is_exported():
+    """The evaluation gauges' source: a metric name and a finite number, never a bool, a
+    NaN or a missing value read as some number."""
+    from types import SimpleNamespace
+
+    from orthornn.service.metrics import Metrics
+
+    for evaluation in ({"metric": "accuracy"}, {"metric": "accuracy", "value": True},
+                       {"metric": "accuracy", "value": float("nan")}, {"value": 0.9},
+                       {"metric": "", "value": 0.9}, None):
+        assert Metrics._evaluation(SimpleNamespace(evaluation=evaluation)) is None, evaluation
+    assert Metrics._evaluation(SimpleNamespace(evaluation={"metric": "mse", "value": 2})) == \
+        ("mse", 2.0)
+
