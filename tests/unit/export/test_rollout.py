@@ -205,7 +205,9 @@ def test_one_controller_steps_a_rollout_at_a_time(repo):
     assert first.step([report(plan, 0)])[1] is True
     now, stepped = second.step([report(plan, 0)])
     assert stepped is False and now == rollout.read_plan(model_dir)
-    assert first.step([])[1] is True  # the holder renews
+    lease = (model_dir / rollout.LEASE).read_bytes()
+    assert first.step([])[1] is True  # the holder keeps it: not rewritten before half its term
+    assert (model_dir / rollout.LEASE).read_bytes() == lease
     later = dt.datetime.now(dt.UTC) + dt.timedelta(hours=2)  # the first one's lease lapsed
     assert rollout.take_lease(model_dir, second.owner, 60, later)
     assert not rollout.take_lease(model_dir, first.owner, 60, later)
