@@ -4,7 +4,6 @@ instance (so several apps in one process, as in the tests, do not collide)."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from orthornn.export.artifacts.numbers import is_number
@@ -25,42 +24,6 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
                    2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 UNKNOWN = "_unknown"  # label of requests for models that are not loaded (bounded cardinality)
-
-
-@dataclass(slots=True)
-class Held:
-    """The model version a request held (``hold``, by whoever acquires one for it: the
-    dataplane, the session manager) and, before that, the model (and version) it named
-    (``name``, by its handler). The HTTP layer counts the request, a failed one too, under
-    the version held, else the model named when it is loaded (``DataPlane.labels``).
-    Passed down as an argument: nothing rides on the ASGI scope or on an exception."""
-
-    model: str | None = None
-    version: int | None = None
-    named: str | None = None
-    named_version: int | None = None
-    # a running rollout's analysis counts only the requests it placed: the routing key of
-    # a request whose version the service chose (none named, no states; a session's id),
-    # its compute time (queue and inference), and whether the candidate refused (4xx) an
-    # input the promoted version takes (the candidate's failure, not the client's)
-    route_key: bytes | None = None
-    compute_s: float | None = None
-    candidate_refused: bool = False  # a 4xx of the candidate the promoted version takes
-
-    def refused(self) -> None:
-        self.candidate_refused = True
-
-    def hold(self, model: str, version: int) -> None:
-        self.model, self.version = model, version
-
-    def routed(self, key: bytes) -> None:
-        self.route_key = key
-
-    def computed(self, seconds: float) -> None:
-        self.compute_s = seconds  # a session chunk run again (another replica's write): the last
-
-    def name(self, model: str, version: int | None = None) -> None:
-        self.named, self.named_version = model, version
 
 
 class Metrics:

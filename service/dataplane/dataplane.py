@@ -1,15 +1,12 @@
 """The model work behind the HTTP routes: typed requests in, typed results out
-(``service.dataplane.messages``), as MLServer's ``DataPlane`` serves REST and gRPC alike. The HTTP
-layer (``service.http.app``) decodes bodies with the codecs, maps errors to status codes and
-counts metrics; everything that touches a model version, a batcher, a state or a session
-is here. Whatever holds a model version for a request records it in the request's
-``Held`` (an argument), so that the request is counted under it, a failed one too.
-"""
+(``service.dataplane.messages``), as MLServer's ``DataPlane`` serves REST and gRPC alike:
+check the inputs against the version's spec, ``ModelVersion.infer``, then shape the answer.
+The request's scope (``service.request``) says which version answered, for its metrics and
+a running rollout's analysis."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,6 +14,7 @@ from typing import Any
 import numpy as np
 from orthornn.export.artifacts.package import INITIAL_STATE
 
+from .. import request
 from ..errors import (
     SECRET_HEADER,
     ClientError,
@@ -24,8 +22,7 @@ from ..errors import (
     ServiceError,
     StateConflict,
 )
-from ..metrics import UNKNOWN, Held, Metrics
-from ..registry.batcher import Batcher
+from ..metrics import UNKNOWN, Metrics
 from ..registry.registry import ModelVersion, Registry
 from ..registry.runtime import Chunk
 from ..registry.spec import ModelSpec
@@ -76,7 +73,7 @@ class DataPlane:
         self.metadata = Metadata(settings, registry)  # the routes' other two jobs
         self.repository = Repository(registry)
 
-    def observe(self, held: Held, status: int) -> None:
+    def observe(self, held: request.Scope, status: int) -> None:
         """An answered request, for a running rollout's analysis: counted only when the
         rollout placed it (``held.route_key``: the service chose its version), and only a
         5xx is the version's error (``rollouts.version_error``); a request that held no
@@ -84,7 +81,7 @@ class DataPlane:
         self.rollouts.count(held.model, held.version, status, held.route_key, held.compute_s,
                             held.candidate_refused)
 
-    def labels(self, held: Held) -> tuple[str, str]:
+    def labels(self, held: request.Scope) -> tuple[str, str]:
         """The metric labels of a request: the version it held, else the model it named
         when loaded (with the version only when that is loaded); UNKNOWN for a model that
         is not loaded (clients cannot grow the label set)."""
@@ -98,9 +95,9 @@ class DataPlane:
         return name, ""
 
     @contextmanager
-    def hold(self, name: str, version: int | None, held: Held, *, from_states: bool = False,
+    def hold(self, name: str, version: int | None, *, from_states: bool = False,
              batched: bool = True) -> Iterator[ModelVersion]:
-        """Acquire a model version for one request (recorded in HELD). ``from_states``: the
+        """Lease a model version for one request. ``from_states``: the
         version is the one the request's states name (a 404 says so). ``batched=False``:
         the request never submits to a batcher (the batchers do not wait for it)."""
         try:
@@ -113,7 +110,6 @@ class DataPlane:
                                f"version that made it: start the sequence again without "
                                f"states") from None
             raise
-        held.hold(mv.name, mv.version)
         try:
             yield mv
         finally:
@@ -121,8 +117,8 @@ class DataPlane:
 
     # -- /generate ---------------------------------------------------------------------------
 
-    async def generate(self, req: GenerateRequest, held: Held) -> Document:
-        with self.hold(req.model, version_param(req.version), held, batched=False) as mv:
+    async def generate(self, req: GenerateRequest) -> Document:
+        with self.hold(req.model, version_param(req.version), batched=False) as mv:
             prompt = generate.prompt_ids(mv.spec, req, self.settings.max_new_tokens,
                                          self.settings.max_lm_output_bytes)
             # a thread of its own (asyncio's default pool): a long generation must not hold
@@ -134,12 +130,12 @@ class DataPlane:
 
     # -- /predict --------------------------------------------------------------------------
 
-    async def predict(self, req: Prediction, held: Held, key: bytes = b"",
+    async def predict(self, req: Prediction, key: bytes = b"",
                       secret: str | None = None) -> PredictResult:
         """KEY: the request's routing key (a rollout's canary places it by its hash);
         SECRET: a session's secret from the request's header (or in the body)."""
         if req.session is not None:
-            return await self._predict_session(req, held, secret)
+            return await self._predict_session(req, secret)
         for flag, given in (("start", req.start), ("end", req.end),
                             ("position", req.position is not None),
                             ("session_secret", req.session_secret is not None)):
@@ -158,9 +154,9 @@ class DataPlane:
                                     f"version that made it")
         elif version is None:
             version = self.registry.route(req.model, key)
-            held.routed(key)
-        with self.hold(req.model, version, held, from_states=from_states) as mv:
-            seqs = self._sequences(mv, req, held)
+            request.current().route_key = key
+        with self.hold(req.model, version, from_states=from_states) as mv:
+            seqs = self._sequences(mv, req)
             warning = self._range_warning(mv, seqs, "inputs")
             if req.states is not None:
                 if len(req.states) != len(seqs):
@@ -173,14 +169,13 @@ class DataPlane:
                     for i, (s, st) in enumerate(zip(seqs, req.states, strict=True))]
             else:
                 batch = list(seqs)
-            outputs, _, raw = await self._run(mv, batch, req, held)
+            outputs, _, raw = await self._run(mv, batch, req)
             if req.states is None and not req.per_step:
                 self.shadows.after(mv, lambda spec: predict_sequences(
                     spec, req, self.settings.max_request_sequences), raw)
         return PredictResult(Served(mv.name, mv.version, warning), outputs)
 
-    async def _predict_session(self, req: Prediction, held: Held,
-                               secret: str | None) -> PredictResult:
+    async def _predict_session(self, req: Prediction, secret: str | None) -> PredictResult:
         assert req.session is not None
         if req.states is not None:
             raise ClientError("states: not with 'session' (the session keeps its state)")
@@ -188,32 +183,34 @@ class DataPlane:
         async def chunk(mv: ModelVersion, state: np.ndarray | None
                         ) -> tuple[tuple[list[dict], str | None], np.ndarray, int]:
             self._check_streaming(mv)
-            seq = self._session_sequence(self._sequences(mv, req, held))
+            seq = self._session_sequence(self._sequences(mv, req))
             warning = self._range_warning(mv, [seq], "inputs")
-            outputs, states, _ = await self._run(mv, [Chunk(seq, state)], req, held)
+            outputs, states, _ = await self._run(mv, [Chunk(seq, state)], req)
             return (outputs, warning), states[0], len(seq)
-        held.routed(req.session.encode())  # a session is placed by its id
+        request.current().route_key = req.session.encode()  # placed by its id
         applied = await self.sessions.chunk(
             req.session, req.model, chunk, version=version_param(req.version),
-            start=req.start, end=req.end, position=req.position, held=held,
+            start=req.start, end=req.end, position=req.position,
             secret=_secret(secret, req.session_secret, "session_secret"))
         outputs, warning = applied.answer
         return PredictResult(Served(applied.model, applied.version, warning), outputs,
                              session=req.session, position=applied.position,
                              session_secret=applied.secret)
 
-    def _sequences(self, mv: ModelVersion, req: Prediction, held: Held) -> list[np.ndarray]:
-        return self._checked(mv, held, lambda spec: predict_sequences(
+    def _sequences(self, mv: ModelVersion, req: Prediction) -> list[np.ndarray]:
+        return self._checked(mv, lambda spec: predict_sequences(
             spec, req, self.settings.max_request_sequences, self.settings.max_lm_output_bytes))
 
-    def _checked(self, mv: ModelVersion, held: Held, check: Callable[[ModelSpec], Any]) -> Any:
+    def _checked(self, mv: ModelVersion, check: Callable[[ModelSpec], Any]) -> Any:
         """CHECK(MV's spec): the request's inputs as MV takes them. A rollout's candidate
         refusing (4xx) a request the rollout placed on it, which the promoted version's
-        spec takes, is the candidate's failure, not the client's (``Held.refused``): a
-        candidate that narrows its inputs (a shorter max_length) is rolled back on it."""
+        spec takes, is the candidate's failure, not the client's (the scope's
+        ``candidate_refused``): a candidate that narrows its inputs (a shorter max_length)
+        is rolled back on it."""
         try:
             return check(mv.spec)
         except ServiceError as error:
+            held = request.current()
             plan = self.rollouts.running(mv.name)
             if held.route_key is None or plan is None or plan.candidate != mv.version or \
                     not 400 <= error.status < 500:
@@ -225,44 +222,23 @@ class DataPlane:
                 except ServiceError:
                     pass  # the promoted version refuses it too: the client's
                 else:
-                    held.refused()
+                    held.candidate_refused = True
             raise
 
-    async def _run(self, mv: ModelVersion, seqs: list, req: Prediction, held: Held
+    async def _run(self, mv: ModelVersion, seqs: list, req: Prediction
                    ) -> tuple[list[dict], list[np.ndarray], list[np.ndarray]]:
-        """Batch the sequences; (the /predict outputs, the state after each sequence, the
-        graph's output per sequence)."""
+        """(The /predict outputs, the state after each sequence, the graph's output per
+        sequence.)"""
         spec = mv.spec
-        batcher = mv.batcher
-        if req.per_step:
-            if spec.task not in ("classify", "regress"):
-                raise ClientError(f"per_step: for classify and regress models; {spec.task} "
-                                  f"models already answer every step")
-            if mv.steps_batcher is None:
-                raise ClientError(f"per_step: model {mv.name!r} version {mv.version} has no "
-                                  f"per-step graph; export it again")
-            batcher = mv.steps_batcher
-
-        def post(rows: list[dict[str, np.ndarray]]  # in the inference thread
-                 ) -> tuple[list[dict[str, Any]], list[np.ndarray], list[np.ndarray]]:
-            out = shape_outputs(spec, rows, seqs, req.top_k, req.per_step,
-                                        req.allow_unk)
-            if req.return_state:
-                for item, row in zip(out, rows, strict=True):
-                    item["state"] = encode_state(mv.name, mv.version, row["state"])
-            return out, [row["state"] for row in rows], [row[spec.output_name] for row in rows]
-        return await self._submit(mv, batcher, seqs, post, held,
-                                  prepare=True)  # one softmax per batch
-
-    async def _submit(self, mv: ModelVersion, batcher: Batcher, seqs: list,
-                      post: Callable[[list[dict]], Any], held: Held, *,
-                      prepare: bool = False) -> Any:
-        """``batcher.submit``, its compute time (queue and inference) kept in HELD: a
-        running rollout compares its versions' over the requests it placed (``observe``)."""
-        start = time.perf_counter()
-        done = await batcher.submit(seqs, post, prepare=prepare)
-        held.computed(time.perf_counter() - start)
-        return done
+        if req.per_step and spec.task not in ("classify", "regress"):
+            raise ClientError(f"per_step: for classify and regress models; {spec.task} "
+                              f"models already answer every step")
+        rows = await mv.infer(seqs, per_step=req.per_step, probabilities=True)
+        out = shape_outputs(spec, rows, seqs, req.top_k, req.per_step, req.allow_unk)
+        if req.return_state:
+            for item, row in zip(out, rows, strict=True):
+                item["state"] = encode_state(mv.name, mv.version, row["state"])
+        return out, [row["state"] for row in rows], [row[spec.output_name] for row in rows]
 
     # -- sessions (server-side state, /predict and OIP sequences alike: service.streaming) --
 
@@ -293,7 +269,7 @@ class DataPlane:
 
     # -- Open Inference Protocol ------------------------------------------------------------
 
-    async def infer(self, req: Inference, name: str, version: str | None, held: Held,
+    async def infer(self, req: Inference, name: str, version: str | None,
                     key: bytes = b"", secret: str | None = None) -> InferenceResult:
         """An OIP inference request on model NAME (VERSION: the URL's); with a
         ``sequence``, a chunk of that session (its position makes it exactly-once, as
@@ -306,17 +282,16 @@ class DataPlane:
             async def chunk(mv: ModelVersion, state: np.ndarray | None
                             ) -> tuple[tuple[list[OutputTensor], str | None], np.ndarray, int]:
                 self._check_streaming(mv)
-                seqs, steps = self._infer_sequences(mv, req, held)
+                seqs, steps = self._infer_sequences(mv, req)
                 seq = self._session_sequence(seqs)
                 warning = self._range_warning(mv, [seq], "inputs[x]")
-                tensors = await self._infer_run(mv, req, [Chunk(seq, state)], steps, held)
+                tensors = await self._infer_run(mv, req, [Chunk(seq, state)], steps)
                 return (tensors, warning), self._state_of(tensors), len(seq)
-            held.routed(sid.encode())  # a sequence is placed by its id
+            request.current().route_key = sid.encode()  # a sequence is placed by its id
             applied = await self.sessions.chunk(
                 sid, name, chunk, version=version_param(version), start=req.sequence.start,
                 end=req.sequence.end, position=req.sequence.position, what="sequence",
-                held=held, secret=_secret(secret, req.session_secret,
-                                          "parameters.session_secret"))
+                secret=_secret(secret, req.session_secret, "parameters.session_secret"))
             tensors, warning = applied.answer
             served = Served(applied.model, applied.version, warning)
             position, given = applied.position, applied.secret
@@ -327,11 +302,11 @@ class DataPlane:
             stateless = all(t.name != INITIAL_STATE for t in req.inputs)
             if number is None and stateless:  # a state continues the version that made it
                 number = self.registry.route(name, key)
-                held.routed(key)
-            with self.hold(name, number, held) as mv:
-                seqs, steps = self._infer_sequences(mv, req, held)
+                request.current().route_key = key
+            with self.hold(name, number) as mv:
+                seqs, steps = self._infer_sequences(mv, req)
                 warning = self._range_warning(mv, seqs, "inputs[x]")
-                tensors = await self._infer_run(mv, req, seqs, steps, held)
+                tensors = await self._infer_run(mv, req, seqs, steps)
                 if stateless:
                     self._shadow_infer(mv, req, seqs, tensors)
             served = Served(mv.name, mv.version, warning)
@@ -347,14 +322,13 @@ class DataPlane:
         (state,) = [t.data for t in tensors if t.name == "state"]
         return state[0]
 
-    def _infer_sequences(self, mv: ModelVersion, req: Inference, held: Held
-                         ) -> tuple[list, int]:
-        return self._checked(mv, held, lambda spec: infer_sequences(
+    def _infer_sequences(self, mv: ModelVersion, req: Inference) -> tuple[list, int]:
+        return self._checked(mv, lambda spec: infer_sequences(
             spec, req, spec.io["model"], self.settings.max_request_sequences,
             self.settings.max_lm_output_bytes))
 
-    async def _infer_run(self, mv: ModelVersion, req: Inference, seqs: list, steps: int,
-                         held: Held) -> list[OutputTensor]:
+    async def _infer_run(self, mv: ModelVersion, req: Inference, seqs: list, steps: int
+                         ) -> list[OutputTensor]:
         """Every output of the model, as tensors [B, ...] (the request's outputs checked)."""
         runtime = mv.runtime
         names = runtime.output_names["model"]
@@ -362,10 +336,8 @@ class DataPlane:
         if unknown:
             raise ClientError(f"outputs: unknown output {unknown[0]!r}; the model has {names}")
         datatypes = {o.name: o.datatype for o in mv.spec.io["model"].outputs}
-        tensors = await self._submit(
-            mv, mv.batcher, seqs, lambda rows: outputs_to_tensors(rows, names, steps,
-                                                                  runtime.per_step["model"]),
-            held)
+        rows = await mv.infer(seqs)
+        tensors = outputs_to_tensors(rows, names, steps, runtime.per_step["model"])
         return [OutputTensor(n, datatypes[n], tensors[n]) for n in names]
 
     def _shadow_infer(self, mv: ModelVersion, req: Inference, seqs: list,

@@ -1,7 +1,7 @@
-"""Answers from a model's output rows, next to the model work (they run in the inference
-thread, on the rows the batcher hands back): probabilities, top-k, per-step outputs and
-language-model scoring for /predict, and the stacked output tensors of the Open Inference
-Protocol. The codecs only serialise what these give."""
+"""Answers from a model version's output rows (``ModelVersion.infer``), shaped on the event
+loop once they are back: probabilities, top-k, per-step outputs and language-model scoring
+for /predict, and the stacked output tensors of the Open Inference Protocol. The codecs only
+serialise what these give."""
 
 from __future__ import annotations
 
@@ -12,26 +12,13 @@ import numpy as np
 from orthornn.export.artifacts.package import INITIAL_LOGITS
 from orthornn.export.artifacts.scoring import log_softmax, softmax
 
+from ..registry.batching import INDEX, LOG_PROBABILITIES, PROBABILITIES, prepare_rows
 from ..registry.runtime import Chunk
 from ..registry.spec import ModelSpec
 
 
 def _label(spec: ModelSpec, i: int) -> str:
     return spec.labels[i] if spec.labels and i < len(spec.labels) else str(i)
-
-
-PROBABILITIES, INDEX = "_probabilities", "_index"  # added to classify rows by prepare_rows
-
-
-def prepare_rows(spec: ModelSpec, rows: list[dict]) -> None:
-    """Once per batch, in the inference thread: every classify row's probabilities (as a
-    list) and most likely class, from one softmax over the batch instead of one per row."""
-    if spec.task != "classify" or not rows:
-        return
-    p = softmax(np.stack([r[spec.output_name] for r in rows]).astype(np.float64))
-    for row, probabilities, index in zip(rows, p.tolist(), p.argmax(axis=-1).tolist(),
-                                         strict=True):
-        row[PROBABILITIES], row[INDEX] = probabilities, index
 
 
 def _classify_item(spec: ModelSpec, p: list[float], i: int, top_k: int | None) -> dict:
@@ -56,31 +43,33 @@ def _per_step_items(spec: ModelSpec, y: np.ndarray, top_k: int | None) -> list[d
 def shape_outputs(spec: ModelSpec, rows: list[dict], sequences: list,
                   top_k: int | None, per_step: bool = False, allow_unk: bool = False
                   ) -> list[dict]:
-    """Per sequence, the /predict answer from its output rows (runs in the inference
-    thread). ``sequences``: arrays, or Chunks that continued from a state. Language models
-    list no <unk> among next_tokens unless allow_unk."""
+    """Per sequence, the /predict answer from its output rows. ``sequences``: arrays, or
+    Chunks that continued from a state. Language models list no <unk> among next_tokens
+    unless allow_unk."""
     if per_step:
         out = []
         for row in rows:
             steps = _per_step_items(spec, row[spec.output_name], top_k)
             out.append({**steps[-1], "steps": steps})
         return out
-    if rows and spec.task == "classify" and PROBABILITIES not in rows[0]:
+    if rows and spec.task in ("classify", "lm") and \
+            PROBABILITIES not in rows[0] and LOG_PROBABILITIES not in rows[0]:
         prepare_rows(spec, rows)  # not batched through the batcher's prepare step
     out = []
     for row, seq in zip(rows, sequences, strict=True):
         if spec.task == "classify":
             out.append(_classify_item(spec, row[PROBABILITIES], row[INDEX], top_k))
             continue
-        y = row[spec.output_name].astype(np.float64)
+        y = row[spec.output_name]
         if spec.task == "regress":
+            y = y.astype(np.float64)
             item = {"value": float(y[0]) if y.size == 1 else y.tolist()}
         elif spec.task == "seq2seq":
             idx = np.argmax(y, axis=-1)
             item = {"indices": idx.tolist(), "labels": [_label(spec, int(j)) for j in idx]}
         else:  # lm: y [T, V]; position t predicts token t + 1
             tokens = seq.data if isinstance(seq, Chunk) else seq
-            logp = log_softmax(y)
+            logp = row[LOG_PROBABILITIES]
             scored = len(tokens) - 1
             ll = float(logp[np.arange(scored), tokens[1:]].sum()) if scored else 0.0
             if isinstance(seq, Chunk) and seq.state is not None and INITIAL_LOGITS in row:

@@ -7,13 +7,13 @@ batch."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 from orthornn.export.artifacts.scoring import log_softmax, softmax
 
+from .. import request
 from ..errors import NotFound, ServiceError
 from ..registry.registry import ModelVersion, Registry
 from ..registry.spec import ModelSpec
@@ -102,6 +102,10 @@ class Shadows:
             task.add_done_callback(self._tasks.discard)
 
     async def _run(self, name: str, task: str, candidate: int, work: list[_Work]) -> None:
+        with request.opened():  # a scope of its own: the candidate is not the request's
+            await self._shadow(name, task, candidate, work)
+
+    async def _shadow(self, name: str, task: str, candidate: int, work: list[_Work]) -> None:
         try:
             cmv = self.registry.acquire(name, candidate)
         except NotFound:  # not loaded on this replica yet
@@ -118,10 +122,8 @@ class Shadows:
                 taken.append(w)
             if not seqs:
                 return
-            start = time.perf_counter()
             try:
-                rows = await cmv.batcher.submit(
-                    seqs, lambda rows: [r[cmv.spec.output_name] for r in rows])
+                rows = await cmv.infer(seqs)
             except ServiceError as error:
                 for _ in taken:
                     if error.status in (429, 503):  # its queue is full: skipped
@@ -133,10 +135,11 @@ class Shadows:
                 for _ in taken:
                     self.rollouts.shadow_failed(name)
                 return
-            seconds = time.perf_counter() - start
+            seconds = request.current().compute_s or 0.0
             at = 0
             for w in taken:
-                mine, at = rows[at:at + len(w.outputs)], at + len(w.outputs)
+                mine = [r[cmv.spec.output_name] for r in rows[at:at + len(w.outputs)]]
+                at += len(w.outputs)
                 self.rollouts.time(name, candidate, seconds)
                 try:
                     compared = [compare(task, p, c)

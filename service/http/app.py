@@ -16,11 +16,11 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..dataplane.batching import Batching
 from ..dataplane.dataplane import DataPlane
 from ..dataplane.metadata import server_version
 from ..errors import ServiceError
 from ..metrics import Metrics
+from ..registry.batching import Batching
 from ..registry.devices import ProviderChoice, select_providers
 from ..registry.registry import Registry
 from ..settings import Settings

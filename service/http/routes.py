@@ -1,11 +1,11 @@
 """Every route the service answers: its handler and its row of the route table (method,
 path template, summary, schemas and error answers, for the dispatcher and the OpenAPI
 document alike). A handler decodes the body with its protocol's codec, asks the dataplane,
-and encodes the typed result; it names the model the request is for in ``call.held``, and
-the dataplane records there the version it held, so the dispatcher counts the request
-under it. Tracing on (``service.tracing``), every row carries the tracer and the codecs'
-decode and encode run in spans of their own (chosen once here: off costs a request
-nothing)."""
+and encodes the typed result; it names the model the request is for in the request's
+scope (``service.request``), where the registry records the version leased for it, so
+the dispatcher counts the request under it. Tracing on (``service.tracing``), every row
+carries the tracer and the codecs' decode and encode run in spans of their own (chosen
+once here: off costs a request nothing)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from collections.abc import Callable
 import orjson
 from fastapi.responses import Response
 
+from .. import request
 from ..dataplane.checks import version_param
 from ..dataplane.dataplane import DataPlane
 from ..dataplane.messages import Served
@@ -64,11 +65,17 @@ def _version_or_none(version: str | None) -> int | None:
         return None
 
 
-def _served(call: Call, served: Served, position: int | None = None,
-            secret: str | None = None) -> dict[str, str]:
-    """Count the request under the version that answered; its headers: the input warning,
-    the session's position and (answering its start) its secret, where there are some."""
-    call.held.hold(served.model, served.version)
+def _names(model: str, version: int | None = None) -> None:
+    """The model (and version) the request names: it is counted under them until a version
+    is leased for it (then under that one), a failed request too."""
+    scope = request.current()
+    scope.named, scope.named_version = model, version
+
+
+def _headers(served: Served, position: int | None = None,
+             secret: str | None = None) -> dict[str, str]:
+    """The headers of an answer: the input warning, the session's position and (answering
+    its start) its secret, where there are some."""
     headers = {} if served.warning is None else {WARNING_HEADER: served.warning}
     if position is not None:
         headers[POSITION_HEADER] = str(position)
@@ -115,29 +122,28 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
 
     async def predict(call: Call) -> Response:
         req = decode_predict(call.body)
-        call.held.name(req.model)
-        result = await dataplane.predict(req, call.held, routing_key(call),
+        _names(req.model)
+        result = await dataplane.predict(req, routing_key(call),
                                          session_secret(call))
         return Response(encode_predict(result), media_type="application/json",
-                        headers=_served(call, result.served, result.position,
-                                        result.session_secret))
+                        headers=_headers(result.served, result.position,
+                                         result.session_secret))
 
     async def generate_text(call: Call) -> Response:
         req = parse(GenerateRequest, call.body)
-        call.held.name(req.model)
-        result = await dataplane.generate(req, call.held)
-        _served(call, result.served)
+        _names(req.model)
+        result = await dataplane.generate(req)
         return JSON(result.body)
 
     async def infer(call: Call) -> Response:
         name, version = call.params["name"], call.params.get("version")
-        call.held.name(name)  # counted under the model from the start
+        _names(name)  # counted under the model from the start
         req = decode_infer(call.body, header(call.scope, b"inference-header-content-length"),
                            name, version)
-        result = await dataplane.infer(req, name, version, call.held, routing_key(call),
+        result = await dataplane.infer(req, name, version, routing_key(call),
                                        session_secret(call))
         head, blobs = encode_infer(req, result)
-        headers = _served(call, result.served, result.position, result.session_secret)
+        headers = _headers(result.served, result.position, result.session_secret)
         if not blobs:
             return Response(head, media_type="application/json", headers=headers)
         return Response(head + b"".join(blobs), media_type="application/octet-stream",
@@ -158,14 +164,13 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
 
     async def model_metadata(call: Call) -> Response:
         name = call.params["name"]
-        call.held.name(name)
+        _names(name)
         result = dataplane.metadata.model_metadata(name, call.params.get("version"))
-        _served(call, result.served)
         return JSON(result.body)
 
     async def model_ready(call: Call) -> Response:
         name, version = call.params["name"], call.params.get("version")
-        call.held.name(name, _version_or_none(version))
+        _names(name, _version_or_none(version))
         if dataplane.metadata.model_ready(name, version):
             return JSON({"name": name, "ready": True})
         return error(503, f"model {name!r}" + (f" version {version}" if version else "")
@@ -173,9 +178,8 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
 
     async def model_config(call: Call) -> Response:
         name = call.params["name"]
-        call.held.name(name)
+        _names(name)
         result = dataplane.metadata.model_config(name)
-        _served(call, result.served)
         return JSON(result.body)
 
     async def repository_index(call: Call) -> Response:

@@ -2,7 +2,7 @@
 innermost ASGI middleware) and the OpenAPI paths generated from the same rows, so that no
 endpoint is registered twice and none is unreachable. The dispatcher also counts every
 request that reaches it, under its route template and the model version the request held
-(``Call.held``, filled in by the dataplane): both are values it has, not scope entries."""
+(its ``service.request`` scope, opened here and written where a version is leased)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, TypeAdapter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .. import request
 from ..dataplane.schemas import ErrorResponse
-from ..metrics import UNKNOWN, Held
+from ..metrics import UNKNOWN
 from ..tracing import Tracer
 from .counting import RequestCounts
 from .responses import error, error_response, read_body
@@ -26,19 +27,17 @@ from .responses import error, error_response, read_body
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """What a handler gets: the body, the ASGI scope (its headers), the path parameters
-    of its route, and the record of the model version the request holds (for its
-    metric labels; the handler passes it to the dataplane)."""
+    """What a handler gets: the body, the ASGI scope (its headers) and the path parameters
+    of its route."""
 
     body: bytes
     scope: Scope
     params: dict[str, str]
-    held: Held
 
 
 Handler = Callable[[Call], Awaitable[Response]]
 #: the metric labels (model, version) of a request, from what it held or named
-Labeller = Callable[[Held], tuple[str, str]]
+Labeller = Callable[[request.Scope], tuple[str, str]]
 
 
 # -- the route table ---------------------------------------------------------------------
@@ -129,7 +128,7 @@ class Routes:
     under FastAPI's route (else "other") and no model."""
 
     def __init__(self, app: ASGIApp, table: RouteTable, counts: RequestCounts,
-                 labels: Labeller, observe: Callable[[Held, int], None]):
+                 labels: Labeller, observe: Callable[[request.Scope, int], None]):
         self.app, self.table, self.counts, self.labels = app, table, counts, labels
         self.observe = observe  # the dataplane's per-version tallies (rollouts)
 
@@ -140,12 +139,12 @@ class Routes:
         found = self.table.match(scope)
         if found is not None:
             route, params = found
-            held = Held()
-            if route.tracer is None:  # tracing off: this check is all it costs
-                status = await self.answer(route, params, held, scope, receive, send)
-            else:
-                status = await self.traced(route.tracer, route, params, held, scope,
-                                           receive, send)
+            with request.opened() as held:
+                if route.tracer is None:  # tracing off: this check is all it costs
+                    status = await self.answer(route, params, scope, receive, send)
+                else:
+                    status = await self.traced(route.tracer, route, params, held, scope,
+                                               receive, send)
             if status is not None:
                 self.counts.record(route.path, self.labels(held), status, start)
                 self.observe(held, status)
@@ -172,7 +171,7 @@ class Routes:
             self.counts.record(endpoint, (UNKNOWN, ""), status, start)
 
     @staticmethod
-    async def answer(route: Route, params: dict[str, str], held: Held, scope: Scope,
+    async def answer(route: Route, params: dict[str, str], scope: Scope,
                      receive: Receive, send: Send) -> int | None:
         """Run ROUTE's handler and send its response; its status (None: the client went
         away before its body arrived)."""
@@ -180,15 +179,16 @@ class Routes:
             body = await read_body(receive)
             if body is None:
                 return None
-            response = await route.handler(Call(body, scope, params, held))
+            response = await route.handler(Call(body, scope, params))
         except Exception as exc:
             response = error_response(exc, f"{scope['method']} {scope['path']}")
         await response(scope, receive, send)
         return response.status_code
 
     @staticmethod
-    async def traced(tracer: Tracer, route: Route, params: dict[str, str], held: Held,
-                     scope: Scope, receive: Receive, send: Send) -> int | None:
+    async def traced(tracer: Tracer, route: Route, params: dict[str, str],
+                     held: request.Scope, scope: Scope, receive: Receive, send: Send
+                     ) -> int | None:
         """``answer`` inside the request's server span (tracing on), which gets the
         route's name and, as the answer starts (the server's own span ends with its
         body), the status and the model version held."""
@@ -197,7 +197,7 @@ class Routes:
                 if message["type"] == "http.response.start":
                     tracer.answered(span, message["status"], held.model, held.version)
                 await send(message)
-            return await Routes.answer(route, params, held, scope, receive, send_traced)
+            return await Routes.answer(route, params, scope, receive, send_traced)
 
 
 def _schema_ref(model: Any, components: dict[str, Any]) -> dict[str, Any]:

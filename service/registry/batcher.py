@@ -26,7 +26,6 @@ log = logging.getLogger("orthornn.service")
 @dataclass
 class _Item:
     sequences: list[np.ndarray]
-    post: Callable[[list[dict]], Any]
     future: asyncio.Future
     prepare: bool = False  # its rows go through the batcher's prepare step
     enqueued: float = field(default_factory=time.perf_counter)
@@ -83,13 +82,13 @@ class Batcher:
         #: inside submit()); a batch waits for more only while one of them is on its way
         self.holders: Callable[[], int] | None = None
 
-    async def submit(self, sequences: list[np.ndarray], post: Callable[[list[dict]], Any], *,
-                     prepare: bool = False) -> Any:
-        """post(rows) runs in the inference thread on this request's output rows (one dict
-        per sequence, in order); its result is returned. PREPARE: the batch's prepare step
-        runs first, once, on the rows of all its requests that ask for it."""
+    async def submit(self, sequences: list[np.ndarray], *, prepare: bool = False
+                     ) -> list[dict]:
+        """This request's output rows (one dict per sequence, in order). PREPARE: the
+        batch's prepare step runs on them, once for the rows of all its requests that ask
+        for it."""
         loop = asyncio.get_running_loop()
-        item = _Item(sequences, post, loop.create_future(), prepare)
+        item = _Item(sequences, loop.create_future(), prepare)
         if self.tracer is not None:
             item.context = self.tracer.context()
         with self._lock:
@@ -247,8 +246,8 @@ class Batcher:
                 self._queue_hist.observe(now - item.enqueued)
 
     def _execute(self, items: list[_Item]) -> list[tuple[bool, Any]]:
-        """Run every sequence of the items in length groups, then each item's
-        post-processing. Returns (ok, result or exception) per item."""
+        """Run every sequence of the items in length groups, then the prepare step. Returns
+        (ok, its rows or an exception) per item."""
         flat = [(k, j) for k, item in enumerate(items) for j in range(len(item.sequences))]
         seqs = [items[k].sequences[j] for k, j in flat]
         rows: list[dict | None] = [None] * len(seqs)
@@ -276,13 +275,8 @@ class Batcher:
             n = len(item.sequences)
             if k in failed:
                 outcomes.append((False, failed[k]))
-            else:
-                try:
-                    # a request that did not fail has every row filled
-                    outcomes.append((True, item.post(
-                        [r for r in rows[offset:offset + n] if r is not None])))
-                except Exception as error:
-                    outcomes.append((False, error))
+            else:  # a request that did not fail has every row filled
+                outcomes.append((True, rows[offset:offset + n]))
             offset += n
         return outcomes
 

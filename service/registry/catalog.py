@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,8 @@ from typing import Any
 from orthornn.export.artifacts.package import Manifest
 from orthornn.export.artifacts.repository import NAME, versions
 
-from ..errors import NotFound
+from .. import request
+from ..errors import ClientError, NotFound
 from ..metrics import Metrics
 from .batcher import Batcher
 from .runtime import Runtime
@@ -42,7 +44,7 @@ class ModelVersion:
     manifest: Manifest
     spec: ModelSpec
     runtime: Runtime
-    #: the batchers, attached by the app's on_load hook (``dataplane.batching``)
+    #: the batchers, attached by the app's on_load hook (``registry.batching``)
     batcher: Batcher = field(init=False, repr=False)
     steps_batcher: Batcher | None = None  # classify / regress: the per-step graph
     leases: int = 0  # what holds this version loaded: requests, session chunks, the pin
@@ -55,6 +57,24 @@ class ModelVersion:
     def batchers(self) -> list[Batcher]:
         return [b for b in (getattr(self, "batcher", None), self.steps_batcher)
                 if b is not None]
+
+    async def infer(self, sequences: list, *, per_step: bool = False,
+                    probabilities: bool = False) -> list[dict]:
+        """The output rows of SEQUENCES (arrays, or Chunks that continue from a state), one
+        dict per sequence in order, batched with other requests'. PER_STEP: the "steps"
+        graph (an output after every step); PROBABILITIES: the batch's prepare step adds
+        them (``batching.prepare_rows``). The compute time (queue and inference) is the
+        request's: a running rollout compares its versions' over the requests it placed."""
+        batcher = self.batcher
+        if per_step:
+            if self.steps_batcher is None:
+                raise ClientError(f"per_step: model {self.name!r} version {self.version} has "
+                                  f"no per-step graph; export it again")
+            batcher = self.steps_batcher
+        start = time.perf_counter()
+        rows = await batcher.submit(sequences, prepare=probabilities)
+        request.current().compute_s = time.perf_counter() - start
+        return rows
 
     def on_the_way(self) -> int:
         """The leases of requests that will submit to a batcher (being parsed, or inside
@@ -113,7 +133,9 @@ class Catalog:
                                f"(loaded: {sorted(loaded)})")
             mv.leases += 1
             mv.unbatched += not batched
-            return mv
+        scope = request.current()  # the request is counted under the version it leased
+        scope.model, scope.version = mv.name, mv.version
+        return mv
 
     def release(self, mv: ModelVersion, *, batched: bool = True) -> None:
         with self.lock:

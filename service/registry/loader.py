@@ -1,6 +1,6 @@
 """Loading one version: verified with ``export.artifacts.package`` (sha256 of every file,
 then the golden outputs on the very inference sessions that will serve), warmed up, and
-handed to the app's ``on_load`` hook, which attaches its batchers (``dataplane.batching``).
+handed to the app's ``on_load`` hook, which attaches its batchers (``registry.batching``).
 
 A version that fails verification is never served: the refusal is logged and counted
 once, recorded with the signature of its files, and not retried until they change (or

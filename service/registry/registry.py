@@ -9,7 +9,7 @@
 - ``rollouts``: this replica's part in rollouts (routing, shadow sampling, tallies).
 
 The registry neither builds batchers nor shapes answers: the app attaches them by hooks
-(``dataplane.batching``), as MLServer attaches adaptive batching when a model loads:
+(``registry.batching``), as MLServer attaches adaptive batching when a model loads:
 ``on_load(mv)`` once a version is verified (it attaches ``mv.batcher`` and
 ``mv.steps_batcher``), ``on_release(mv)`` on the event loop once a retired version is free
 (it closes them).

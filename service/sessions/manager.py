@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
 
+from .. import request
 from ..errors import (
     ClientError,
     PositionConflict,
@@ -28,7 +29,7 @@ from .cache import RecordCache
 from .records import StaleRecord, exists, unknown
 
 if TYPE_CHECKING:
-    from ..metrics import Held, Metrics
+    from ..metrics import Metrics
     from ..registry.registry import ModelVersion, Registry
     from .records import SessionRecord
     from .store import SessionStore
@@ -54,10 +55,10 @@ class Applied(Generic[R]):
     secret: str | None = None
 
 
-def _hold(held: Held | None, mv: ModelVersion | None) -> None:
-    """HELD names MV (None: no version) as the one the request holds."""
-    if held is not None:
-        held.model, held.version = (None, None) if mv is None else (mv.name, mv.version)
+def _hold(mv: ModelVersion | None) -> None:
+    """The request's scope names MV (None: no version) as the version it holds."""
+    scope = request.current()
+    scope.model, scope.version = (None, None) if mv is None else (mv.name, mv.version)
 
 
 class Sessions:
@@ -89,14 +90,14 @@ class Sessions:
     async def chunk(self, sid: str, model: str, run: ChunkRun[R], *,
                     version: int | None = None, start: bool = False, end: bool = False,
                     position: int | None = None, what: str = "session",
-                    held: Held | None = None, secret: str | None = None) -> Applied[R]:
+                    secret: str | None = None) -> Applied[R]:
         """Apply one chunk to session SID of MODEL: ``run`` answers it from the session's
         state (on the session's version) and gives the state after it. START opens the
         session (on VERSION, default: the model's default version), END ends it after
         this chunk; POSITION (time steps the client believes the session has consumed)
         makes the chunk exactly-once (see the module's docstring). WHAT names the session
-        in messages ("session", or "sequence" on the inference route). HELD is told the
-        version the chunk holds, so that the request is counted under it, failed or not.
+        in messages ("session", or "sequence" on the inference route). The request's
+        scope is told the version the chunk holds: it is counted under it, failed or not.
         SECRET: the one the client presents (with START, one it chose: else the service
         draws one); the answer to a start gives the session's (``Applied.secret``)."""
         owners.check_id(sid, "session" if what == "session" else f"{what}_id")
@@ -113,7 +114,7 @@ class Sessions:
         async with self._locked(sid):  # one chunk at a time per session on this replica
             if start:
                 started = await self._start(sid, model, version, run, end, position, what,
-                                            held, owner)
+                                            owner)
                 if started is not None:
                     return replace(started, secret=given)
                 # a retried start (the session is open, the chunk names position 0, its
@@ -123,10 +124,10 @@ class Sessions:
             if cached is not None and cached.model == model and \
                     version in (None, cached.version) and \
                     position in (None, cached.position) and self._owns(cached, owner):
-                done = await self._from_cached(cached, run, end, held)
+                done = await self._from_cached(cached, run, end)
             if done is None:
                 done = await self._from_store(sid, model, version, run, end, position, what,
-                                              held, owner)
+                                              owner)
         applied, mv = done
         if end and mv.retired:  # a version no longer served: released now if unused
             await self.reconcile()
@@ -137,7 +138,7 @@ class Sessions:
         return not self.secrets or owners.matches(record.secret, owner)
 
     async def _from_cached(self, record: SessionRecord, run: ChunkRun[R], end: bool,
-                           held: Held | None) -> tuple[Applied[R], ModelVersion] | None:
+                           ) -> tuple[Applied[R], ModelVersion] | None:
         """The chunk applied at the cached RECORD's position without a read; None when it
         must be decided from a fresh read (the session changed since, or its version is
         not loaded here)."""
@@ -145,28 +146,28 @@ class Sessions:
         if mv is None or self.registry.rollouts.ended_on_failures(record.model, record.version):
             return None
         try:
-            _hold(held, mv)
+            _hold(mv)
             try:
                 answer, state, steps = await run(mv, record.state)
             except Exception:
-                _hold(held, None)
+                _hold(None)
                 if (await self._read(record.id)).stamp != record.stamp:
                     return None  # not the session's record: its version may differ
-                _hold(held, mv)
+                _hold(mv)
                 raise
             write = self.store.finish if end else self.store.advance
             try:
                 new = await write(record.id, record.position, state, steps, record.stamp)
             except (StaleRecord, PositionConflict, UnknownSession):
                 self._records.drop(record.id)
-                _hold(held, None)
+                _hold(None)
                 return None
             return await self._applied(record, mv, new, answer, end), mv
         finally:
             self._release(mv)
 
     async def _from_store(self, sid: str, model: str, version: int | None, run: ChunkRun[R],
-                          end: bool, position: int | None, what: str, held: Held | None,
+                          end: bool, position: int | None, what: str,
                           owner: str | None) -> tuple[Applied[R], ModelVersion]:
         for attempt in range(self.CAS_ATTEMPTS):
             record = await self._read(sid)
@@ -175,20 +176,20 @@ class Sessions:
             self._check(record, model, version, position, what)
             mv = await self._version(record, what)
             try:
-                _hold(held, mv)
+                _hold(mv)
                 try:
                     return await self._apply(record, mv, run, end, position, what), mv
                 except _Conflict as conflict:
                     if position is not None or attempt == self.CAS_ATTEMPTS - 1:
                         raise conflict.error from None
-                    _hold(held, None)  # another replica applied a chunk first: read again
+                    _hold(None)  # another replica applied a chunk first: read again
             finally:
                 self._release(mv)
         raise AssertionError("unreachable")  # the last attempt returns or raises
 
     async def _start(self, sid: str, model: str, version: int | None, run: ChunkRun[R],
                      end: bool, position: int | None, what: str,
-                     held: Held | None, owner: str | None) -> Applied[R] | None:
+                     owner: str | None) -> Applied[R] | None:
         """Open SID (owned by OWNER, a secret's digest) and apply its first chunk; None
         when it is open already, by OWNER, and the chunk names position 0 (a retried
         start). A failed first chunk opens nothing."""
@@ -196,13 +197,13 @@ class Sessions:
             version = self.registry.route(model, sid.encode())
         mv = self.registry.acquire(model, version)
         try:
-            _hold(held, mv)
+            _hold(mv)
             try:
                 record = await self.store.create(sid, model, mv.version, owner)
             except SessionExists:
                 if position is None or not await self._opened_by(sid, owner):
                     raise exists(sid) from None  # never a reset
-                _hold(held, None)
+                _hold(None)
                 return None
             self.registry.keep(mv)  # pinned from now on, wherever it continues
             self._count("session_starts", model)

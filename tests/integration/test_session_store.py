@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from orthornn.service import request
 from orthornn.service.errors import (
     ClientError,
     Conflict,
@@ -32,7 +33,7 @@ from orthornn.service.errors import (
     UnknownSession,
     VersionGone,
 )
-from orthornn.service.metrics import Held, Metrics
+from orthornn.service.metrics import Metrics
 from orthornn.service.sessions.manager import Sessions
 from orthornn.service.sessions.memory import MemoryStore
 from orthornn.service.sessions.redis import RedisStore
@@ -741,16 +742,16 @@ async def play_script(stores_by_replica: dict[str, SessionStore]) -> tuple[list,
             continue
         replica, sid, inputs, options = step
         options = dict(options)
-        held = Held()
         before = reads[0]
-        try:
-            applied = await replicas[replica].chunk(
-                sid, options.pop("model", MODEL), toy_chunk(inputs), held=held,
-                secret=options.pop("secret", SECRET), **options)
-            outcomes.append(("ok", applied, (held.model, held.version)))
-        except ServiceError as e:
-            outcomes.append((type(e).__name__, e.status, str(e), getattr(e, "position", None),
-                             (held.model, held.version)))
+        with request.opened() as held:
+            try:
+                applied = await replicas[replica].chunk(
+                    sid, options.pop("model", MODEL), toy_chunk(inputs),
+                    secret=options.pop("secret", SECRET), **options)
+                outcomes.append(("ok", applied, (held.model, held.version)))
+            except ServiceError as e:
+                outcomes.append((type(e).__name__, e.status, str(e),
+                                 getattr(e, "position", None), (held.model, held.version)))
         per_chunk.append(reads[0] - before)
     return outcomes, per_chunk
 

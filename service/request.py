@@ -1,0 +1,47 @@
+"""The request being answered, as every layer below the HTTP layer sees it: one ``Scope``
+per request in a context variable (as MLServer's ``context.py``), opened by the dispatcher
+(``http.routing``) and written where a model version is leased for it, so that the request
+is counted under the version that answered, a failed one too (docs/design.md, "The path of
+one request")."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Scope:
+    model: str | None = None  # the version leased for the request (the catalog, sessions)
+    version: int | None = None
+    named: str | None = None  # the model (and version) it named (its handler)
+    named_version: int | None = None
+    # a rollout counts only the requests it placed: the routing key of a request whose
+    # version the service chose (none named, no states; a session's id), its compute time
+    # (queue and inference), and whether the candidate refused (4xx) an input the
+    # promoted version takes (the candidate's failure, not the client's)
+    route_key: bytes | None = None
+    compute_s: float | None = None
+    candidate_refused: bool = False
+
+
+_current: ContextVar[Scope | None] = ContextVar("orthornn_request", default=None)
+
+
+@contextmanager
+def opened() -> Iterator[Scope]:
+    """A new request's scope, current until the block ends."""
+    scope = Scope()
+    token = _current.set(scope)
+    try:
+        yield scope
+    finally:
+        _current.reset(token)
+
+
+def current() -> Scope:
+    """The scope of the request being answered (outside one, a scope nobody reads)."""
+    scope = _current.get()
+    return scope if scope is not None else Scope()
