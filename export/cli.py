@@ -7,7 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from .artifacts.repository import model_dir_of
+from orthornn.training.progress import add_progress_flag
+
+from .artifacts.repository import add_model_flags, model_dir_of
 from .artifacts.rollout.flags import add_rollout_flags, flags_named, plan_options
 
 
@@ -18,13 +20,10 @@ def add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                     "publishes REPO/NAME/<next version>/ and prints its path; "
                     "orthornn export --verify-only PACKAGE checks a package.")
     parser.add_argument("run_dir", nargs="?", help="a training run directory")
-    parser.add_argument("--repo", help="model repository root")
-    parser.add_argument("--name", help="model name in the repository")
+    add_model_flags(parser, required=False)  # not with --verify-only
     parser.add_argument("--mode", default="dense", help="dense (default) or factored")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset (17-21, default 18)")
-    parser.add_argument("--no-progress", action="store_true",
-                        help="no progress (default: a bar on a terminal, a line every few "
-                             "seconds in a log)")
+    add_progress_flag(parser)
     parser.add_argument("--verify-only", metavar="PACKAGE",
                         help="verify a package (hashes and golden outputs) and exit")
     parser.add_argument("--gate", action="store_true",
@@ -51,8 +50,7 @@ def add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "versions", help="list a model's versions: metric, lineage, status",
         description="Every version of REPO/NAME with its test metric, lineage and status "
                     "(promoted, published, rejected by the gate), then the promotion history.")
-    versions.add_argument("--repo", help="model repository root (required)")
-    versions.add_argument("--name", help="model name in the repository (required)")
+    add_model_flags(versions)
     versions.set_defaults(run=run_versions)
 
     rollback = sub.add_parser(
@@ -60,8 +58,7 @@ def add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Promote the version that was live before the current one, or --to V. "
                     "The version must be in the repository and verify (sha256, golden "
                     "outputs); nothing is deleted.")
-    rollback.add_argument("--repo", help="model repository root (required)")
-    rollback.add_argument("--name", help="model name in the repository (required)")
+    add_model_flags(rollback)
     rollback.add_argument("--to", metavar="V", help="the version to promote (default: the one "
                           "live before the current one)")
     rollback.set_defaults(run=run_rollback)

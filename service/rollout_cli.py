@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from orthornn.export.artifacts import rollout
-from orthornn.export.artifacts.repository import model_dir_of
+from orthornn.export.artifacts.repository import add_model_flags, model_dir_of
 from orthornn.export.artifacts.rollout import Plan, RolloutError
 from orthornn.export.artifacts.rollout.flags import add_rollout_flags, flags_named, plan_options
 
@@ -45,8 +45,7 @@ def add_rollout_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
                     "their measurements and writes the plan's next stage. Exit 0 when the "
                     "candidate is promoted, 3 when the rollout is rolled back or aborted.")
     for p in (start, status, promote, abort, run):
-        p.add_argument("--repo", help="model repository root (required)")
-        p.add_argument("--name", help="model name in the repository (required)")
+        add_model_flags(p)
     start.add_argument("--candidate", metavar="V", help="the version to roll out (required)")
     add_rollout_flags(start)
     status.add_argument("--json", action="store_true", help="the plan as JSON")

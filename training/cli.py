@@ -16,6 +16,7 @@ from .config import (
     read_config_file,
 )
 from .presets import FLAG, Kind, Provenance, resolve, show
+from .progress import add_progress_flag
 
 HELP = {
     "arch": "architecture (orthornn architectures lists them)",
@@ -111,9 +112,7 @@ def add_train_parser(sub) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in --out (its options, overridden by flags; "
                              "default: a new run)")
-    parser.add_argument("--no-progress", action="store_true",
-                        help="no progress report (default: a bar on a terminal, a line every "
-                             "few seconds in a log)")
+    add_progress_flag(parser)
     parser.add_argument("--show-config", action="store_true",
                         help="print the resolved configuration with the source of every "
                         "value (default, preset: PAPER, config file, flag) and exit")

@@ -259,6 +259,14 @@ def _rollback_target(model_dir: Path, on_disk: list[int], record: dict | None,
     return target
 
 
+def add_model_flags(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    """--repo and --name, which ``model_dir_of`` reads (checked there, for one message that
+    names every flag missing)."""
+    need = " (required)" if required else ""
+    parser.add_argument("--repo", help=f"model repository root{need}")
+    parser.add_argument("--name", help=f"model name in the repository{need}")
+
+
 def model_dir_of(args: argparse.Namespace) -> Path:
     """REPO/NAME of --repo and --name, which must name an existing model."""
     missing = [flag for flag, v in (("--repo", args.repo), ("--name", args.name)) if not v]
