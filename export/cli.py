@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from orthornn.training.progress import add_progress_flag
+from orthornn.training.flags import add_progress_flag
 
 from .artifacts.repository import add_model_flags, model_dir_of
 from .artifacts.rollout.flags import add_rollout_flags, flags_named, plan_options

@@ -15,8 +15,8 @@ from .config import (
     TrainConfig,
     read_config_file,
 )
+from .flags import add_progress_flag
 from .presets import FLAG, Kind, Provenance, resolve, show
-from .progress import add_progress_flag
 
 HELP = {
     "arch": "architecture (orthornn architectures lists them)",

@@ -9,7 +9,6 @@ container's log), the same tqdm object writes one plain line at most every
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -18,13 +17,6 @@ from tqdm import tqdm
 
 INTERVAL_ENV = "ORTHORNN_PROGRESS_INTERVAL_S"
 DEFAULT_INTERVAL_S = 5.0
-
-
-def add_progress_flag(parser: argparse.ArgumentParser) -> None:
-    """--no-progress, for every command with long work (train, export)."""
-    parser.add_argument("--no-progress", action="store_true",
-                        help="no progress report (default: a bar on a terminal, a line every "
-                             f"few seconds in a log: {INTERVAL_ENV})")
 
 
 def log_interval() -> float:
