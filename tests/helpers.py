@@ -1,6 +1,8 @@
 """Independent references the tests compare against, and the command line as a user
 runs it."""
 
+import contextlib
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,24 @@ def orthornn(*args, code: int | None = None, timeout: float = 300
     ``code``, its exit status must be that (the output's tail says why not)."""
     result = subprocess.run([sys.executable, "-m", "orthornn", *map(str, args)], cwd=ROOT,
                             capture_output=True, text=True, timeout=timeout)
+    if code is not None:
+        assert result.returncode == code, result.stderr[-3000:]
+    return result
+
+
+def orthornn_here(*args, code: int | None = None) -> subprocess.CompletedProcess:
+    """`orthornn ARGS` as ``orthornn`` above, run by the command's own ``main`` in this
+    process (the unit tests' way: the same parser, handlers and messages, without a
+    Python start and torch's import for each case)."""
+    from orthornn.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            returncode = main([str(a) for a in args])
+        except SystemExit as exit:  # argparse's usage errors
+            returncode = exit.code if isinstance(exit.code, int) else 1
+    result = subprocess.CompletedProcess(args, returncode, out.getvalue(), err.getvalue())
     if code is not None:
         assert result.returncode == code, result.stderr[-3000:]
     return result

@@ -21,7 +21,7 @@ from orthornn.training.config import TrainConfig
 from orthornn.training.trainer import train
 
 from orthornn import __version__
-from tests.helpers import orthornn
+from tests.helpers import orthornn_here as orthornn
 
 ROOT = Path(__file__).resolve().parents[3]
 

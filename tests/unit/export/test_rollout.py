@@ -19,7 +19,7 @@ from orthornn.export.artifacts.repository import promote, read_promotion
 from orthornn.export.artifacts.rollout import LATENCY_BOUNDS, Side, Tally
 from orthornn.service.registry.controller import Controller
 
-from ...helpers import orthornn as run_orthornn
+from ...helpers import orthornn_here as run_orthornn
 from ...service_helpers import SECRET, LiveServer, gated, make_repo
 
 NOW = dt.datetime(2026, 11, 27, 12, 0, tzinfo=dt.UTC)
@@ -153,7 +153,7 @@ def repo(service_packages, tmp_path) -> Path:
 
 
 def orthornn(*args: object, code: int = 0) -> subprocess.CompletedProcess:
-    return run_orthornn(*args, code=code, timeout=120)
+    return run_orthornn(*args, code=code)
 
 
 def report(plan: rollout.Plan, stage: int, compared: int = 0, agreement: float = 1.0,

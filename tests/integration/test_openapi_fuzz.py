@@ -17,7 +17,7 @@ from orthornn.service.settings import Settings
 from schemathesis import GenerationMode
 from schemathesis.core import NOT_SET
 
-from ...service_helpers import make_repo
+from ..service_helpers import make_repo
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
