@@ -355,7 +355,9 @@ def test_trickling_clients_are_cut_at_the_deadline_others_keep_their_throughput(
             wave = json.loads(attack.stdout.readline())
             cuts += wave["cuts"]
             left += wave["left"]
-            time.sleep(0.1)  # the server has seen the rest closed
+        # every cut counted once the server has seen each connection closed (no more after)
+        wait_until(lambda: closes(url).get("head", 0) >= len(cuts), timeout=10,
+                   what=lambda: f"{len(cuts)} head cuts counted, not {closes(url)}")
         counted = closes(url)
     finally:
         for proc in reversed(processes):
