@@ -69,10 +69,10 @@ fuzz: $(VENV)/.installed
 	done
 
 bench: $(VENV)/.installed
-	$(BIN)/python bench/models.py
+	$(BIN)/python bench/perf/models.py
 
 bench-ops: $(VENV)/.installed  # needs a CUDA device
-	$(BIN)/python bench/ops.py
+	$(BIN)/python bench/perf/ops.py
 
 # The quickstart: default models (trained once, kept in .quickstart/) served on 127.0.0.1:8000.
 serve: $(VENV)/.installed-serve

@@ -44,17 +44,54 @@ def _architectures(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("models", "ops", "export", "recurrence", "reproduce", "service", "streaming",
-              "threads", "numerics", "codecs", "rollout", "distributed")
 SOURCE_TREE = Path(__file__).resolve().parents[1]
+BENCH_FOLDERS = ("perf", "load", "experiments")
+
+
+def benchmarks(root: Path | None = None) -> dict[str, Path]:
+    """Every script of bench/perf, bench/load and bench/experiments by name (unique across
+    the folders), in folder order: each .sh, and each .py that runs as a program (a
+    ``__main__`` guard; bench/load/client.py, which the load tests import, has none).
+    Empty outside a source checkout."""
+    found = {}
+    for folder in BENCH_FOLDERS:
+        path = (root or SOURCE_TREE) / "bench" / folder
+        for script in sorted([*path.glob("*.py"), *path.glob("*.sh")]):
+            if script.suffix == ".sh" or 'if __name__ == "__main__":' in script.read_text():
+                found[script.stem] = script
+    return found
+
+
+def _summary_line(script: Path) -> str:
+    """The first line of a script's module docstring (of its first comment, for .sh)."""
+    text = script.read_text()
+    if script.suffix == ".py":
+        import ast
+
+        return (ast.get_docstring(ast.parse(text)) or "").split("\n")[0]
+    comments = [line for line in text.splitlines() if line.startswith("# ")]
+    return comments[0][2:] if comments else ""
 
 
 def _bench(args: argparse.Namespace) -> int:
-    """Run bench/<name>.py of the source checkout with the remaining arguments."""
-    script = SOURCE_TREE / "bench" / f"{args.name}.py"
-    if not script.is_file():
-        raise ValueError(f"the benchmarks live in the source tree (bench/{args.name}.py); "
-                         f"run orthornn from a checkout of the repository")
+    """Run bench/<folder>/<name>.py (or .sh) of the source checkout with the remaining
+    arguments; with --list or no name, list the benchmarks by folder."""
+    scripts = benchmarks()
+    if not scripts:
+        raise ValueError("the benchmarks live in the source tree (bench/); run orthornn from "
+                         "a checkout of the repository")
+    if args.list or args.name is None:
+        for folder in BENCH_FOLDERS:
+            print(f"bench/{folder}/")
+            for name, script in scripts.items():
+                if script.parent.name == folder:
+                    print(f"  {name:14} {_summary_line(script)}")
+        return 0
+    script = scripts[args.name]
+    if script.suffix == ".sh":
+        import subprocess
+
+        return subprocess.run(["bash", str(script), *args.args]).returncode
     import runpy
 
     sys.argv = [str(script), *args.args]
@@ -74,9 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     arch = sub.add_parser("architectures", help="list the architectures, their tasks and options")
     arch.set_defaults(run=_architectures)
     bench = sub.add_parser("bench", help="run a benchmark of bench/ (prints a table, writes "
-                           "JSON)", description="orthornn bench NAME [ARGS...] runs "
-                           "bench/NAME.py; NAME --help lists its options.")
-    bench.add_argument("name", choices=BENCHMARKS)
+                           "JSON); --list lists them", description="orthornn bench NAME "
+                           "[ARGS...] runs bench/FOLDER/NAME.py; NAME --help lists its options; "
+                           "orthornn bench --list (or no NAME) lists every benchmark.")
+    bench.add_argument("--list", action="store_true",
+                       help="list the benchmarks by folder (perf, load, experiments)")
+    # choices only in a checkout: outside one, _bench says where the benchmarks live
+    bench.add_argument("name", nargs="?", choices=list(benchmarks()) or None, metavar="NAME",
+                       help="a benchmark (--list names them)")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     bench.set_defaults(run=_bench)
     from orthornn.export.cli import add_export_parser

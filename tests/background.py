@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the test that takes the quickstart's models (conftest orders it late)
 QUICKSTART_TEST = "test_end_to_end.py::test_quickstart_serves_every_readme_example"
 #: the quickstart's word model is trained a second time under this numerics setting
-#: (bench/numerics.py): ATen's scalar kernels instead of the vectorised ones that every
+#: (bench/experiments/numerics.py): ATen's scalar kernels instead of the vectorised ones that every
 #: x86-64 CPU with AVX2 runs, so other bytes than the quickstart's on any CI machine.
 OTHER_NUMERICS = "aten-default"
 
@@ -56,7 +56,7 @@ def start_quickstart() -> None:
     """``orthornn quickstart --no-serve`` and the other setting's word model, in the
     background (their output in files: a full pipe would stall them)."""
     global _quickstart
-    from bench.numerics import environment
+    from bench.experiments.numerics import environment
 
     work = Path(tempfile.mkdtemp(prefix="orthornn-quickstart-"))
     root, other_run = work / "qs", work / "other" / "words"
@@ -66,7 +66,7 @@ def start_quickstart() -> None:
             subprocess.Popen([sys.executable, "-m", "orthornn", "quickstart", "--dir",
                               str(root), "--no-serve"], cwd=ROOT, stdout=subprocess.DEVNULL,
                              stderr=qs_log, text=True),  # not a tty: progress lines
-            subprocess.Popen([sys.executable, str(ROOT / "bench" / "numerics.py"),
+            subprocess.Popen([sys.executable, str(ROOT / "bench" / "experiments" / "numerics.py"),
                               "--train-worker", str(other_run)], cwd=ROOT,
                              env=environment(OTHER_NUMERICS), stdout=other_log,
                              stderr=subprocess.STDOUT, text=True))

@@ -75,7 +75,7 @@ def examples(text: str | None = None) -> list[Example]:
 
 #: numbers agree within ABS + REL x |shown|. The word model's shown probabilities and
 #: perplexity spread up to 8.6% (beyond 0.02) around the shown value over the 12 numerics
-#: settings of bench/numerics.py (7 different trained weights; docs/training.md, "Across
+#: settings of bench/experiments/numerics.py (7 different trained weights; docs/training.md, "Across
 #: CPUs"); 15% leaves room for CPUs not measured, and a wrong model, tokenizer or softmax
 #: still moves them far more (after 3 training steps the likeliest word has 0.001)
 TOLERANCE = (0.02, 0.15)

@@ -15,7 +15,7 @@ for the same command twice (tests/integration/test_reproducibility.py).
 Across CPUs there is no such guarantee. MKL picks its branch by CPU (``MKL_CBWR``'s
 AUTO: AVX-512 here, another on an AMD EPYC), ATen its kernels by instruction set
 (``ATEN_CPU_CAPABILITY``), and training amplifies their last-bit differences: the word LM
-trained 6 different weights under 12 settings on one Intel Xeon (bench/numerics.py,
+trained 6 different weights under 12 settings on one Intel Xeon (bench/experiments/numerics.py,
 docs/training.md "Across CPUs"), and pinning both to the AVX2/COMPATIBLE paths still
 trained other bytes on an Intel Xeon than on an AMD EPYC. So nothing is pinned for
 portability (it cost 2-4x on MKL's gemms and bought no identity); the docs' answers are
@@ -23,7 +23,7 @@ checked within the spread those settings measured.
 
 Threads: with more threads than idle cores, every parallel region waits for a thread
 the scheduler parked: beside one busy process on 2 cores, 2 threads trained the digits
-model 3x slower than 1 (bench/threads.py). ``pick_threads`` uses the cores that are
+model 3x slower than 1 (bench/perf/threads.py). ``pick_threads`` uses the cores that are
 idle now, at least 1; since results do not depend on it, this costs no repeatability.
 Beside other workers of the same run (torchrun's LOCAL_WORLD_SIZE > 1), idle cores cannot be
 sampled (they all start at once), so each takes an equal share of the cores instead. The

@@ -85,7 +85,7 @@ def choose_recurrence(model: SequenceModel, mode: str, opset: int) -> tuple[str,
     """("lstm" | "scan", graph): ONNX's LSTM operator for the LSTM, else a Scan over one
     step. A fixed rule, so the same run always exports the same graph: ONNX's RNN
     operator was faster only at batch 1 (by at most 1.5x, 0.02 ms), and 2-7x slower at
-    the batches the service's dynamic batching forms (bench/recurrence.py, in
+    the batches the service's dynamic batching forms (bench/perf/recurrence.py, in
     docs/benchmarks.md)."""
     if isinstance(model.layer, LSTMLayer):
         return "lstm", build_graph(model, mode, opset=opset)

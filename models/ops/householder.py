@@ -9,7 +9,7 @@ the identity, eq. 1). U = H(y_0) H(y_1) ... H(y_{m-1}).
   walks the chain in reverse and, as every reflector is an involution, recovers each
   reflector's input from its output instead of saving m intermediate batches.
 * ``householder_matrix(y)``: U by the compact WY form, level-3 BLAS only (cuBLAS on
-  the GPU, where ``bench/ops.py`` times it against torch.linalg.householder_product).
+  the GPU, where ``bench/perf/ops.py`` times it against torch.linalg.householder_product).
 """
 
 import torch

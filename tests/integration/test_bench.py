@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from orthornn.cli import benchmarks
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, benchmarks(ROOT)[name])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -189,7 +191,7 @@ def test_codecs_benchmark_bodies_decode_to_the_same_numbers():
 
 
 def test_images_benchmark_refuses_a_bad_run_count(capsys):
-    """bench/images.py (it needs the images: tests/system/test_images.py runs them) names the
+    """bench/load/images.py (it needs the images: tests/system/test_images.py runs them) names the
     field and its range before it builds or starts anything."""
     import pytest
 
@@ -215,9 +217,10 @@ def test_distributed_benchmark_runs(tmp_path):
 
 
 def test_numerics_benchmark_refuses_an_unknown_setting():
-    """bench/numerics.py trains the quickstart's word model once per setting (minutes each;
-    tests/integration/test_end_to_end.py trains it under two); here only its input checks run."""
-    from bench import numerics
+    """bench/experiments/numerics.py trains the quickstart's word model once per setting
+    (minutes each; tests/integration/test_end_to_end.py trains it under two); here only its
+    input checks run."""
+    from bench.experiments import numerics
 
     with pytest.raises(SystemExit) as exit_:
         numerics.main(["--settings", "quickstart,fast"])
@@ -228,7 +231,7 @@ def test_numerics_benchmark_refuses_an_unknown_setting():
 
 def test_numerics_settings_change_one_knob_each(monkeypatch):
     """Each setting's process sees only its own numerics variables, whatever the caller's."""
-    from bench.numerics import SETTINGS, VARIABLES, environment
+    from bench.experiments.numerics import SETTINGS, VARIABLES, environment
 
     monkeypatch.setenv("MKL_CBWR", "AVX2,STRICT")
     assert "MKL_CBWR" not in environment("quickstart")

@@ -190,7 +190,7 @@ def test_bodies_being_received_are_bounded_together(repo):
 
 def test_the_slow_bodies_benchmark_runs(tmp_path):
     spec = importlib.util.spec_from_file_location("slow_bodies",
-                                                  ROOT / "bench" / "slow_bodies.py")
+                                                  ROOT / "bench" / "load" / "slow_bodies.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "slow_bodies.json"

@@ -289,7 +289,8 @@ def test_a_protocol_without_what_holding_uses_is_named():
 def _answered():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("answered", ROOT / "bench" / "answered.py")
+    spec = importlib.util.spec_from_file_location("answered",
+                                                  ROOT / "bench" / "load" / "answered.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

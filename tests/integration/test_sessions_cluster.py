@@ -539,13 +539,13 @@ def test_redis_down_gives_503_never_a_wrong_answer(cluster_):
 
 
 def test_the_streaming_benchmark_compares_the_stores(tmp_path):
-    """bench/streaming.py --parts stores at a toy size: both stores measured, no errors,
+    """bench/load/streaming.py --parts stores at a toy size: both stores measured, no errors,
     Redis's memory per session counted (its numbers are not checked)."""
     import importlib.util
     import json
 
     spec = importlib.util.spec_from_file_location(
-        "bench_streaming", cluster.ROOT / "bench" / "streaming.py")
+        "bench_streaming", cluster.ROOT / "bench" / "load" / "streaming.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -196,7 +196,7 @@ def served(engine, service_packages, tmp_path_factory):
 
 
 def test_container_ready_as_uid_10001_on_a_read_only_root(served):
-    # ready at all, not a timing (bench/images.py measures it: 0.7 s; the target is 5 s)
+    # ready at all, not a timing (bench/load/images.py measures it: 0.7 s; the target is 5 s)
     assert served.ready_s < 60, f"start to ready {served.ready_s:.1f} s\n{served.logs()}"
     out = c.sh(served.engine, "exec", served.name, "sh", "-c",
                "id -u; id -g; touch /opt/x 2>&1; touch /models/x 2>&1; touch /tmp/x && "

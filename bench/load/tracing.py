@@ -12,9 +12,9 @@ bench/results/tracing.json.
 Off, the code that tracing adds is one `is not None` check per request (the route row's
 tracer) and two per batch (the batcher's); the "off again" row shows what the same run
 measures between two identical servers, the bar an effect of tracing off would have to
-clear. The code before the hooks is not in this run (another tree: bench/trees.sh).
+clear. The code before the hooks is not in this run (another tree: bench/load/trees.sh).
 
-    python bench/tracing.py [--round-s 1.5] [--rounds 5] [--concurrency 1 16] [--hidden 64]
+    python bench/load/tracing.py [--round-s 1.5] [--rounds 5] [--concurrency 1 16] [--hidden 64]
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import write_result  # noqa: E402
-from bench.service import Server, _load, _request, build_package  # noqa: E402
+from bench.load.client import Server, build_package, load, request, summary  # noqa: E402
 
 #: each server's extra flags and environment
 SERVERS: dict[str, tuple[list[str], dict[str, str]]] = {
@@ -98,28 +98,22 @@ def _count_spans(body: bytes) -> int:
     return sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
 
 
-def _summary(runs: list[tuple[float, list[float], list[str]]]) -> dict:
-    lat = np.concatenate([np.array(r[1]) for r in runs]) * 1000
-    return {"requests": int(lat.size), "errors": sum(len(r[2]) for r in runs),
-            "throughput": round(float(np.median([len(r[1]) / r[0] for r in runs])), 1),
-            "p50_ms": round(float(np.percentile(lat, 50)), 3),
-            "p99_ms": round(float(np.percentile(lat, 99)), 3)}
-
-
 def measure(ports: dict[str, int], requests: list[bytes], concurrency: int, round_s: float,
             rounds: int) -> dict:
     runs: dict[str, list] = {name: [] for name in ports}
     names = list(ports)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            runs[name].append(asyncio.run(_load(ports[name], requests, concurrency, round_s,
+            runs[name].append(asyncio.run(load(ports[name], requests, concurrency, round_s,
                                                 10**9)))
     base, *others = names
-    row: dict = {"concurrency": concurrency, base: _summary(runs[base])}
+    row: dict = {"concurrency": concurrency,
+                 base: summary(runs[base], digits=3, seconds=False)}
     for name in others:
         ratios = [len(o[1]) / o[0] / max(len(b[1]) / b[0], 1e-9)
                   for b, o in zip(runs[base], runs[name], strict=True)]
-        row[name] = {**_summary(runs[name]), "ratio": round(float(np.median(ratios)), 3),
+        row[name] = {**summary(runs[name], digits=3, seconds=False),
+                     "ratio": round(float(np.median(ratios)), 3),
                      "ratios": [round(x, 3) for x in ratios]}
     return row
 
@@ -173,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         repo = build_package(Path(tmp), args.hidden, args.steps, args.features)
         rng = np.random.default_rng(1)
-        requests = [_request("POST", "/predict", json.dumps(
+        requests = [request("POST", "/predict", json.dumps(
             {"model": "bench", "inputs": [rng.normal(size=(args.steps, args.features))
                                           .round(4).tolist()]}).encode())
             for _ in range(64)]

@@ -7,7 +7,7 @@ numbers written as the harness writes them (float32 values as JSON doubles), as 
 body (``protocol.parse``, the path every body without the fast path takes), timed in the
 same rounds. Prints a table and writes bench/results/codecs.json.
 
-    python bench/codecs.py [--steps 128] [--features 9] [--reps 2000] [--rounds 7]
+    python bench/perf/codecs.py [--steps 128] [--features 9] [--reps 2000] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from common import write_result  # noqa: E402
+from bench.common import write_result  # noqa: E402
 
 
 def bodies(steps: int, features: int) -> dict[str, tuple[bytes, str | None]]:

@@ -7,8 +7,8 @@ process, and reports steps per second and the ratio to 1 thread idle measured in
 same run. Also checks the reproducibility claim on the way: every cell of a model must
 train the same bytes.
 
-    python bench/threads.py [--steps-digits 150 --steps-words 30 --models digits words]
-                            [--out bench/results/threads.json]
+    python bench/perf/threads.py [--steps-digits 150 --steps-words 30 --models digits words]
+                                 [--out bench/results/threads.json]
 
 Prints a table and writes JSON.
 """
@@ -25,11 +25,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import write_result
 from orthornn.quickstart import DEFAULT_MODELS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 THREADS = ("1", "2", "default")
 

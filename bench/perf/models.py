@@ -6,7 +6,7 @@ the same process, so machine noise hits both sides alike. Also compares svdrnn's
 dense path (W built once per call) with the papers' per-step reflector path at
 m1 = m2 = n.
 
-    python bench/models.py [--hidden 128 --steps 256 --batch 64 --reps 7]
+    python bench/perf/models.py [--hidden 128 --steps 256 --batch 64 --reps 7]
 
 Prints a table and writes bench/results/models.json.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from orthornn.models import ARCHITECTURES, build_model
 
 from bench.common import seconds, write_result
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--factored-reps", type=int, default=2)
     parser.add_argument("--out", type=Path,
-                        default=Path(__file__).parent / "results" / "models.json")
+                        default=Path(__file__).resolve().parents[1] / "results" / "models.json")
     args = parser.parse_args(argv)
     if min(args.hidden, args.steps, args.batch, args.inputs, args.reps) < 1:
         parser.error("--hidden, --steps, --batch, --inputs and --reps must be positive")

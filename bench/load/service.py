@@ -12,7 +12,7 @@ the ceiling. Prints a table and writes
 bench/results/service.json. Client and server share the machine's cores, as a
 load balancer's sidecar would not: the ceiling is a ceiling for this setup only.
 
-    python bench/service.py [--duration 3] [--rounds 3] [--concurrency 1 8 32] [--hidden 128]
+    python bench/load/service.py [--duration 3] [--rounds 3] [--concurrency 1 8 32] [--hidden 128]
 """
 
 from __future__ import annotations
@@ -22,127 +22,16 @@ import asyncio
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-
-def build_package(work: Path, hidden: int, steps: int, features: int) -> Path:
-    from orthornn.export.builder.exporter import export_run
-    from orthornn.training.config import TrainConfig
-    from orthornn.training.trainer import train
-
-    rng = np.random.default_rng(0)
-    data = work / "data.npz"
-    np.savez(data, x=rng.normal(size=(64, steps, features)).astype(np.float32),
-             y=rng.integers(0, 5, size=64), labels=np.array(["a", "b", "c", "d", "e"]))
-    train(TrainConfig(arch="svdrnn", task="classify", data=str(data), hidden_size=hidden,
-                      steps=1, batch_size=16, log_every=1, out=str(work / "run")),
-          progress=False)
-    repo = work / "repo"
-    export_run(work / "run", repo, "bench")
-    return repo
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, repo: Path, batching: bool, extra: list[str]):
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "orthornn", "serve", "--repo", str(repo),
-               "--port", str(self.port), "--log-level", "warning",
-               "--batching" if batching else "--no-batching", *extra]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE)
-
-    def wait_ready(self, timeout: float = 120) -> None:
-        import urllib.request
-
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited: " + self.proc.stderr.read().decode()[-2000:])
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v2/health/ready",
-                                            timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.1)
-        raise TimeoutError("server not ready")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
-def _request(method: str, path: str, body: bytes = b"") -> bytes:
-    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n"
-    if body:
-        head += "Content-Type: application/json\r\n"
-    return (head + "\r\n").encode() + body
-
-
-async def _worker(port: int, requests: list[bytes], stop_at: float, max_requests: int,
-                  latencies: list[float], errors: list[str], offset: int) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    i = offset
-    try:
-        while time.perf_counter() < stop_at and len(latencies) < max_requests:
-            start = time.perf_counter()
-            writer.write(requests[i % len(requests)])
-            i += 1
-            head = await reader.readuntil(b"\r\n\r\n")
-            status = int(head[9:12])
-            length = 0
-            for line in head.split(b"\r\n"):
-                if line[:15].lower() == b"content-length:":
-                    length = int(line[15:])
-            await reader.readexactly(length)
-            if status != 200:
-                errors.append(str(status))
-            latencies.append(time.perf_counter() - start)
-    finally:
-        writer.close()
-
-
-async def _load(port: int, requests: list[bytes], concurrency: int, duration: float,
-                max_requests: int) -> tuple[float, list[float], list[str]]:
-    """(seconds, latencies, errors) of one measurement, after a short warm-up."""
-    await asyncio.gather(*[_worker(port, requests, time.perf_counter() + 0.2, 10**9, [], [], k)
-                           for k in range(concurrency)])
-    latencies: list[float] = []
-    errors: list[str] = []
-    start = time.perf_counter()
-    await asyncio.gather(*[_worker(port, requests, start + duration, max_requests, latencies,
-                                   errors, k) for k in range(concurrency)])
-    return time.perf_counter() - start, latencies, errors
-
-
-def _summary(runs: list[tuple[float, list[float], list[str]]]) -> dict:
-    """Throughput: the median over the rounds; latency percentiles over all requests."""
-    lat = np.concatenate([np.array(r[1]) for r in runs]) * 1000
-    return {"requests": int(lat.size), "errors": sum(len(r[2]) for r in runs),
-            "seconds": round(sum(r[0] for r in runs), 3),
-            "throughput": round(float(np.median([len(r[1]) / r[0] for r in runs])), 1),
-            "p50_ms": round(float(np.percentile(lat, 50)), 2),
-            "p99_ms": round(float(np.percentile(lat, 99)), 2)}
+from bench.load.client import Server, build_package, load, request, summary  # noqa: E402
 
 
 def measure(port: int, targets: dict[str, list[bytes]], concurrency: int, duration: float,
@@ -153,14 +42,14 @@ def measure(port: int, targets: dict[str, list[bytes]], concurrency: int, durati
     runs: dict[str, list] = {name: [] for name in targets}
     for _ in range(rounds):
         for name, requests in targets.items():
-            runs[name].append(asyncio.run(_load(port, requests, concurrency,
+            runs[name].append(asyncio.run(load(port, requests, concurrency,
                                                 duration / rounds, max_requests)))
     ceiling, *others = targets
-    out = {"concurrency": concurrency, ceiling: _summary(runs[ceiling])}
+    out = {"concurrency": concurrency, ceiling: summary(runs[ceiling])}
     for name in others:
         ratios = [len(r[1]) / r[0] / max(len(c[1]) / c[0], 1e-9)
                   for c, r in zip(runs[ceiling], runs[name], strict=True)]
-        out[name] = {**_summary(runs[name]), "ratio": round(float(np.median(ratios)), 3)}
+        out[name] = {**summary(runs[name]), "ratio": round(float(np.median(ratios)), 3)}
     return out
 
 
@@ -203,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         rng = np.random.default_rng(1)
         xs = [rng.normal(size=(args.steps, args.features)).round(4) for _ in range(64)]
         targets = {
-            "health": [_request("GET", "/v2/health/live")],
-            "predict": [_request("POST", "/predict", json.dumps(
+            "health": [request("GET", "/v2/health/live")],
+            "predict": [request("POST", "/predict", json.dumps(
                 {"model": "bench", "inputs": [x.tolist()]}).encode()) for x in xs],
-            "infer_json": [_request("POST", "/v2/models/bench/infer", json.dumps(
+            "infer_json": [request("POST", "/v2/models/bench/infer", json.dumps(
                 {"inputs": [{"name": "x", "shape": [1, *x.shape], "datatype": "FP32",
                              "data": x.ravel().tolist()}],
                  "outputs": [{"name": "logits"}]}).encode()) for x in xs],

@@ -8,15 +8,15 @@ answered (200) and the refused (503) requests separately (failed exchanges as "e
 the listen queue; with few answered samples its p99 is close to its maximum.
 ``--health URL`` adds one connection that GETs URL every ``--health-interval-ms`` (paced,
 not closed-loop, so that it adds little load) and reports its latency as "health";
-``--connections 0`` runs that alone. bench/peers.sh runs the probe beside wrk at
+``--connections 0`` runs that alone. bench/load/peers.sh runs the probe beside wrk at
 concurrency 1,024, and then ``--goodput OUT``: served (200) requests a second at
 c=1,024 against c=32, from the JSON files the run wrote into OUT. Prints a table and
 writes JSON.
 
-    python bench/answered.py URL --body FILE [--seconds 8] [--connections 32]
+    python bench/load/answered.py URL --body FILE [--seconds 8] [--connections 32]
         [--health URL [--health-interval-ms 10]] [--json OUT]
-    python bench/answered.py --connections 0 --health URL [--seconds 8] [--json OUT]
-    python bench/answered.py --goodput OUT [--json OUT/goodput.json]
+    python bench/load/answered.py --connections 0 --health URL [--seconds 8] [--json OUT]
+    python bench/load/answered.py --goodput OUT [--json OUT/goodput.json]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import write_result
 
 TIMEOUT_S = 10.0  # as the harness's wrk
@@ -149,7 +149,7 @@ def _served(level: dict) -> dict:
 
 def goodput(out: Path) -> dict:
     """Served requests a second at c=1,024 against c=32 (/predict), from the JSON files
-    bench/peers.sh writes into OUT: orthornn.json (c=32), orthornn-overload.json (wrk
+    bench/load/peers.sh writes into OUT: orthornn.json (c=32), orthornn-overload.json (wrk
     alone) and orthornn-overload-probed.json with answered.json and health.json (wrk with
     this probe beside it: the tail of served requests and of health GETs)."""
     def load(name):
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
                    help="also GET URL on a connection of its own, paced")
     p.add_argument("--health-interval-ms", type=float, default=10.0)
     p.add_argument("--goodput", type=Path, default=None, metavar="OUT",
-                   help="only summarize bench/peers.sh's JSON files in OUT")
+                   help="only summarize bench/load/peers.sh's JSON files in OUT")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     if a.goodput is not None:

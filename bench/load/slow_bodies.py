@@ -14,9 +14,9 @@ normal requests that were not answered 200 (beside the attack: refused for overl
 were slots taken by the slow bodies) and readiness (/v2/health/ready) polled during the
 attack. Prints a table and writes JSON (bench/results/slow_bodies.json).
 
-    python bench/slow_bodies.py [--slow 64] [--clients 8] [--seconds 2] [--rounds 3]
-                                [--max-inflight-requests N] [--out FILE]
-                                [--repo REPO --model NAME --body FILE]
+    python bench/load/slow_bodies.py [--slow 64] [--clients 8] [--seconds 2] [--rounds 3]
+                                     [--max-inflight-requests N] [--out FILE]
+                                     [--repo REPO --model NAME --body FILE]
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import write_result  # noqa: E402
-from bench.service import Server  # noqa: E402
+from bench.load.client import Server, request  # noqa: E402
 
 DECLARED = 100_000  # each slow connection's Content-Length
 
@@ -57,11 +57,6 @@ def build_repo(work: Path, steps: int = 16, features: int = 2) -> Path:
                       steps=1, batch_size=2, log_every=1, out=str(work / "run")),
           progress=False)
     return Path(export_run(work / "run", work / "repo", "stream")).parents[1]
-
-
-def _request(path: str, body: bytes) -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
 async def _status(reader: asyncio.StreamReader) -> str:
@@ -194,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(repo, True, extra)
         try:
             server.wait_ready()
-            result = asyncio.run(measure(server.port, _request("/predict", body),
+            result = asyncio.run(measure(server.port, request("POST", "/predict", body),
                                          args.clients, args.seconds, args.rounds,
                                          args.slow, args.interval))
         finally:

@@ -6,7 +6,7 @@ torch time / onnxruntime time (above 1: onnxruntime is faster), medians of
 interleaved repetitions in one process. Also the model file size of the dense and
 the factored export of svdrnn with n = 512 and 16 reflectors (m1 = m2 = 8).
 
-    python bench/export.py [--reps 20] [--steps 128] [--hidden 128]
+    python bench/perf/export.py [--reps 20] [--steps 128] [--hidden 128]
 
 Prints a table and writes bench/results/export.json.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from orthornn.export.artifacts.package import session_from_bytes
 from orthornn.export.builder.exporter import choose_recurrence
 from orthornn.export.builder.onnx_export import build_graph
@@ -37,8 +37,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--big-hidden", type=int, default=512)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" /
-                        "export.json")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).resolve().parents[1] / "results" / "export.json")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)

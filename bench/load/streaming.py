@@ -25,9 +25,9 @@ in-process store's, and Redis's memory per open session (INFO memory's used_memo
 the run minus before the sessions were opened, over the sessions; the database is flushed
 between measurements). Prints a table and writes bench/results/streaming.json.
 
-    python bench/streaming.py [--history 4096] [--chunk 8] [--hidden 128] [--features 9]
-                              [--parts ways,stores] [--sessions 128 512] [--concurrency 32]
-                              [--store-seconds 3] [--store-rounds 2]
+    python bench/load/streaming.py [--history 4096] [--chunk 8] [--hidden 128] [--features 9]
+                                   [--parts ways,stores] [--sessions 128 512] [--concurrency 32]
+                                   [--store-seconds 3] [--store-rounds 2]
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import chosen_rows, percentile_ms, write_result  # noqa: E402
-from bench.service import Server  # noqa: E402
+from bench.load.client import Server  # noqa: E402
 
 
 def build_package(work: Path, hidden: int, steps: int, features: int) -> Path:

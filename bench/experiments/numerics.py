@@ -10,8 +10,8 @@ commands, the model name swapped). Then, for each setting's graph, it checks whe
 onnxruntime's own options (intra-op threads 1 or 2, graph optimisations on or off)
 change the logits. The docs' table (docs/training.md, "Across CPUs") comes from this.
 
-    python bench/numerics.py [--steps N] [--settings a,b,...] [--jobs 2] [--keep DIR]
-                             [--out bench/results/numerics.json]
+    python bench/experiments/numerics.py [--steps N] [--settings a,b,...] [--jobs 2] [--keep DIR]
+                                         [--out bench/results/numerics.json]
 
 --steps shortens the run (the default is the quickstart's: one epoch). Prints a table,
 writes JSON and a markdown table beside it (numerics.md).
@@ -31,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import chosen_rows, write_result  # noqa: E402

@@ -3,7 +3,7 @@ the serving container takes from `run` to ready with a model, against the same
 `orthornn serve` started from this checkout's venv in the same run (the ratio is what the
 container adds: its start, the read-only root, the image's Python).
 
-    python bench/images.py [--runs 5] [--cold]
+    python bench/load/images.py [--runs 5] [--cold]
 
 --cold first removes both images and the local Debian base, so `scripts/images.sh` builds
 everything (the wheelhouse comes from pip's cache); without it the build runs on the layer
@@ -24,10 +24,11 @@ import tomllib
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 
-from common import write_result  # noqa: E402
+from bench.common import write_result  # noqa: E402
+from bench.load.client import free_port  # noqa: E402
 
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 IMAGES = {"serve": f"orthornn:{VERSION}-cpu", "train": f"orthornn-train:{VERSION}-cpu"}
@@ -51,14 +52,6 @@ def engine() -> str:
 def sh(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(list(args), capture_output=True, text=True, env=ENV, check=True,
                           **kwargs)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def seconds_to_ready(port: int, timeout: float = 60) -> float:

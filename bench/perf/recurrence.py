@@ -6,7 +6,7 @@ lengths; ratio = Scan time / RNN time (above 1: the RNN operator is faster). Thi
 the measurement behind the exporter's fixed rule (export.exporter.RECURRENCE_RULE):
 the export no longer races the two on the exporting machine.
 
-    python bench/recurrence.py [--hidden 128 --reps 20 --out bench/results/recurrence.json]
+    python bench/perf/recurrence.py [--hidden 128 --reps 20 --out bench/results/recurrence.json]
 
 Prints a table and writes JSON.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from orthornn.export.artifacts.package import session_from_bytes
 from orthornn.export.builder.onnx_export import RNN_ACTIVATIONS, build_graph
 from orthornn.models import ARCHITECTURES, build_model
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" /
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" /
                                              "recurrence.json"))
     args = parser.parse_args(argv)
     torch.manual_seed(0)

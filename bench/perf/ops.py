@@ -12,10 +12,10 @@ and, for n in the same list with m = n reflectors, models.ops.householder_matrix
 (compact WY) against torch.linalg.householder_product. Times are medians of CUDA-
 synchronised wall times after a warm-up (which also compiles the kernels).
 
-    python bench/ops.py                       # the full grid, on a CUDA device
-    python bench/ops.py --steps 784 --hidden 128 --batch 64   # one point
-    python bench/ops.py --tf32                # TF32 tensor cores for fp32 products
-    python bench/ops.py --smoke               # tiny grid on the CPU through the Triton
+    python bench/perf/ops.py                       # the full grid, on a CUDA device
+    python bench/perf/ops.py --steps 784 --hidden 128 --batch 64   # one point
+    python bench/perf/ops.py --tf32                # TF32 tensor cores for fp32 products
+    python bench/perf/ops.py --smoke               # tiny grid on the CPU through the Triton
                                               # interpreter: checks the script, times are
                                               # meaningless
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from orthornn.models.ops import householder_matrix, rnn_scan, rnn_scan_steps
 
 from bench.common import write_result
@@ -124,7 +124,8 @@ def main(argv=None) -> int:
                         help="allow TF32 tensor cores in fp32 matmuls (cuBLAS and tl.dot)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny grid on the CPU through the Triton interpreter")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ops.json")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).resolve().parents[1] / "results" / "ops.json")
     args = parser.parse_args(argv)
     if min(*args.steps, *args.hidden, *args.batch, args.reps) < 1:
         parser.error("--steps, --hidden, --batch and --reps must be positive")
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
     elif torch.cuda.is_available():
         device = torch.device("cuda")
     else:
-        print("bench/ops.py needs a CUDA device (or --smoke to check the script on the CPU)",
+        print("bench/perf/ops.py needs a CUDA device (or --smoke to check the script on the CPU)",
               file=sys.stderr)
         return 2
 

@@ -27,7 +27,7 @@ shadowed share, the skipped shadow runs, the candidate's share of a canary. Prin
 table and writes bench/results/rollout.json. Issue 32's bounds: shadow at 0.1 costs at
 most 12% of /predict throughput, canary routing at most 2%.
 
-    python bench/rollout.py [--round-s 1] [--rounds 9] [--concurrency 32] [--canary 5 50 100]
+    python bench/load/rollout.py [--round-s 1] [--rounds 9] [--concurrency 32] [--canary 5 50 100]
 """
 
 from __future__ import annotations
@@ -45,12 +45,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import write_result  # noqa: E402
-from bench.service import Server, _load, _request  # noqa: E402
-from bench.tracing import _summary  # noqa: E402
+from bench.load.client import Server, load, request, summary  # noqa: E402
 
 NAME = "digits"
 BASELINE, NOISE, SHADOW = "no rollout", "no rollout, again", "shadow 0.1"
@@ -106,7 +105,7 @@ def digits_requests(count: int) -> list[bytes]:
     from sklearn.datasets import load_digits
 
     images = load_digits().data[:count] / 16.0
-    return [_request("POST", "/predict", json.dumps(
+    return [request("POST", "/predict", json.dumps(
         {"model": NAME, "inputs": [[[round(float(v), 4)] for v in image]]}).encode())
         for image in images]
 
@@ -157,7 +156,7 @@ def measure(servers: dict[str, Server], requests: list[bytes], concurrency: int,
     def once(name: str) -> tuple[float, float]:
         pid = servers[name].proc.pid
         start = cpu_seconds(pid)
-        run = asyncio.run(_load(servers[name].port, requests, concurrency, round_s, 10**9))
+        run = asyncio.run(load(servers[name].port, requests, concurrency, round_s, 10**9))
         # the warm-up's requests are not counted: its CPU is, a constant share of both
         per_request = (cpu_seconds(pid) - start) / max(len(run[1]), 1)
         runs[name].append(run)
@@ -174,7 +173,7 @@ def measure(servers: dict[str, Server], requests: list[bytes], concurrency: int,
             before = after
     row: dict = {"concurrency": concurrency}
     for name in servers:
-        row[name] = {**_summary(runs[name]),
+        row[name] = {**summary(runs[name], digits=3, seconds=False),
                      "cpu_us_per_request": round(1e6 * float(np.median(cpu[name])), 1)}
     for name in others:
         row[name].update(ratio=round(float(np.median(ratios[name])), 3),

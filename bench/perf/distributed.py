@@ -12,7 +12,7 @@ meets every count; the median round is reported, with
 the speed-up over 1 process in the same rounds and the efficiency (speed-up / P). The
 batch is the global one at every P (each of P workers trains batch / P sequences).
 
-    python bench/distributed.py [--models digits words] [--processes 1 2] [--rounds 5]
+    python bench/perf/distributed.py [--models digits words] [--processes 1 2] [--rounds 5]
         [--steps-digits 200 --steps-words 30] [--device cpu|cuda] [--wait-idle-s 30]
         [--out bench/results/distributed.json]
 
@@ -32,13 +32,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from orthornn.training.reproducibility import idle_cores, usable_cores
 
 from bench.common import write_result
 from orthornn.quickstart import DEFAULT_MODELS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def wait_idle(limit_s: float) -> float | None:

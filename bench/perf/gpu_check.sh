@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU check of the Triton kernels on a lent H100 / H200 (docs/gpu.md), in under
 # 8 minutes, each step bounded so the later ones still run. In order of priority:
-#   1. bench/ops.py at the issue's point (T=784, n=128, B=64): the fused scan against the
+#   1. bench/perf/ops.py at the issue's point (T=784, n=128, B=64): the fused scan against the
 #      Python loop and cuDNN's nn.RNN(relu), the compact-WY matrix against householder_product
 #   2. the chains: householder_apply and rotation_chain (Triton kernels, the Python-loop
 #      reference) against the dense product (U built once, then one matmul)
@@ -10,11 +10,11 @@
 #   4. the Triton op tests with compiled kernels (no TRITON_INTERPRET), gpu-marked included,
 #      in pytest-xdist workers (compilation in parallel; a worker a device fault kills is
 #      replaced, the others go on)
-#   5. bench/ops.py over the docs' grid
-#   6. the long rows of bench/reproduce.py --full in the time left: DizzyRNN's copy rows
+#   5. bench/perf/ops.py over the docs' grid
+#   6. the long rows of bench/experiments/reproduce.py --full in the time left: DizzyRNN's copy rows
 #      (its preset's 1,000 steps, the Givens kernels inside), one seed each; when time runs
 #      out, the seeds that finished are tabulated (--collect)
-# Run from the checkout: OUT=/some/dir bash bench/gpu_check.sh. Writes 8 files to $OUT
+# Run from the checkout: OUT=/some/dir bash bench/perf/gpu_check.sh. Writes 8 files to $OUT
 # (the most a lent machine returns): summary.json (every step's exit code and seconds),
 # env.txt, log.txt (every step's output), ops.json (the point), ops-grid.json, chains.json,
 # throughput.json, reproduce.json. The compile check (tests/integration/test_triton_compile.py) needs
@@ -29,7 +29,7 @@ PYTHON=${PYTHON:-python}
 BUDGET=${BUDGET:-470}
 SMOKE=${SMOKE:-0}
 START=$(date +%s)
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -124,7 +124,7 @@ else
 fi
 
 # 1. the op benchmark at the issue's point
-step ops_point 75 "$PYTHON" bench/ops.py "${OPS_POINT[@]}" --out "$OUT/ops.json"
+step ops_point 75 "$PYTHON" bench/perf/ops.py "${OPS_POINT[@]}" --out "$OUT/ops.json"
 
 # 2. the chains against the dense product (x @ U^T with U built once: the matmul alone,
 #    and U built by compact WY / householder_product / the Givens chain on I, plus the matmul)
@@ -311,17 +311,17 @@ step tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider "${TESTS[@]}" \
     tests/unit/models/test_triton_ops.py tests/unit/models/test_scan.py
 
 # 5. the op benchmark over the docs' grid
-step ops_grid 120 "$PYTHON" bench/ops.py "${OPS_GRID[@]}" --out "$OUT/ops-grid.json"
+step ops_grid 120 "$PYTHON" bench/perf/ops.py "${OPS_GRID[@]}" --out "$OUT/ops-grid.json"
 
 # 6. long rows of reproduce.py --full (copy T=200 is --full only), as far as time allows,
 #    keeping 25 s to tabulate the seeds that finished if it is cut short
 RESERVE=25
-step reproduce_copy $(($(left) - RESERVE)) "$PYTHON" bench/reproduce.py "${REPRODUCE[@]}" \
+step reproduce_copy $(($(left) - RESERVE)) "$PYTHON" bench/experiments/reproduce.py "${REPRODUCE[@]}" \
     --only copy --arch dizzyrnn --seeds 1 --out "$SCRATCH/reproduce" \
     --runs "$SCRATCH/reproduce-runs"
 if ! ls "$SCRATCH"/reproduce/reproduce*.json >/dev/null 2>&1 && [ -d "$SCRATCH/reproduce-runs" ]
 then
-    BUDGET=$((BUDGET + RESERVE)) step reproduce_collect 20 "$PYTHON" bench/reproduce.py \
+    BUDGET=$((BUDGET + RESERVE)) step reproduce_collect 20 "$PYTHON" bench/experiments/reproduce.py \
         "${REPRODUCE[@]}" --only copy --arch dizzyrnn --seeds 1 --out "$SCRATCH/reproduce" \
         --runs "$SCRATCH/reproduce-runs" --collect
 fi

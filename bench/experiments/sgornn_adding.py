@@ -24,8 +24,8 @@ budget), the last and best validation MSE, the gates, steps and seconds. ``--run
 keeps the run directories; a row whose run was stopped (killed) is tabulated from its
 metrics.jsonl with ``--collect``.
 
-    python bench/sgornn_adding.py [--seq-len 1000] [--steps 3000] [--rows map,clip,vprnn]
-        [--jobs 3] [--runs DIR] [--collect]
+    python bench/experiments/sgornn_adding.py [--seq-len 1000] [--steps 3000]
+        [--rows map,clip,vprnn] [--jobs 3] [--runs DIR] [--collect]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import chosen_rows, write_result
 
 THRESHOLD = 0.05  # "converged": validation MSE below this and staying there
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=3)
     p.add_argument("--runs", type=Path, help="keep the run directories here")
     p.add_argument("--collect", action="store_true", help="only tabulate --runs")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results"
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results"
                    / "sgornn_adding.json")
     a = p.parse_args(argv)
     rows = chosen_rows(p, a.rows, ROWS)

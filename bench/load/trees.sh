@@ -6,8 +6,8 @@
 # and row, each server for ROUND_S seconds at concurrency 32 (the load harness's load.py
 # from CPU 0; both servers up, each pinned to CPU 1, --inference-threads 1), the before
 # server first in odd rounds and the after server first in even ones. Rows: POST /predict,
-# the OIP infer route with JSON data and with a binary tensor (bench/peers.sh's bodies and
-# package, bench/peer_inputs.sh, exported with this checkout's exporter: both trees serve
+# the OIP infer route with JSON data and with a binary tensor (bench/load/peers.sh's bodies and
+# package, bench/load/peer_inputs.sh, exported with this checkout's exporter: both trees serve
 # the same package). The before tree needs no venv of its own: it runs in this checkout's
 # venv with a folder first on PYTHONPATH whose orthornn/ links to the before tree's
 # orthornn/*.py and its service/, export/, models/, training/ (checked before the run:
@@ -15,18 +15,18 @@
 # Prints per row each round's req/s before and after, their ratio after/before and the
 # median ratio (table.md); rounds.json and the servers' logs go to OUT (default
 # bench/results/trees).
-#   BEFORE=REV_OR_DIR [ROUNDS=6] [ROUND_S=5] [PEERS_DIR=DIR] bash bench/trees.sh [OUT]
+#   BEFORE=REV_OR_DIR [ROUNDS=6] [ROUND_S=5] [PEERS_DIR=DIR] bash bench/load/trees.sh [OUT]
 # PEERS_DIR: the load harness (default: shared/peers beside this checkout).
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BEFORE="${BEFORE:-}"
 if [ -z "$BEFORE" ]; then
-  echo "bench/trees.sh: set BEFORE to a git revision or a source tree of orthornn" >&2
+  echo "bench/load/trees.sh: set BEFORE to a git revision or a source tree of orthornn" >&2
   exit 2
 fi
 PEERS="${PEERS_DIR:-$ROOT/../shared/peers}"
 if [ ! -f "$PEERS/load.py" ]; then
-  echo "bench/trees.sh: $PEERS has no load.py: set PEERS_DIR to a checkout of the load harness" >&2
+  echo "bench/load/trees.sh: $PEERS has no load.py: set PEERS_DIR to a checkout of the load harness" >&2
   exit 2
 fi
 PEERS="$(cd "$PEERS" && pwd)"
@@ -60,7 +60,7 @@ if [ -d "$BEFORE" ]; then
   BEFORE_COMMIT="$(git -C "$BEFORE_TREE" rev-parse HEAD 2>/dev/null || echo unknown)"
 else
   BEFORE_COMMIT="$(git -C "$ROOT" rev-parse --verify --quiet "$BEFORE^{commit}")" || {
-    echo "bench/trees.sh: BEFORE=$BEFORE is neither a folder nor a revision" >&2; exit 2; }
+    echo "bench/load/trees.sh: BEFORE=$BEFORE is neither a folder nor a revision" >&2; exit 2; }
   WORKTREE="$WORK/before"
   git -C "$ROOT" worktree add --detach --quiet "$WORKTREE" "$BEFORE_COMMIT"
   BEFORE_TREE="$WORKTREE"
@@ -73,7 +73,7 @@ SHIM="$WORK/path"
 mkdir -p "$SHIM/orthornn"
 ln -s "$BEFORE_TREE"/orthornn/*.py "$SHIM/orthornn/"
 for stage in service export models training; do
-  [ -d "$BEFORE_TREE/$stage" ] || { echo "bench/trees.sh: $BEFORE_TREE has no $stage/" >&2; exit 2; }
+  [ -d "$BEFORE_TREE/$stage" ] || { echo "bench/load/trees.sh: $BEFORE_TREE has no $stage/" >&2; exit 2; }
   ln -s "$BEFORE_TREE/$stage" "$SHIM/orthornn/$stage"
 done
 # which tree `import orthornn` takes, run from $WORK (not from a checkout: python -c and
@@ -86,7 +86,7 @@ for m in (orthornn, orthornn.service, orthornn.export):
     print(os.path.realpath(m.__file__))')"
   while read -r file; do
     [[ "$file" == "$tree"/* ]] || {
-      echo "bench/trees.sh: orthornn is not imported from $tree:" >&2
+      echo "bench/load/trees.sh: orthornn is not imported from $tree:" >&2
       echo "$got" >&2
       exit 1; }
   done <<<"$got"
@@ -95,8 +95,8 @@ for m in (orthornn, orthornn.service, orthornn.export):
 check_tree "$BEFORE_TREE" "$SHIM"
 check_tree "$ROOT"
 
-# the package and the three bodies (bench/peers.sh's), exported by this checkout
-bash "$ROOT/bench/peer_inputs.sh" "$PEERS" "$OUT"
+# the package and the three bodies (bench/load/peers.sh's), exported by this checkout
+bash "$ROOT/bench/load/peer_inputs.sh" "$PEERS" "$OUT"
 HEADER="Inference-Header-Content-Length: $(cat "$OUT/oip_binary.header")"
 
 start() {  # NAME [PYTHONPATH]: orthornn serve on a free port, pinned to CPU 1
@@ -115,7 +115,7 @@ ready() {  # NAME
     kill -0 "${PID[$name]}" 2>/dev/null || break
     sleep 0.2
   done
-  echo "bench/trees.sh: the $name server is not ready; $OUT/$name.log:" >&2
+  echo "bench/load/trees.sh: the $name server is not ready; $OUT/$name.log:" >&2
   tail -20 "$OUT/$name.log" >&2
   exit 1
 }
@@ -140,7 +140,7 @@ for row in "${ROWS[@]}"; do
       -H 'Content-Type: application/json' ${ARGS[2]:+-H "${ARGS[2]}"} \
       "http://127.0.0.1:${PORT[$tree]}${ARGS[0]}")
     if [ "$code" != 200 ]; then
-      echo "bench/trees.sh: $row on the $tree server answered $code:" >&2
+      echo "bench/load/trees.sh: $row on the $tree server answered $code:" >&2
       head -c 500 "$OUT/answer-$row-$tree" >&2; echo >&2
       exit 1
     fi
@@ -161,7 +161,7 @@ for r in $(seq "$ROUNDS"); do
         --duration "$ROUND_S" --warmup 1 --client-cpus 0 --no-probe \
         --json "$OUT/rounds/$row-$tree-$r.json" > /dev/null
       kill -0 "${PID[$tree]}" 2>/dev/null || {
-        echo "bench/trees.sh: the $tree server stopped; $OUT/$tree.log:" >&2
+        echo "bench/load/trees.sh: the $tree server stopped; $OUT/$tree.log:" >&2
         tail -20 "$OUT/$tree.log" >&2; exit 1; }
     done
   done

@@ -16,7 +16,8 @@ The default run (``--jobs 2``) shortens the generated tasks' budgets for 2 CPU c
 it ran against the preset's; ``--full`` runs the presets' (the papers') budgets
 and every architecture of every row (for a GPU).
 
-    python bench/reproduce.py [--full] [--only copy,ucr,...] [--seeds 3] [--jobs 2] [--quick]
+    python bench/experiments/reproduce.py [--full] [--only copy,ucr,...] [--seeds 3] [--jobs 2]
+        [--quick]
 
 Writes bench/results/reproduce[-full|-quick].json and .md (the README's table).
 ``--quick`` runs every configuration for a handful of steps (a smoke test, not a result).
@@ -35,7 +36,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import write_result
 
 GROUPS = ("copy", "ucr", "har", "digits", "adding", "lm")
@@ -228,7 +229,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per row (default 3)")
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel (one thread each)")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     parser.add_argument("--runs", type=Path, help="keep the run directories here; a seed whose "
                         "run directory holds a summary is read instead of trained again")
     parser.add_argument("--collect", action="store_true",

@@ -12,7 +12,7 @@ every step scored, 8 symbols). Columns: test copy accuracy and cross-entropy (me
 seeds), steps and seconds per seed. Prints a table and writes
 bench/results/dizzyrnn_copy.json.
 
-    python bench/dizzyrnn_copy.py [--seeds 1] [--steps 1000] [--rows a,b,...] [--jobs 2]
+    python bench/experiments/dizzyrnn_copy.py [--seeds 1] [--steps 1000] [--rows a,b,...] [--jobs 2]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import chosen_rows, write_result
 
 ARJOVSKY = {"copy_loss": "all", "copy_symbols": 8}
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default=",".join(ROWS),
                    help=f"comma-separated, of: {', '.join(ROWS)} (default all)")
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results"
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results"
                    / "dizzyrnn_copy.json")
     a = p.parse_args(argv)
     rows = chosen_rows(p, a.rows, ROWS)

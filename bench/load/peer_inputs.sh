@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The inputs of the peer benchmarks (bench/peers.sh, bench/trees.sh), written to OUT:
+# The inputs of the peer benchmarks (bench/load/peers.sh, bench/load/trees.sh), written to OUT:
 #   model.onnx, predict_body.json, oip_body.json, input.npy   the peers' model and bodies
 #       (the load harness's make_model.py: B=1, T=128, d=9);
 #   repo/bench                  orthornn's package of the same shape (svdrnn classifier,
@@ -8,10 +8,10 @@
 #   orthornn_predict.json       /predict's body (the peers' body naming the model);
 #   oip_binary.bin, oip_binary.header   the OIP infer body with a binary FP32 tensor, and
 #       its JSON head's length (the Inference-Header-Content-Length header's value).
-#   bash bench/peer_inputs.sh PEERS_DIR OUT
+#   bash bench/load/peer_inputs.sh PEERS_DIR OUT
 # Creates the harness's base venv (setup.sh ... base) when it is missing.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PEERS="$1" OUT="$2"
 PY="${XDG_CACHE_HOME:-$HOME/.cache}/orthornn-peers/base/bin/python"
 ORTHORNN_PY="$ROOT/.venv/bin/python"

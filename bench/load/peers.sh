@@ -6,26 +6,26 @@
 #   2. orthornn serve (svdrnn classifier, n=128, 6 classes, dense export): POST /predict,
 #      the OIP infer route with JSON data and with a binary tensor, at concurrency 1, 8, 32;
 #   3. overload: /predict at concurrency 256 and 1024 (the excess refused with 503 +
-#      Retry-After), and at 1024 once more with bench/answered.py beside wrk: the latency
+#      Retry-After), and at 1024 once more with bench/load/answered.py beside wrk: the latency
 #      of answered and refused requests apart, and of health GETs (/v2/health/ready, one
 #      every 10 ms on a connection of their own); then the goodput line: served (200)
 #      requests a second at c=1024 as a share of c=32's (goodput.json);
 #   4. sessions: 8-step chunks of 128 open sessions at concurrency 32, with the in-process
-#      session store and with Redis (bench/streaming.py --parts stores; sessions.json).
+#      session store and with Redis (bench/load/streaming.py --parts stores; sessions.json).
 #   5. with ROUNDS=N: /predict and OIP JSON against the naive server in N alternated
 #      rounds at c=32 (rounds.json: each round's ratio and their median).
 # Prints the harness's tables; JSON and logs go to OUT (default bench/results/peers).
 #   PEERS_DIR=DIR [DURATION=S] [LEVELS=1,8,32] [SKIP_PEERS=1] [ROUNDS=N] [ROUND_S=S] \
-#     bash bench/peers.sh [OUT]
+#     bash bench/load/peers.sh [OUT]
 # DIR is a checkout of the load harness (setup.sh, run_peers.sh, load.py, make_model.py);
 # DURATION: seconds per level (default 10); LEVELS: the levels of the three normal rows
 # (32 must be among them for the goodput line); SKIP_PEERS=1 leaves out the peers (quicker,
 # to compare orthornn with itself); ROUND_S: seconds per server and round (default 5).
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PEERS="${PEERS_DIR:-}"
 if [ -z "$PEERS" ] || [ ! -f "$PEERS/load.py" ]; then
-  echo "bench/peers.sh: set PEERS_DIR to a checkout of the load harness (the folder with setup.sh, run_peers.sh and load.py)${PEERS:+; $PEERS has no load.py}" >&2
+  echo "bench/load/peers.sh: set PEERS_DIR to a checkout of the load harness (the folder with setup.sh, run_peers.sh and load.py)${PEERS:+; $PEERS has no load.py}" >&2
   exit 2
 fi
 PEERS="$(cd "$PEERS" && pwd)"
@@ -38,7 +38,7 @@ mkdir -p "$OUT"
 [ -x "$PY" ] || bash "$PEERS/setup.sh"
 
 # the peers' model input and bodies, and orthornn's package of the same shape
-bash "$ROOT/bench/peer_inputs.sh" "$PEERS" "$OUT"
+bash "$ROOT/bench/load/peer_inputs.sh" "$PEERS" "$OUT"
 
 PEER_TABLE=()
 if [ "${SKIP_PEERS:-0}" != 1 ]; then
@@ -78,11 +78,11 @@ sleep 4  # load.py's 3 s warm-up, then the probe inside the timed run
 # the probes share CPU 0 with wrk (the client core), so client-side delays count in all;
 # health GETs from a process of their own, so that the POST probe's work does not delay them
 SECONDS_PROBED="$(python3 -c "print(max(1.0, float('$DURATION') - 2))")"
-taskset -c 0 "$ORTHORNN_PY" "$ROOT/bench/answered.py" --connections 0 \
+taskset -c 0 "$ORTHORNN_PY" "$ROOT/bench/load/answered.py" --connections 0 \
   --health "$URL/v2/health/ready" --json "$OUT/health.json" --seconds "$SECONDS_PROBED" \
   > "$OUT/health.log" 2>&1 &
 HEALTH=$!
-taskset -c 0 "$ORTHORNN_PY" "$ROOT/bench/answered.py" "$URL/predict" \
+taskset -c 0 "$ORTHORNN_PY" "$ROOT/bench/load/answered.py" "$URL/predict" \
   --body "$OUT/orthornn_predict.json" --connections 64 --json "$OUT/answered.json" \
   --seconds "$SECONDS_PROBED"
 wait $HEALTH
@@ -93,11 +93,11 @@ echo "rss_mib $(ps -o rss= -p "$PID" | awk '{printf "%.0f", $1/1024}')"
   "$OUT"/orthornn.json "$OUT"/orthornn-oip-json.json "$OUT"/orthornn-oip-binary.json \
   "$OUT"/orthornn-overload.json "$OUT"/orthornn-overload-probed.json | tee "$OUT/table.md"
 echo
-"$ORTHORNN_PY" "$ROOT/bench/answered.py" --goodput "$OUT" --json "$OUT/goodput.json" \
+"$ORTHORNN_PY" "$ROOT/bench/load/answered.py" --goodput "$OUT" --json "$OUT/goodput.json" \
   | tee -a "$OUT/table.md"
 echo
 # the session row: the same chunks with sessions in this process and in Redis
-"$ORTHORNN_PY" "$ROOT/bench/streaming.py" --parts stores --sessions 128 \
+"$ORTHORNN_PY" "$ROOT/bench/load/streaming.py" --parts stores --sessions 128 \
   --out "$OUT/sessions.json" | tee -a "$OUT/table.md"
 
 # ROUNDS=N: /predict against the naive server in N alternated rounds (naive /predict, then

@@ -20,7 +20,7 @@ Columns: test accuracy (mean over seeds), the gates after training, and the boun
 much of a gradient survives 64 steps, (a + b2)^64 (none when a + b2 >= 1). Prints a table and
 writes bench/results/sgornn_gates.json.
 
-    python bench/sgornn_gates.py [--seeds 1] [--epochs N]
+    python bench/experiments/sgornn_gates.py [--seeds 1] [--epochs N]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import write_result
 
 T = 64  # permuted-digits: 8 x 8 pixels, one per step
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=2,
                    help="runs at once, each in its own process (default 2; 1: in this one)")
     p.add_argument("--out", type=Path,
-                   default=Path(__file__).resolve().parent / "results" / "sgornn_gates.json")
+                   default=Path(__file__).resolve().parents[1] / "results" / "sgornn_gates.json")
     a = p.parse_args(argv)
     if a.seeds < 1 or a.jobs < 1 or (a.epochs is not None and a.epochs < 1):
         p.error("--seeds, --jobs and --epochs must be at least 1")
