@@ -44,7 +44,8 @@ ROLLOUT = ("retraining.enabled=true", "retraining.rollout.enabled=true",
 DISTRIBUTED = ("retraining.enabled=true", "retraining.distributed.enabled=true",
                "retraining.distributed.nodes=3", "retraining.distributed.nprocPerNode=2")
 GPU = (*DISTRIBUTED, "retraining.gpu.enabled=true", "retraining.gpu.count=2", "gpu.enabled=true")
-VARIANTS = {"defaults": (), "full": tuple(FULL), "rollout": ROLLOUT,
+CAPTURE = ("capture.enabled=true", "capture.sample=0.1", "capture.retentionDays=7")
+VARIANTS = {"defaults": (), "full": tuple(FULL), "rollout": ROLLOUT, "capture": CAPTURE,
             "distributed": DISTRIBUTED, "nccl": GPU}
 # Each way of keeping server-side sessions (values "sessions.*"), and the Ingress with
 # session affinity: every combination is linted and validated like the defaults.
@@ -1169,3 +1170,23 @@ def test_retraining_job_runs_the_rollout_to_its_end(tmp_path, plan, controller_s
         assert "--replicas dns:rel-orthornn-headless.ml.svc:8000" in " ".join(made)
     ended = "ended without promoting it" in result.stderr
     assert ended == (controller_status == 3), result.stderr
+
+
+def test_capture_writes_to_the_volumes_captures_folder_with_the_repository_read_only():
+    """capture.enabled: the service's capture settings from the ConfigMap, and the models
+    volume's captures/ folder mounted writable at capture.mountPath while the repository
+    mount stays read-only; off by default."""
+    from orthornn.service.settings import Settings
+
+    assert "ORTHORNN_CAPTURE" not in one(render(), "ConfigMap", f"{RELEASE}-orthornn")["data"]
+    docs = render(*CAPTURE)
+    data = one(docs, "ConfigMap", f"{RELEASE}-orthornn")["data"]
+    values = {k.removeprefix("ORTHORNN_").lower(): v for k, v in data.items()
+              if k.startswith("ORTHORNN_CAPTURE")}
+    settings = Settings(repo="/models", **values)
+    assert (str(settings.capture), settings.capture_sample,
+            settings.capture_retention_days) == ("/captures", 0.1, 7)
+    mounts = {m["mountPath"]: m for m in _server(docs)["volumeMounts"]}
+    assert mounts["/models"]["readOnly"] is True and "subPath" not in mounts["/models"]
+    assert mounts["/captures"] == {"name": "models", "mountPath": "/captures",
+                                   "subPath": "captures", "readOnly": False}
