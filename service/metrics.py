@@ -53,6 +53,13 @@ class Metrics:
             "an Orthornn-Input-Warning header)", ["model", "version"], registry=r)
         self.inflight = Gauge("orthornn_inflight_requests", "requests being answered",
                               registry=r)
+        self.capture_records = Counter(
+            "orthornn_capture_records", "answered requests whose record capture wrote "
+            "(--capture)", ["model"], registry=r)
+        self.capture_dropped = Counter(
+            "orthornn_capture_dropped", "sampled records capture did not write, by reason: "
+            "disk_full, read_only, error; torn: a killed writer's last line, cut "
+            "at the restart", ["reason"], registry=r)
         self.held = Counter(
             "orthornn_held_connections",
             "connections refused with 503 and then held (not read) until their Retry-After "

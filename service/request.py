@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class Scope:
+    id: str | None = None  # the request id, when capture is on (service.capture)
     model: str | None = None  # the version leased for the request (the catalog, sessions)
     version: int | None = None
     named: str | None = None  # the model (and version) it named (its handler)

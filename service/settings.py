@@ -192,6 +192,22 @@ class Settings(BaseSettings):
         0.5, gt=0, le=60,
         description="longest wait for the session store (connect and each call); beyond it "
                     "the request gets 503 with Retry-After")
+    capture: Path | None = Field(
+        None, description="capture a sampled share of the answered /predict and inference "
+                          "requests (inputs, outputs, version) as JSON lines under this "
+                          "folder, DIR/<model>/<version>/<day>/<replica>-<n>.jsonl, for "
+                          "labels, drift and retraining (unset: off); the records are users' "
+                          "data: see capture_retention_days")
+    capture_sample: float = Field(
+        1.0, gt=0, le=1, description="the share of requests captured, decided by the hash of "
+                                     "the request id (X-Request-Id, the OIP id, or one the "
+                                     "server makes and returns), alike on every replica")
+    capture_retention_days: int = Field(
+        30, ge=1, le=3650, description="captured day folders older than this are deleted")
+    capture_replica: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9._-]{1,128}$",
+        description="this replica's name in capture segment names (default: the host name, "
+                    "a pod's name on Kubernetes)")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 31,
                                 description="request body limit (413 beyond it)")
     max_header_bytes: int = Field(

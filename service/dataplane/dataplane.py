@@ -15,6 +15,7 @@ import numpy as np
 from orthornn.export.artifacts.package import INITIAL_STATE
 
 from .. import request
+from ..capture import Capture, keep_answer
 from ..errors import (
     SECRET_HEADER,
     ClientError,
@@ -72,6 +73,9 @@ class DataPlane:
         self.shadows = Shadows(registry)
         self.metadata = Metadata(settings, registry)  # the routes' other two jobs
         self.repository = Repository(registry)
+        self.capture = None if settings.capture is None else Capture(
+            settings.capture, settings.capture_sample, metrics,
+            replica=settings.capture_replica, retention_days=settings.capture_retention_days)
 
     def observe(self, held: request.Scope, status: int) -> None:
         """An answered request, for a running rollout's analysis: counted only when the
@@ -173,6 +177,7 @@ class DataPlane:
             if req.states is None and not req.per_step:
                 self.shadows.after(mv, lambda spec: predict_sequences(
                     spec, req, self.settings.max_request_sequences), raw)
+        keep_answer(self.capture, "/predict", mv.name, mv.version, batch, outputs)
         return PredictResult(Served(mv.name, mv.version, warning), outputs)
 
     async def _predict_session(self, req: Prediction, secret: str | None) -> PredictResult:
@@ -181,18 +186,20 @@ class DataPlane:
             raise ClientError("states: not with 'session' (the session keeps its state)")
 
         async def chunk(mv: ModelVersion, state: np.ndarray | None
-                        ) -> tuple[tuple[list[dict], str | None], np.ndarray, int]:
+                        ) -> tuple[tuple[list[dict], str | None, np.ndarray], np.ndarray, int]:
             self._check_streaming(mv)
             seq = self._session_sequence(self._sequences(mv, req))
             warning = self._range_warning(mv, [seq], "inputs")
             outputs, states, _ = await self._run(mv, [Chunk(seq, state)], req)
-            return (outputs, warning), states[0], len(seq)
+            return (outputs, warning, seq), states[0], len(seq)
         request.current().route_key = req.session.encode()  # placed by its id
         applied = await self.sessions.chunk(
             req.session, req.model, chunk, version=version_param(req.version),
             start=req.start, end=req.end, position=req.position,
             secret=_secret(secret, req.session_secret, "session_secret"))
-        outputs, warning = applied.answer
+        outputs, warning, seq = applied.answer
+        keep_answer(self.capture, "/predict", applied.model, applied.version, [seq],
+                          outputs, req.session, applied.position)
         return PredictResult(Served(applied.model, applied.version, warning), outputs,
                              session=req.session, position=applied.position,
                              session_secret=applied.secret)
@@ -279,20 +286,20 @@ class DataPlane:
         if req.sequence is not None:
             sid = req.sequence.id
 
-            async def chunk(mv: ModelVersion, state: np.ndarray | None
-                            ) -> tuple[tuple[list[OutputTensor], str | None], np.ndarray, int]:
+            async def chunk(mv: ModelVersion, state: np.ndarray | None) -> tuple[
+                    tuple[list[OutputTensor], str | None, list], np.ndarray, int]:
                 self._check_streaming(mv)
                 seqs, steps = self._infer_sequences(mv, req)
                 seq = self._session_sequence(seqs)
                 warning = self._range_warning(mv, [seq], "inputs[x]")
                 tensors = await self._infer_run(mv, req, [Chunk(seq, state)], steps)
-                return (tensors, warning), self._state_of(tensors), len(seq)
+                return (tensors, warning, [seq]), self._state_of(tensors), len(seq)
             request.current().route_key = sid.encode()  # a sequence is placed by its id
             applied = await self.sessions.chunk(
                 sid, name, chunk, version=version_param(version), start=req.sequence.start,
                 end=req.sequence.end, position=req.sequence.position, what="sequence",
                 secret=_secret(secret, req.session_secret, "parameters.session_secret"))
-            tensors, warning = applied.answer
+            tensors, warning, seqs = applied.answer
             served = Served(applied.model, applied.version, warning)
             position, given = applied.position, applied.secret
         else:
@@ -314,6 +321,9 @@ class DataPlane:
         outputs = [t for t in tensors if wanted is None or t.name in wanted]
         if wanted is not None:
             outputs.sort(key=lambda t: wanted.index(t.name))
+        keep_answer(self.capture, "infer", served.model, served.version, seqs,
+                          {t.name: t.data for t in outputs},
+                          None if req.sequence is None else req.sequence.id, position)
         return InferenceResult(served, outputs, req.id, position=position,
                                session_secret=given)
 

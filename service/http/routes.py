@@ -16,6 +16,7 @@ import orjson
 from fastapi.responses import Response
 
 from .. import request
+from ..capture import request_id
 from ..dataplane.checks import version_param
 from ..dataplane.dataplane import DataPlane
 from ..dataplane.messages import Served
@@ -54,6 +55,7 @@ from .routing import (
 )
 
 WARNING_HEADER = "Orthornn-Input-Warning"
+REQUEST_ID_HEADER = "X-Request-Id"
 
 
 def _version_or_none(version: str | None) -> int | None:
@@ -77,6 +79,9 @@ def _headers(served: Served, position: int | None = None,
     """The headers of an answer: the input warning, the session's position and (answering
     its start) its secret, where there are some."""
     headers = {} if served.warning is None else {WARNING_HEADER: served.warning}
+    rid = request.current().id  # capture on: the id its record is kept under
+    if rid is not None:
+        headers[REQUEST_ID_HEADER] = rid
     if position is not None:
         headers[POSITION_HEADER] = str(position)
     if secret is not None:
@@ -123,6 +128,8 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
     async def predict(call: Call) -> Response:
         req = decode_predict(call.body)
         _names(req.model)
+        if dataplane.capture is not None:
+            request.current().id = request_id(header(call.scope, b"x-request-id"))
         result = await dataplane.predict(req, routing_key(call),
                                          session_secret(call))
         return Response(encode_predict(result), media_type="application/json",
@@ -140,6 +147,8 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         _names(name)  # counted under the model from the start
         req = decode_infer(call.body, header(call.scope, b"inference-header-content-length"),
                            name, version)
+        if dataplane.capture is not None:
+            request.current().id = request_id(header(call.scope, b"x-request-id"), req.id)
         result = await dataplane.infer(req, name, version, routing_key(call),
                                        session_secret(call))
         head, blobs = encode_infer(req, result)

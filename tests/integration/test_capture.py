@@ -1,0 +1,147 @@
+"""Capture through the service: what a record holds against the answer the client got, the
+request id (X-Request-Id, OIP's id, or the server's), the sample alike for every replica,
+and a SIGKILL during load: every request answered 200 is on disk exactly once after the
+restart."""
+
+import binascii
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from orthornn.service.capture import array, read_records
+from orthornn.service.http.app import create_app
+from orthornn.service.settings import Settings
+
+from ..service_helpers import free_port, make_repo, wait_ready
+
+
+@pytest.fixture(scope="module")
+def repo(service_packages, tmp_path_factory):
+    return make_repo(service_packages, tmp_path_factory.mktemp("capture-repo"),
+                     {"adding": [4], "digits": [1]})
+
+
+def serving(repo, captured, **settings) -> TestClient:
+    app = create_app(Settings(repo=repo, poll_interval_s=0, capture=captured,
+                              capture_replica="r", **settings))
+    return TestClient(app)
+
+
+def test_a_record_holds_what_the_model_saw_and_what_the_client_got(repo, tmp_path):
+    x = [[0.1], [0.5], [0.9]]
+    with serving(repo, tmp_path / "cap") as c:
+        c.app.state.registry.scanned.wait(60)
+        r = c.post("/predict", json={"model": "digits", "inputs": [x], "top_k": 2},
+                   headers={"X-Request-Id": "client-7"})
+        assert r.status_code == 200 and r.headers["X-Request-Id"] == "client-7"
+        oip = c.post("/v2/models/digits/infer", json={
+            "id": "oip-1", "inputs": [{"name": "x", "shape": [1, 3, 1], "datatype": "FP32",
+                                       "data": [0.1, 0.5, 0.9]}]})
+        assert oip.status_code == 200 and oip.headers["X-Request-Id"] == "oip-1"
+        made = c.post("/predict", json={"model": "digits", "inputs": [x]})
+        assert len(made.headers["X-Request-Id"]) == 32  # one the server made
+        start = c.post("/predict", json={"model": "adding", "inputs": [[[0.5, 1.0]]],
+                                         "session": "s", "start": True},
+                       headers={"X-Request-Id": "chunk-0"})
+        assert start.status_code == 200
+        bad = c.post("/predict", json={"model": "digits", "inputs": [x]},
+                     headers={"X-Request-Id": "two words"})
+        assert bad.status_code == 400 and "X-Request-Id" in bad.json()["error"]
+        refused = c.post("/predict", json={"model": "nope", "inputs": [x]},
+                         headers={"X-Request-Id": "refused"})
+        assert refused.status_code == 404
+        metrics = c.get("/metrics").text
+    records, torn = read_records(tmp_path / "cap", "digits")
+    by_id = {rec["id"]: rec for rec in records}
+    assert torn == 0 and set(by_id) == {"client-7", "oip-1", made.headers["X-Request-Id"]}
+    rec = by_id["client-7"]
+    assert (rec["model"], rec["version"], rec["route"]) == ("digits", 1, "/predict")
+    # the inputs as the model saw them (float32), the outputs as the client got them
+    (seen,) = rec["inputs"]  # exact: the float32 bytes, in base64
+    assert seen["dtype"] == "<f4" and np.array_equal(array(seen), np.float32(x))
+    assert rec["outputs"] == r.json()["outputs"]
+    assert rec["compute_ms"] > 0 and rec["session"] is None
+    logits = {o["name"]: o["data"] for o in oip.json()["outputs"]}["logits"]
+    assert np.array_equal(np.ravel(array(by_id["oip-1"]["outputs"]["logits"])),
+                          np.float32(logits))
+    (chunk,) = read_records(tmp_path / "cap", "adding")[0]
+    assert (chunk["id"], chunk["session"], chunk["position"]) == ("chunk-0", "s", 1)
+    assert 'orthornn_capture_records_total{model="digits"} 3.0' in metrics
+    assert (tmp_path / "cap" / "digits" / "1").is_dir()  # closed at the end: no .open left
+    assert not list((tmp_path / "cap").glob("*/*/*/*.open"))
+
+
+def test_the_sample_is_the_ids_hash_alike_on_two_replicas(repo, tmp_path):
+    ids = [f"id-{i}" for i in range(60)]
+    for replica in ("a", "b"):
+        app = create_app(Settings(repo=repo, poll_interval_s=0, capture=tmp_path / replica,
+                                  capture_sample=0.5))
+        with TestClient(app) as c:
+            app.state.registry.scanned.wait(60)
+            for i in ids:
+                assert c.post("/predict", json={"model": "digits", "inputs": [[0.1, 0.2]]},
+                              headers={"X-Request-Id": i}).status_code == 200
+    expected = {i for i in ids if binascii.crc32(i.encode()) % 10_000 < 5_000}
+    assert 15 < len(expected) < 45
+    for replica in ("a", "b"):
+        assert {r["id"] for r in read_records(tmp_path / replica, "digits")[0]} == expected
+
+
+def _serve(repo, captured, port):
+    return subprocess.Popen(
+        [sys.executable, "-m", "orthornn", "serve", "--repo", str(repo), "--port", str(port),
+         "--capture", str(captured), "--capture-replica", "pod-0", "--poll-interval-s", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_killed_replica_loses_no_record_of_an_answered_request(repo, tmp_path):
+    """2,000 requests from 8 clients, SIGKILL after about half were answered, a restart:
+    every request answered 200 is on disk exactly once (a torn last line at most, cut and
+    counted at the restart)."""
+    captured, port = tmp_path / "cap", free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(repo, captured, port)
+    wait_ready(proc, url)
+    answered: list[str] = []
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        with httpx.Client(base_url=url, timeout=10) as http:
+            for i in range(250):
+                rid = f"c{k}-{i}"
+                try:
+                    r = http.post("/predict", json={"model": "digits",
+                                                    "inputs": [[0.1 * (i % 9), 0.2]]},
+                                  headers={"X-Request-Id": rid})
+                except httpx.HTTPError:
+                    return  # the server is gone
+                if r.status_code == 200:
+                    with lock:
+                        answered.append(rid)
+                        if len(answered) == 1000:
+                            os.kill(proc.pid, signal.SIGKILL)
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL and len(answered) >= 1000
+    restarted = _serve(repo, captured, port)  # recovers pod-0's open segments
+    try:
+        wait_ready(restarted, url)
+    finally:
+        restarted.terminate()
+        restarted.wait(30)
+    assert not list(captured.glob("*/*/*/*.open"))
+    records, torn = read_records(captured, "digits")
+    ids = [r["id"] for r in records]
+    assert torn == 0  # cut at the restart
+    assert len(ids) == len(set(ids))  # each once
+    assert set(answered) <= set(ids), len(set(answered) - set(ids))
