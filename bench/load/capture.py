@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import platform
 import re
@@ -71,11 +72,8 @@ def full_disk(folder: Path) -> bool:
                              capture_output=True)
     if mounted.returncode != 0:
         return False
-    with open(folder / "filler", "wb") as f:
-        try:
-            f.write(b"\0" * (1 << 20))
-        except OSError:
-            pass
+    with open(folder / "filler", "wb") as f, contextlib.suppress(OSError):
+        f.write(b"\0" * (1 << 20))  # until the disk is full
     return True
 
 
