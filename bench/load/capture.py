@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             if mounted:
                 subprocess.run(["umount", str(work / "full")], capture_output=True)
     lines = ["| server | req/s | ratio to off | p50 ms | p99 ms | answered 200 | records | "
-             "dropped | RSS growth KiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "dropped | RSS growth KiB |", "| --- " * 9 + "|"]
     for name, row in rows.items():
         lines.append(f"| {name} | {row['throughput']:.0f} | {row['ratio']:.3f} | "
                      f"{row['p50_ms']:.2f} | {row['p99_ms']:.2f} | {row['answered_200']:.0f} | "
