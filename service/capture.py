@@ -43,6 +43,7 @@ log = logging.getLogger("orthornn.service")
 OPEN = ".open"  # the suffix of the segment a replica is writing
 _DUMP = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
 _ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
+_REPLICA = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 def request_id(header: str | None, oip_id: str | None = None) -> str:
@@ -77,8 +78,6 @@ class Capture:
         self.root, self.share, self.metrics = Path(root), share, metrics
         self.segment_bytes = segment_bytes
         self.retention_days, self.clock = retention_days, clock
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.replica, self._lock_fd = self._claim(replica or socket.gethostname())
         self._closed = False
         self._day, self._day_ends = "", 0.0  # the day being written (UTC), when it ends
         self._records: dict[str, Any] = {}  # orthornn_capture_records_total's children
@@ -86,8 +85,18 @@ class Capture:
         self._failed: dict[tuple[str, str], tuple[float, str]] = {}
         self._segments: dict[tuple[str, str], _Segment] = {}
         self._warned = -60.0  # when a failed write was last logged (time.monotonic)
-        self._recover()
-        self._expire()
+        name = replica or socket.gethostname()
+        if not _REPLICA.fullmatch(name):
+            raise ValueError(f"capture_replica: {name!r} is not 1-128 of A-Z a-z 0-9 . _ -")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.replica, self._lock_fd = self._claim(name)
+            self._recover()
+            self._expire()
+        except OSError as error:  # a read-only or broken folder: serve, drop and count
+            self.replica, self._lock_fd = name, -1
+            self._warn(f"capture: {self.root} cannot be prepared ({error}); its records "
+                       f"are dropped until a write succeeds")
 
     # -- the event loop ----------------------------------------------------------------------
 
@@ -178,7 +187,7 @@ class Capture:
         folder = self.root / ".replicas"
         folder.mkdir(exist_ok=True)
         for candidate in (name, f"{name}-{os.getpid()}"):
-            if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", candidate):
+            if not _REPLICA.fullmatch(candidate):
                 raise ValueError(f"capture_replica: {candidate!r} is not 1-128 of "
                                  f"A-Z a-z 0-9 . _ -")
             fd = os.open(folder / candidate, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
@@ -217,7 +226,8 @@ class Capture:
         self._closed = True
         for key in list(self._segments):
             self._close(key)
-        os.close(self._lock_fd)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
 
 
 def keep_answer(capture: Capture | None, route: str, model: str, version: int,

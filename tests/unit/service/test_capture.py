@@ -171,3 +171,15 @@ def test_a_segment_that_cannot_be_opened_is_tried_again_once_a_second(tmp_path, 
     assert len(opened) == 2 and dropped(metrics, "read_only") == 6
     monkeypatch.undo()
     c.close()
+
+
+def test_a_folder_that_cannot_be_prepared_serves_on_and_counts_the_drops(tmp_path):
+    """DIR/.replicas is a file (as a read-only or broken volume would refuse the folder):
+    the server starts, every record is dropped and counted, nothing raises."""
+    (tmp_path / ".replicas").write_text("not a folder")
+    (tmp_path / "m").write_text("not a folder either")  # no model folder can be made
+    metrics = Metrics()
+    c = Capture(tmp_path, 1.0, metrics, replica="a", clock=lambda: T0)
+    keep_all(c, [record(i) for i in range(3)])
+    assert dropped(metrics, "error") == 3
+    c.close()
