@@ -56,6 +56,13 @@ def request_id(header: str | None, oip_id: str | None = None) -> str:
     return oip_id if oip_id else uuid.uuid4().hex
 
 
+def _check_replica(name: str) -> str:
+    """NAME, a replica's name in segment file names (ValueError naming the setting)."""
+    if not _REPLICA.fullmatch(name):
+        raise ValueError(f"capture_replica: {name!r} is not 1-128 of A-Z a-z 0-9 . _ -")
+    return name
+
+
 def sampled(request: str, share: float) -> bool:
     """Whether the request with id REQUEST is captured at SHARE (0 < share <= 1): decided by
     the id's hash (the rollout's ``bucket``), so a retry and every replica decide alike."""
@@ -66,7 +73,6 @@ def sampled(request: str, share: float) -> bool:
 class _Segment:
     path: Path  # the open file (… .jsonl.open)
     fd: int
-    day: str
     size: int = 0
 
 
@@ -85,9 +91,7 @@ class Capture:
         self._failed: dict[tuple[str, str], tuple[float, str]] = {}
         self._segments: dict[tuple[str, str], _Segment] = {}
         self._warned = -60.0  # when a failed write was last logged (time.monotonic)
-        name = replica or socket.gethostname()
-        if not _REPLICA.fullmatch(name):
-            raise ValueError(f"capture_replica: {name!r} is not 1-128 of A-Z a-z 0-9 . _ -")
+        name = _check_replica(replica or socket.gethostname())
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self.replica, self._lock_fd = self._claim(name)
@@ -120,7 +124,7 @@ class Capture:
             return
         try:
             data = orjson.dumps(record, option=_DUMP)
-            segment = self._segments.get(key) or self._segment(key, self._day)
+            segment = self._segments.get(key) or self._segment(key)
             view = memoryview(data)
             while view:  # one write, unless the kernel takes less
                 view = view[os.write(segment.fd, view):]
@@ -146,16 +150,16 @@ class Capture:
         if counter is not None:
             counter.inc()
 
-    def _segment(self, key: tuple[str, str], day: str) -> _Segment:
-        """A new open segment for KEY in DAY's folder, numbered after this replica's."""
-        folder = self.root / key[0] / key[1] / day
+    def _segment(self, key: tuple[str, str]) -> _Segment:
+        """A new open segment for KEY in the day's folder, numbered after this replica's."""
+        folder = self.root / key[0] / key[1] / self._day
         folder.mkdir(parents=True, exist_ok=True)
         mine = re.compile(re.escape(self.replica) + r"-(\d+)\.jsonl(?:\.open)?")
         n = 1 + max((int(m.group(1)) for p in folder.iterdir()
                      if (m := mine.fullmatch(p.name))), default=0)
         path = folder / f"{self.replica}-{n}.jsonl{OPEN}"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
-        segment = self._segments[key] = _Segment(path, fd, day)
+        segment = self._segments[key] = _Segment(path, fd)
         return segment
 
     def _close(self, key: tuple[str, str]) -> None:
@@ -187,9 +191,7 @@ class Capture:
         folder = self.root / ".replicas"
         folder.mkdir(exist_ok=True)
         for candidate in (name, f"{name}-{os.getpid()}"):
-            if not _REPLICA.fullmatch(candidate):
-                raise ValueError(f"capture_replica: {candidate!r} is not 1-128 of "
-                                 f"A-Z a-z 0-9 . _ -")
+            _check_replica(candidate)
             fd = os.open(folder / candidate, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -54,7 +54,7 @@ class Batcher:
                  tracer: Tracer | None = None):
         self.run = run
         self.tracer = tracer  # None: tracing off
-        self.prepare = prepare  # once per batch, before the posts: submit(prepare=True)
+        self.prepare = prepare  # once per batch, on the rows of submit(prepare=True)
         self.executor = executor
         self.enabled = enabled
         # batching off: one request per run (its own sequences still run together)
