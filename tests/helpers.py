@@ -18,6 +18,13 @@ def orthornn(*args, code: int | None = None, timeout: float = 300
     ``code``, its exit status must be that (the output's tail says why not)."""
     result = subprocess.run([sys.executable, "-m", "orthornn", *map(str, args)], cwd=ROOT,
                             capture_output=True, text=True, timeout=timeout)
+    return _exited(result, code)
+
+
+def _exited(result: subprocess.CompletedProcess, code: int | None
+            ) -> subprocess.CompletedProcess:
+    """RESULT, whose exit status must be CODE when one is given (the output's tail says
+    why not)."""
     if code is not None:
         assert result.returncode == code, result.stderr[-3000:]
     return result
@@ -35,10 +42,8 @@ def orthornn_here(*args, code: int | None = None) -> subprocess.CompletedProcess
             returncode = main([str(a) for a in args])
         except SystemExit as exit:  # argparse's usage errors
             returncode = exit.code if isinstance(exit.code, int) else 1
-    result = subprocess.CompletedProcess(args, returncode, out.getvalue(), err.getvalue())
-    if code is not None:
-        assert result.returncode == code, result.stderr[-3000:]
-    return result
+    return _exited(subprocess.CompletedProcess(args, returncode, out.getvalue(),
+                                               err.getvalue()), code)
 
 
 def spectral_error(w: torch.Tensor) -> float:
