@@ -321,9 +321,10 @@ class DataPlane:
         outputs = [t for t in tensors if wanted is None or t.name in wanted]
         if wanted is not None:
             outputs.sort(key=lambda t: wanted.index(t.name))
-        keep_answer(self.capture, "infer", served.model, served.version, seqs,
-                          {t.name: t.data for t in outputs},
-                          None if req.sequence is None else req.sequence.id, position)
+        if self.capture is not None:  # capture off: not even the outputs' dict is built
+            keep_answer(self.capture, "infer", served.model, served.version, seqs,
+                        {t.name: t.data for t in outputs},
+                        None if req.sequence is None else req.sequence.id, position)
         return InferenceResult(served, outputs, req.id, position=position,
                                session_secret=given)
 
