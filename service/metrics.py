@@ -60,6 +60,19 @@ class Metrics:
             "orthornn_capture_dropped", "sampled records capture did not write, by reason: "
             "disk_full, read_only, error; torn: a killed writer's last line, cut "
             "at the restart", ["reason"], registry=r)
+        # the loop (issue 43): labels given back, drift of live windows against the
+        # reference the package recorded at export (docs/drift.md)
+        self.labels_received = Counter(
+            "orthornn_labels_received", "labels accepted by POST /v2/models/{name}/labels",
+            ["model"], registry=r)
+        self.drift_score = Gauge(
+            "orthornn_drift_score", "the latest window's drift test statistic over its "
+            "calibrated alarm threshold (>= 1: this test alarms), per test",
+            ["model", "version", "test"], registry=r)
+        self.drift_detected = Gauge(
+            "orthornn_drift_detected", "1 while the latest live window of the version "
+            "alarms on any drift test (after the multiple-test correction), else 0",
+            ["model", "version"], registry=r)
         self.held = Counter(
             "orthornn_held_connections",
             "connections refused with 503 and then held (not read) until their Retry-After "
