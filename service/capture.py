@@ -271,7 +271,9 @@ def read_records(root: Path, model: str) -> tuple[list[dict[str, Any]], int]:
     """Every record captured for MODEL under ROOT (closed and open segments), and the count
     of lines that are not a whole record (a torn last line of a killed writer)."""
     records, torn = [], 0
-    for path in sorted((Path(root) / model).glob("*/*/*.jsonl*")):
+    # version folders only: DIR/<model>/labels/ holds the labels given back (labels.py)
+    for path in sorted(p for p in (Path(root) / model).glob("*/*/*.jsonl*")
+                       if p.parent.parent.name.isdigit()):
         for line in path.read_bytes().splitlines():
             try:
                 records.append(orjson.loads(line))
