@@ -9,7 +9,7 @@ import torch
 
 from . import distributed
 from .config import TrainConfig
-from .data import EpochSampler, TokenStream
+from .data import EpochSampler, MixedSampler, TokenStream
 from .tasks import Task
 
 
@@ -50,8 +50,14 @@ class Batches:
 
     def __init__(self, task: Task, config: TrainConfig, ctx: distributed.Context):
         self.task, self.config, self.ctx = task, config, ctx
-        self.sampler = None if task.sample is not None else EpochSampler(
-            task.train, config.batch_size, config.seed, ctx.rank, ctx.world)
+        self.sampler: EpochSampler | MixedSampler | None = None
+        if task.sample is None and config.data_mix is not None and task.train_parts:
+            # --data-mix: a fixed share of each batch from the files after the first
+            self.sampler = MixedSampler(task.train, task.train_parts[0], config.batch_size,
+                                        config.data_mix, config.seed, ctx.rank, ctx.world)
+        elif task.sample is None:
+            self.sampler = EpochSampler(task.train, config.batch_size, config.seed, ctx.rank,
+                                        ctx.world)
         self.per_epoch = None if self.sampler is None else self.sampler.per_epoch
 
     def resume(self, carried: torch.Tensor | None) -> None:

@@ -33,7 +33,11 @@ HELP = {
     "corpus": "a text file to model instead of the bundled corpus (task lm)",
     "vocab_size": "vocabulary size incl. <unk> and <eos> (task lm)",
     "bptt": "steps per truncated-backprop window (task lm)",
-    "data": ".npz file with x [N, T, d] (+ lengths) and y [N] (task classify)",
+    "data": ".npz file with x [N, T, d] (+ lengths) and y [N] (task classify); repeat it to "
+            "train on several (each split on its own, the splits concatenated; every file "
+            "must agree on d and the class names)",
+    "data_mix": "with several --data files: the share of each batch drawn from the files "
+                "after the first (oversamples a small captured set), in (0, 1)",
     "steps": "optimizer steps",
     "epochs": "epochs over the training set instead of steps (data set tasks)",
     "batch_size": "sequences per step",
@@ -68,6 +72,7 @@ UNSET = {
     "vocab_size": "10000",
     "bptt": "70",
     "data": "none: required by --task classify",
+    "data_mix": "none: batches drawn from all the rows alike",
     "steps": "1000 unless --epochs is given",  # trainer.DEFAULT_STEPS (a test keeps it so)
     "epochs": "none: --steps",
     "orthogonal_lr": "--lr",
@@ -136,6 +141,9 @@ def add_train_parser(sub) -> None:
             parser.add_argument(*flag, dest=f.name, action="store_true", help=text)
             continue
         conv = int if kind.startswith("int") else float if kind.startswith("float") else str
+        if f.name == "data":  # repeatable: the original data set, then the captured ones
+            parser.add_argument(*flag, dest=f.name, action="append", metavar="FILE", help=text)
+            continue
         parser.add_argument(*flag, dest=f.name, type=conv, help=text)
     parser.set_defaults(run=run_train)
 
@@ -229,6 +237,8 @@ def resolve_args(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Prove
             value = given[f.name]
             if f.name == "arch_options":
                 value = {**values.get("arch_options", {}), **dict(value)}
+            if f.name == "data" and isinstance(value, list) and len(value) == 1:
+                value = value[0]  # one file stays a path: the config (and its hash) as before
             values[f.name] = value
             origin[f.name] = FLAG
     # one budget: a flag's --steps replaces the file's or the resumed run's epochs (and

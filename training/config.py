@@ -39,7 +39,8 @@ class TrainConfig:
     corpus: str | None = None
     vocab_size: int | None = None
     bptt: int | None = None
-    data: str | None = None
+    data: str | list[str] | None = None  # one .npz, or several (their splits concatenated)
+    data_mix: float | None = None  # share of each batch drawn from the data files after the first
     # optimisation
     steps: int | None = None
     epochs: float | None = None
@@ -63,7 +64,8 @@ class TrainConfig:
         return {"seq_len": self.seq_len, "copy_loss": self.copy_loss,
                 "copy_symbols": self.copy_symbols, "dataset": self.dataset,
                 "point_by_point": self.point_by_point, "corpus": self.corpus,
-                "vocab_size": self.vocab_size, "bptt": self.bptt, "data": self.data}
+                "vocab_size": self.vocab_size, "bptt": self.bptt, "data": self.data,
+                "data_mix": self.data_mix}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -101,6 +103,29 @@ def read_config_file(path: str | Path) -> dict:
     return values
 
 
+#: most data files one run reads (the original set, the captures, a few more)
+MAX_DATA_FILES = 16
+
+
+def check_data(data: object, data_mix: object) -> None:
+    """data: one path, or a list of 1 to MAX_DATA_FILES paths; data_mix in (0, 1), only with
+    two or more files (it is the share of each batch drawn from the files after the first)."""
+    if data is not None and not isinstance(data, str) and (
+            not isinstance(data, list | tuple) or not data or len(data) > MAX_DATA_FILES
+            or not all(isinstance(p, str) and p for p in data)):
+        raise ValueError(f"data must be a path or a list of 1 to {MAX_DATA_FILES} paths "
+                             f"(--data FILE, repeated); got {data!r}")
+    if data_mix is not None:
+        files = 0 if data is None else 1 if isinstance(data, str) else len(data)  # type: ignore[arg-type]
+        if files < 2:
+            raise ValueError("data_mix (--data-mix) needs two or more --data files: it is the "
+                             "share of each batch drawn from the files after the first")
+        if isinstance(data_mix, bool) or not isinstance(data_mix, int | float) \
+                or not 0 < data_mix < 1:
+            raise ValueError(f"data_mix must be a number in (0, 1) (the share of each batch "
+                             f"from the files after the first); got {data_mix!r}")
+
+
 def validate(config: TrainConfig) -> TrainConfig:
     from orthornn.models import ARCHITECTURES
     from orthornn.models.validation import check_choice, check_float, check_int
@@ -122,6 +147,7 @@ def validate(config: TrainConfig) -> TrainConfig:
         flags = ", ".join(f"--{name.replace('_', '-')}" for name in own)
         raise ValueError(f"arch_options: {', '.join(own)} are settings of their own ({flags}), "
                          f"not architecture options")
+    check_data(config.data, config.data_mix)
     if config.steps is not None and config.epochs is not None:
         raise ValueError("give steps or epochs, not both")
     if config.steps is not None:

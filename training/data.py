@@ -69,6 +69,48 @@ class EpochSampler:
         return self.split.take(rank_share(chosen, self.rank, self.world))
 
 
+class MixedSampler:
+    """Minibatches from two pools of a fixed split, the first ``first`` rows (the original
+    data) and the rest (the captured data): each global batch takes
+    ``round(mix * batch_size)`` rows (at least 1, at most batch_size - 1) from the second
+    pool and the rest from the first. Each pool is read as an endless stream of seeded
+    permutations, one per pass over it, so a small captured pool is oversampled (read
+    again, reshuffled, on each pass) and never repeats a row within a pass. ``per_epoch``
+    counts steps per pass over the whole split (what --epochs means)."""
+
+    def __init__(self, split: Split, first: int, batch_size: int, mix: float, seed: int,
+                 rank: int = 0, world: int = 1):
+        rest = len(split) - first
+        if first < 1 or rest < 1:
+            raise ValueError(f"data_mix needs rows in both the first data file's training "
+                             f"split and the others'; got {first} and {rest}")
+        if batch_size < 2:
+            raise ValueError(f"data_mix needs batch_size >= 2 (one row from each pool); "
+                             f"got {batch_size}")
+        self.split, self.batch_size, self.seed = split, batch_size, seed
+        self.rank, self.world = rank, world
+        self.pools = (torch.arange(first), torch.arange(first, len(split)))
+        second = min(batch_size - 1, max(1, round(mix * batch_size)))
+        self.counts = (batch_size - second, second)
+        self.per_epoch = max(1, len(split) // batch_size)
+
+    def _rows(self, pool: int, step: int) -> torch.Tensor:
+        rows, k = self.pools[pool], self.counts[pool]
+        n = len(rows)
+        positions = torch.arange(step * k, (step + 1) * k)
+        chosen = torch.empty(k, dtype=torch.long)
+        for p in positions.div(n, rounding_mode="floor").unique().tolist():  # passes in this batch
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(
+                self.seed * 1_000_003 + 2 * p + pool))
+            here = positions.div(n, rounding_mode="floor") == p
+            chosen[here] = rows[order[positions[here] % n]]
+        return chosen
+
+    def batch(self, step: int) -> Split:
+        chosen = torch.cat([self._rows(0, step), self._rows(1, step)])
+        return self.split.take(rank_share(chosen, self.rank, self.world))
+
+
 class TokenStream:
     """A long token stream cut into ``columns`` parallel streams [columns, L]; step i
     reads the window [i bptt, (i + 1) bptt] and its one-step-shifted target, so the

@@ -50,7 +50,8 @@ __all__ = ["COPY_DATA", "COPY_LENGTH", "COPY_SYMBOLS", "SPLIT_SEED", "Task", "ad
            "step_width", "train_size", "ucr_datasets"]
 
 
-def train_size(name: str, dataset: str | None = None, data: str | None = None) -> int | None:
+def train_size(name: str, dataset: str | None = None, data: str | list[str] | None = None
+               ) -> int | None:
     """Sequences in a fixed-data task's training split, without building the task (the
     presets cap their batch size with it): the task's own split run on its example count.
     None for generated tasks, lm and bad input (which make_task then reports)."""
@@ -61,12 +62,17 @@ def train_size(name: str, dataset: str | None = None, data: str | None = None) -
     if name == "ucr" and dataset in ucr_datasets():
         series = series_count(sktime_data() / dataset / f"{dataset}_TRAIN.ts")
         return len(ucr_holdout(series)[0])
-    if name == "classify" and data is not None and Path(data).is_file():
-        try:
-            with np.load(data, allow_pickle=False) as f:
-                return len(three_way(len(f["y"]), USER_SPLIT)[0])
-        except (OSError, ValueError, KeyError):
-            return None
+    if name == "classify" and data is not None:
+        total = 0
+        for path in [data] if isinstance(data, str) else data:  # each file split on its own
+            if not Path(path).is_file():
+                return None
+            try:
+                with np.load(path, allow_pickle=False) as f:
+                    total += len(three_way(len(f["y"]), USER_SPLIT)[0])
+            except (OSError, ValueError, KeyError):
+                return None
+        return total
     return None
 
 
@@ -78,7 +84,7 @@ _BUILDERS = {
     "mnist1d": (mnist1d_task, ()),
     "ucr": (ucr_task, ("dataset", "point_by_point")),
     "lm": (lm_task, ("corpus", "vocab_size", "bptt")),
-    "classify": (user_task, ("data",)),
+    "classify": (user_task, ("data", "data_mix")),
 }
 
 

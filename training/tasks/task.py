@@ -37,6 +37,10 @@ class Task:
     #: how raw inputs became the model's inputs: {"kind": "affine", "offset": [...],
     #: "scale": [...], "description": ...} (model input = (raw - offset) / scale); None: as given
     transform: dict | None = None
+    #: several data files (classify --data A --data B): how many rows of the concatenated train
+    #: and test splits each file gave, in order; None: one data set
+    train_parts: list[int] | None = None
+    test_parts: list[int] | None = None
 
     @property
     def higher_is_better(self) -> bool:

@@ -1,4 +1,9 @@
-"""A user's classification data: an .npz with x, y and optional lengths and labels."""
+"""A user's classification data: an .npz with x, y and optional lengths and labels, or
+several of them (``--data ORIGINAL --data CAPTURED``): each file is split on its own
+(USER_SPLIT) and the splits are concatenated, the first file's rows first; every file must
+agree on the feature size d and the class names. Provenance arrays a file may carry
+(``orthornn capture dataset``'s ids, times, segments, versions) are not read here;
+``provenance`` reads the segments for the lineage."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..data import Split
 from .task import Task, classification, split_fixed
 
 USER_SPLIT = (0.8, 0.1)  # a user's .npz: train, validation; the test set is the rest
@@ -15,6 +21,13 @@ USER_SPLIT = (0.8, 0.1)  # a user's .npz: train, validation; the test set is the
 def load_npz(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list]:
     """A user's data: x [N, T, d] float (padded when ``lengths`` [N] is given), y [N]
     integer class ids, optional ``labels`` [C]."""
+    x, y, lengths, labels, _ = _load(path)
+    return x, y, lengths, labels
+
+
+def _load(path: str | Path
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list, bool]:
+    """load_npz, and whether the file named its classes (an array ``labels``)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"data must be an existing .npz file; {str(path)!r} does not exist")
@@ -54,12 +67,87 @@ def load_npz(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
         raise ValueError(f"data labels must name every class (>= {max(classes, 2)}), "
                          f"got {len(labels)}")
     return (torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.long), lengths,
-            labels)
+            labels, "labels" in arrays)
 
 
-def user_task(data: str | None = None) -> Task:
+def data_files(data: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """The data option as a list of paths (one value, or several)."""
     if data is None:
+        return []
+    return [str(data)] if isinstance(data, str | Path) else [str(p) for p in data]
+
+
+def _padded(split: Split, steps: int) -> Split:
+    """split with x zero-padded to ``steps`` steps and explicit lengths."""
+    n, t = split.x.shape[:2]
+    lengths = split.lengths if split.lengths is not None else torch.full((n,), t, dtype=torch.long)
+    x = split.x if t == steps else torch.cat(
+        [split.x, split.x.new_zeros(n, steps - t, split.x.shape[2])], dim=1)
+    return Split(x, split.y, lengths)
+
+
+def concatenate(splits: list[Split]) -> Split:
+    """One split of several, in order: x padded to the longest, lengths kept (or made) when
+    the step counts differ or any split has them."""
+    if len(splits) == 1:
+        return splits[0]
+    steps = max(s.x.shape[1] for s in splits)
+    if all(s.lengths is None and s.x.shape[1] == steps for s in splits):
+        return Split(torch.cat([s.x for s in splits]), torch.cat([s.y for s in splits]))
+    padded = [_padded(s, steps) for s in splits]
+    return Split(torch.cat([s.x for s in padded]), torch.cat([s.y for s in padded]),
+                 torch.cat([s.lengths for s in padded]))  # type: ignore[misc]
+
+
+def user_task(data: str | list[str] | None = None, data_mix: float | None = None) -> Task:
+    paths = data_files(data)
+    if not paths:
         raise ValueError("task 'classify' needs --data FILE (an .npz with x and y)")
-    x, y, lengths, labels = load_npz(data)
-    train, val, test = split_fixed(x, y, USER_SPLIT, lengths)
-    return classification("classify", train, val, test, labels, {"data": str(data)})
+    parts: list[tuple[Split, Split, Split]] = []
+    labels: list[str] = []
+    for i, path in enumerate(paths):
+        x, y, lengths, named, explicit = _load(path)
+        if i == 0:
+            labels, d = named, x.shape[2]
+        else:
+            if x.shape[2] != d:
+                raise ValueError(f"data {path!r}: feature size d = {x.shape[2]} differs from "
+                                 f"{paths[0]!r}'s d = {d}; every --data file must agree")
+            if explicit and named != labels:
+                raise ValueError(f"data {path!r}: class names {named} differ from "
+                                 f"{paths[0]!r}'s {labels}; every --data file must agree")
+            if int(y.max()) >= len(labels):
+                raise ValueError(f"data {path!r}: class id {int(y.max())} is outside "
+                                 f"{paths[0]!r}'s {len(labels)} classes")
+        parts.append(split_fixed(x, y, USER_SPLIT, lengths))
+    train, val, test = (concatenate([p[k] for p in parts]) for k in range(3))
+    options: dict = {"data": str(data) if isinstance(data, str | Path) else paths}
+    if data_mix is not None:
+        options["data_mix"] = float(data_mix)
+    task = classification("classify", train, val, test, labels, options)
+    if len(paths) > 1:
+        task.train_parts = [len(p[0]) for p in parts]
+        task.test_parts = [len(p[2]) for p in parts]
+    return task
+
+
+def provenance(data: str | list[str] | None) -> dict | None:
+    """What a run learned from labelled captures, for the lineage: the capture segments
+    (``orthornn capture dataset``'s ``segments`` array, paths relative to the capture
+    folder) of every data file that has them, and how many labelled records those files
+    hold. None when no file has segments."""
+    segments: set[str] = set()
+    labelled, found = 0, False
+    for path in data_files(data):
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                if "segments" not in f.files:
+                    continue
+                segments.update(str(s) for s in f["segments"])
+                labelled += len(f["y"])
+                found = True
+        except (OSError, ValueError, KeyError):
+            continue  # the data itself is checked where it is loaded
+    if not found:
+        return None
+    return {"segments": sorted(segments), "labels": labelled}
