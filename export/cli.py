@@ -36,6 +36,18 @@ def add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--tolerance", default="0",
                         help="with --gate: how much worse than the promoted version the "
                              "candidate may be, in the metric's units (default 0)")
+    parser.add_argument("--gate-data", metavar="HOLDOUT.npz",
+                        help="with --gate: also judge the candidate and the promoted version on "
+                             "this held-out captured slice (orthornn capture dataset's "
+                             "holdout), each through its own graph: refused if worse on it "
+                             "beyond --tolerance (default: the test split only)")
+    parser.add_argument("--require-better-on-gate-data", action="store_true",
+                        help="with --gate-data: also refused unless better than the promoted "
+                             "version on the slice by at least --gate-margin (the retraining "
+                             "job passes it when drift was the trigger)")
+    parser.add_argument("--gate-margin", metavar="M", default=None,
+                        help="with --require-better-on-gate-data: how much better, in the "
+                             "metric's units (default 0.02: two accuracy points)")
     parser.add_argument("--rollout", action="store_true",
                         help="with --gate: a candidate that passes is published and rolled "
                              "out on live traffic (orthornn rollout; the flags below) "
@@ -76,11 +88,15 @@ def run_export(args: argparse.Namespace) -> int:
                                     ("--name", args.name)) if not v]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or give --verify-only PACKAGE)")
-    from .artifacts.gate import REFUSED_EXIT, GateRefused
+    from .artifacts.gate import GATE_MARGIN, REFUSED_EXIT, GateRefused
     from .builder.exporter import AlreadyPublished, export_run
 
     min_metric = None if args.min_metric is None else _float("--min-metric", args.min_metric)
     tolerance = _float("--tolerance", args.tolerance)
+    if args.gate_margin is not None and not args.require_better_on_gate_data:
+        raise ValueError("--gate-margin applies only with --require-better-on-gate-data")
+    margin = GATE_MARGIN if args.gate_margin is None else _float("--gate-margin",
+                                                                  args.gate_margin)
     if (args.rollout or args.no_promote) and not args.gate:
         raise ValueError("--rollout and --no-promote apply only with --gate (a rollout takes "
                          "a candidate that passed it)")
@@ -107,7 +123,9 @@ def run_export(args: argparse.Namespace) -> int:
         path = export_run(args.run_dir, args.repo, args.name, args.mode, args.opset,
                           progress=not args.no_progress, gated=args.gate,
                           min_metric=min_metric, tolerance=tolerance,
-                          promote=not (args.rollout or args.no_promote))
+                          promote=not (args.rollout or args.no_promote),
+                          gate_data=args.gate_data,
+                          require_better=args.require_better_on_gate_data, gate_margin=margin)
         print(path)
         if args.rollout:
             with flags_named():
@@ -142,7 +160,7 @@ def run_versions(args: argparse.Namespace) -> int:
 
     model_dir = model_dir_of(args)
     print(f"{'version':<24} {'status':<11} {'metric':<22} {'created':<25} {'parent':<6} "
-          f"{'config':<12} {'source':<12}")
+          f"{'config':<12} {'source':<12} {'learned':<14}")
     for row in describe(model_dir):
         evaluation, lineage = row["evaluation"] or {}, row["lineage"] or {}
         metric = (f"{evaluation['metric']}={evaluation['value']:.4g}"
@@ -150,7 +168,7 @@ def run_versions(args: argparse.Namespace) -> int:
                   else "absent" if "absent" in evaluation else "-")
         print(f"{row['id']:<24} {row['status']:<11} {metric:<22} {_short(row['created'], 25):<25} "
               f"{_short(lineage.get('parent')):<6} {_short(lineage.get('config_sha256')):<12} "
-              f"{_short(lineage.get('source_revision')):<12}")
+              f"{_short(lineage.get('source_revision')):<12} {_learned(lineage):<14}")
         if row.get("reason"):
             what = "rolled back" if row["status"] == "rolled_back" else "refused"
             print(f"{'':<24} {what}: {row['reason']}")
@@ -161,6 +179,17 @@ def run_versions(args: argparse.Namespace) -> int:
             print(f"  {entry['time']}  {entry['action']:<8} -> {entry['version']} "
                   f"(was {_short(entry.get('previous'))}): {entry.get('reason', '')}")
     return 0
+
+
+def _learned(lineage: dict) -> str:
+    """The versions column of what a version learned from captures: labelled records and
+    capture segments ("-" for one trained on fixed data, or an older manifest)."""
+    captures = lineage.get("captures")
+    if not isinstance(captures, dict):
+        return "-"
+    segments = captures.get("segments")
+    count = len(segments) if isinstance(segments, list) else "?"
+    return f"{captures.get('labels', '?')} labels/{count} seg"
 
 
 def run_rollback(args: argparse.Namespace) -> int:

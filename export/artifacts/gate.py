@@ -12,6 +12,11 @@ from pathlib import Path
 
 #: exit status of a refused candidate (2 is bad input)
 REFUSED_EXIT = 3
+#: --require-better-on-gate-data: how much better than the promoted version the candidate
+#: must be on the held-out captured slice, in the metric's units (--gate-margin): two
+#: accuracy points, so a retrain that learned nothing from the captures (its score on them
+#: within noise of the incumbent's) is refused
+GATE_MARGIN = 0.02
 
 
 class GateRefused(Exception):  # an outcome (exit 3), not bad input
@@ -58,4 +63,23 @@ def check(metric: str, higher_is_better: bool, candidate: float, threshold: Thre
             return (f"candidate's {metric} {candidate:.6g} is worse than promoted version "
                     f"{version}'s {value:.6g} by more than --tolerance {tolerance:g} on the "
                     f"same data")
+    return ""
+
+
+def check_better(metric: str, higher_is_better: bool, candidate: float,
+                 incumbent: tuple[int, float] | None, margin: float) -> str:
+    """Why the candidate is refused under --require-better-on-gate-data ('' when it
+    passes): it must beat the promoted version's value by at least ``margin`` (drift was
+    the trigger: a retrain must have learned the shifted inputs). No promoted version, or
+    a broken one: nothing to beat."""
+    if not math.isfinite(candidate):
+        return f"candidate's {metric} is {candidate}: non-finite outputs or metric"
+    if incumbent is None or not math.isfinite(incumbent[1]):
+        return ""
+    version, value = incumbent
+    gain = candidate - value if higher_is_better else value - candidate
+    if gain < margin:
+        return (f"candidate's {metric} {candidate:.6g} is not better than promoted version "
+                f"{version}'s {value:.6g} by at least --gate-margin {margin:g} "
+                f"(--require-better-on-gate-data: drift was the trigger)")
     return ""

@@ -177,10 +177,16 @@ class Manifest:
     #: the exported graph's score on the task's test split (``evaluation.evaluate``):
     #: metric, value, higher_is_better, split, examples, data_fingerprint; or, when the
     #: data cannot be rebuilt, {"absent": REASON}. None for packages before this field.
+    #: A run on several --data files is scored on the first file's test split; with
+    #: ``export --gate-data`` also "splits": {"test": ..., "gate_data": ...} (value,
+    #: examples, data_fingerprint; the slice's file), and a passed gate's "gate" record
+    #: holds both versions' values on the slice ("gate_data")
     evaluation: dict | None = None
     #: where the version comes from: config_sha256, train_data_fingerprint,
     #: orthornn_version, source_revision, parent (the promoted version when it was
-    #: published), created
+    #: published), created; and "captures": {"segments": [capture segment paths], "labels":
+    #: labelled records} when it learned from ``orthornn capture dataset`` files (absent
+    #: otherwise and in older manifests)
     lineage: dict | None = None
     source: dict = field(default_factory=dict)
     created: str = ""

@@ -7,6 +7,11 @@ accuracy (classify), MSE (regress), cross-entropy over every step (seq2seq, the 
 task), perplexity with the state carried across windows (lm).
 
 Also the lineage's fingerprints: a hash of the run's resolved config and of its data.
+
+A run on several data files (``--data ORIGINAL --data CAPTURED``) is scored on the first
+file's test split (``original``): the split every earlier version was judged on, so the
+gate compares like with like; ``gate_data`` scores the held-out captured slice the same
+way (``orthornn export --gate --gate-data``).
 """
 
 from __future__ import annotations
@@ -46,6 +51,42 @@ def rebuild_task(config: dict) -> Task:
         return make_task(train.task, **train.task_options())
     except (ValueError, OSError) as error:
         raise ValueError(f"the run's data cannot be rebuilt: {error}") from None
+
+
+def original(task: Task) -> Task:
+    """``task`` with its test split cut to the first data file's rows (a run on several
+    --data files; the task itself otherwise)."""
+    if not task.test_parts:
+        return task
+    import dataclasses
+
+    import torch
+
+    split = task.test.take(torch.arange(task.test_parts[0]))
+    return dataclasses.replace(task, test=split)
+
+
+def gate_data(task: Task, path: str | Path) -> Task:
+    """``task`` with the held-out slice in ``path`` (an .npz in the format ``train --data``
+    reads) as its test split; ValueError when it does not fit the run (another feature size,
+    other class names, a task that is not classify)."""
+    import dataclasses
+
+    from orthornn.training.data import Split
+    from orthornn.training.tasks import load_npz
+
+    if task.kind != "classify" or task.labels is None:
+        raise ValueError(f"--gate-data takes a classification run's held-out .npz; this run's "
+                         f"task is {task.kind}")
+    x, y, lengths, labels = load_npz(path)
+    if x.shape[2] != task.input_size:
+        raise ValueError(f"--gate-data {str(path)!r}: feature size d = {x.shape[2]}; the "
+                         f"run's is {task.input_size}")
+    if int(y.max()) >= len(task.labels) or labels[: len(task.labels)] != task.labels[
+            : len(labels)]:
+        raise ValueError(f"--gate-data {str(path)!r}: class names {labels} differ from the "
+                         f"run's {task.labels}")
+    return dataclasses.replace(task, test=Split(x, y, lengths), test_parts=None)
 
 
 def fingerprint(*arrays: Any) -> str:

@@ -148,7 +148,8 @@ def _threshold(min_metric: float | None, config: dict) -> gate.Threshold | None:
 def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "dense",
                opset: int = 18, progress: bool = False, *, gated: bool = False,
                min_metric: float | None = None, tolerance: float = 0.0,
-               promote: bool = True) -> Path:
+               promote: bool = True, gate_data: str | Path | None = None,
+               require_better: bool = False, gate_margin: float = gate.GATE_MARGIN) -> Path:
     """Publish RUN_DIR's best model as REPO/NAME/<next version>/ and return its path.
     progress: report the stages (a bar on a terminal, else a line every few seconds).
     Raises AlreadyPublished when a version holds the same checkpoint already.
@@ -159,12 +160,23 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
     more than ``tolerance``), else keep it under REPO/NAME/rejected/ and raise
     GateRefused. A passed gate is recorded in the evaluation ("gate"). Either way a
     published version becomes the promoted one, unless ``promote`` is False (a rollout
-    takes it live, or a person does)."""
+    takes it live, or a person does).
+
+    gate_data: a held-out .npz (``orthornn capture dataset``'s newest labelled slice): the
+    candidate is also judged on it against the promoted version, both through their own
+    graphs (no worse beyond ``tolerance``; with ``require_better``, better by at least
+    ``gate_margin``), and the evaluation records both splits ("splits")."""
     repository.check_name(name)
     _number("min_metric", min_metric)
     _number("tolerance", tolerance, 0.0)
     if not gated and (min_metric is not None or tolerance):
         raise ValueError("--min-metric and --tolerance apply only with --gate")
+    _number("gate_margin", gate_margin, 0.0)
+    if not gated and (gate_data is not None or require_better):
+        raise ValueError("--gate-data and --require-better-on-gate-data apply only with --gate")
+    if require_better and gate_data is None:
+        raise ValueError("--require-better-on-gate-data needs --gate-data HOLDOUT.npz (the "
+                         "captured slice the candidate must be better on)")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     if not is_integer(opset) or not MIN_OPSET <= opset <= MAX_OPSET:
@@ -218,25 +230,44 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
         task, absent = evaluation.rebuild_task(config), None
     except ValueError as error:
         task, absent = None, str(error)
+    held = None
     if task is not None:
-        record = evaluation.evaluate(package.session_from_bytes(graph.SerializeToString()), task)
+        candidate = package.session_from_bytes(graph.SerializeToString())
+        # several --data files: scored on the first's test split, the one earlier versions had
+        record = evaluation.evaluate(candidate, evaluation.original(task))
+        if gate_data is not None:
+            held = evaluation.gate_data(task, gate_data)
+            record["splits"] = {
+                "test": {k: record[k] for k in ("value", "examples", "data_fingerprint")},
+                "gate_data": {**{k: v for k, v in evaluation.evaluate(candidate, held).items()
+                                 if k in ("value", "examples", "data_fingerprint")},
+                              "file": str(gate_data)}}
     else:
         record = {"absent": absent}
+        if gate_data is not None:
+            raise ValueError(f"--gate-data: the run has no evaluation to gate on ({absent})")
     parent = repository.live_version(repository.versions(model_dir),
                                      repository.promoted(model_dir))
     created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    lineage = {"config_sha256": evaluation.config_sha256(config),
-               "train_data_fingerprint": None if task is None
-               else evaluation.train_fingerprint(task),
-               "orthornn_version": __version__,
-               "source_revision": evaluation.source_revision(),
-               "parent": parent,
-               "created": created}
+    lineage: dict[str, Any] = {
+        "config_sha256": evaluation.config_sha256(config),
+        "train_data_fingerprint": None if task is None else evaluation.train_fingerprint(task),
+        "orthornn_version": __version__,
+        "source_revision": evaluation.source_revision(),
+        "parent": parent,
+        "created": created}
+    learned = _learned(config)
+    if learned is not None:  # the capture segments and labelled records the run learned from
+        lineage["captures"] = learned
     refusal = ""
     if gated:
         refusal = _gate(record, task, absent, config, model_dir, parent, min_metric, tolerance)
+        outcome: dict = {"passed": True, "against": parent}
+        if not refusal and held is not None:
+            refusal, outcome["gate_data"] = _gate_on_held(
+                record, held, model_dir, parent, tolerance, require_better, gate_margin)
         if not refusal:  # what `orthornn rollout start` checks
-            record = {**record, "gate": {"passed": True, "against": parent}}
+            record = {**record, "gate": outcome}
 
     summary_path = run_dir / "summary.json"
     vocabulary = read_vocabulary(run_dir, config)
@@ -297,11 +328,47 @@ def _gate(record: dict, task: Task | None, absent: str | None, config: dict, mod
     and on the promoted version's, scored on the same test split."""
     if task is None:
         return f"no evaluation to gate on: {absent}"
-    incumbent = None
-    if parent is not None:
-        try:
-            incumbent = (parent, evaluation.score(model_dir / str(parent), task))
-        except (ValueError, package.PackageError) as error:
-            raise ValueError(f"cannot compare with promoted version {parent}: {error}") from None
-    return gate.check(record["metric"], record["higher_is_better"], record["value"],
-                      _threshold(min_metric, config), incumbent, tolerance)
+    incumbent = _incumbent(model_dir, parent, evaluation.original(task))
+    refusal = gate.check(record["metric"], record["higher_is_better"], record["value"],
+                         _threshold(min_metric, config), incumbent, tolerance)
+    split = "the original test split" if task.test_parts else "the test split"
+    return f"on {split}: {refusal}" if refusal and record.get("splits") else refusal
+
+
+def _incumbent(model_dir: Path, parent: int | None, task: Task) -> tuple[int, float] | None:
+    """(version, score) of the promoted version on ``task``'s test split, through its graph."""
+    if parent is None:
+        return None
+    try:
+        return parent, evaluation.score(model_dir / str(parent), task)
+    except (ValueError, package.PackageError) as error:
+        raise ValueError(f"cannot compare with promoted version {parent}: {error}") from None
+
+
+def _gate_on_held(record: dict, held: Task, model_dir: Path, parent: int | None,
+                  tolerance: float, require_better: bool, margin: float) -> tuple[str, dict]:
+    """The gate on the held-out captured slice (--gate-data): (why refused or '', what was
+    compared, for the evaluation's "gate" record)."""
+    value = record["splits"]["gate_data"]["value"]
+    incumbent = _incumbent(model_dir, parent, held)
+    metric, higher = record["metric"], record["higher_is_better"]
+    refusal = gate.check(metric, higher, value, None, incumbent, tolerance)
+    if not refusal and require_better:
+        refusal = gate.check_better(metric, higher, value, incumbent, margin)
+    where = f"on the held-out captured slice (--gate-data {record['splits']['gate_data']['file']})"
+    outcome = {"candidate": value, "incumbent": None if incumbent is None else incumbent[1],
+               "require_better": require_better, "margin": margin if require_better else None}
+    return (f"{where}: {refusal}" if refusal else ""), outcome
+
+
+def _learned(config: dict) -> dict | None:
+    """The lineage's captures: the segments and labelled records of the run's data files
+    that came from ``orthornn capture dataset`` (None when none did, or the task takes no
+    data files)."""
+    from orthornn.training.tasks.user import provenance
+
+    data = (config.get("data") or {}).get("data") if isinstance(config.get("data"), dict) \
+        else None
+    if config.get("task") != "classify" or not data:
+        return None
+    return provenance(data)
