@@ -175,6 +175,9 @@ def test_rule_thresholds_are_values():
                      "rules.alerts.promotedEvaluation.window=6h",
                      "rules.alerts.promotedEvaluation.tolerance=0.01",
                      "rules.alerts.noReadyReplica.severity=page",
+                     "rules.alerts.driftDetected.for=30m",
+                     "rules.alerts.captureDrops.threshold=0.5",
+                     "rules.alerts.captureDrops.severity=page",
                      "rules.runbookUrl=https://docs.example.com/deployment/",
                      "rules.labels.release=kube-prometheus-stack")
     found = alerts(spec)
@@ -185,6 +188,10 @@ def test_rule_thresholds_are_values():
     assert "[30m]" in found["OrthornnModelLoadFailed"]["expr"]
     assert "offset 6h - 0.01" in found["OrthornnPromotedVersionWorse"]["expr"]
     assert found["OrthornnNoReadyReplica"]["labels"]["severity"] == "page"
+    assert found["OrthornnDriftDetected"]["for"] == "30m"
+    assert "for 30m" in found["OrthornnDriftDetected"]["annotations"]["description"]
+    assert found["OrthornnCaptureDropping"]["expr"].endswith("[5m]) > 0.5")
+    assert found["OrthornnCaptureDropping"]["labels"]["severity"] == "page"
     for name, rule in found.items():
         assert rule["annotations"]["runbook_url"] == \
             f"https://docs.example.com/deployment/#{name.lower()}"
@@ -204,7 +211,9 @@ def test_higher_is_better_matches_the_evaluation():
 
 def test_bad_monitoring_values_fail_the_schema():
     for sets in (["rules.alerts.errorRatio.for=5 minutes"], ["metrics.selector=namespace=ml"],
-                 ["rules.alerts.latencyP99.thresholdSeconds=-1"]):
+                 ["rules.alerts.latencyP99.thresholdSeconds=-1"],
+                 ["rules.alerts.captureDrops.threshold=-0.1"],
+                 ["rules.alerts.driftDetected.for=ten minutes"]):
         args = [tool("helm"), "template", RELEASE, str(CHART)]
         for item in sets:
             args += ["--set", item]
