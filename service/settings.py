@@ -258,6 +258,10 @@ class Settings(BaseSettings):
         None, description="bearer token of the repository API (load, unload, index); unset: "
                           "the API is open, which the service allows only on a loopback "
                           "host unless allow_open_repository_api is set")
+    labels_token: SecretStr | None = Field(
+        None, description="a second bearer token that POST /v2/models/{name}/labels also "
+                          "takes (the admin token works too), so that a labelling system "
+                          "need not hold the admin token; unset: the admin token's rules")
     allow_open_repository_api: bool = Field(
         False, description="start without admin_token also when listening beyond loopback "
                            "(anyone who reaches the port may load and unload models)")
@@ -319,7 +323,7 @@ class Settings(BaseSettings):
         check_store_url(value)
         return value
 
-    @field_validator("admin_token", "session_store_password", mode="before")
+    @field_validator("admin_token", "labels_token", "session_store_password", mode="before")
     @classmethod
     def _empty_token(cls, value: Any) -> Any:
         return None if value == "" else value

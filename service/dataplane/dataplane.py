@@ -19,10 +19,12 @@ from ..capture import Capture, keep_answer
 from ..errors import (
     SECRET_HEADER,
     ClientError,
+    Conflict,
     NotFound,
     ServiceError,
     StateConflict,
 )
+from ..labels import LabelStore
 from ..metrics import UNKNOWN, Metrics
 from ..registry.registry import ModelVersion, Registry
 from ..registry.runtime import Chunk
@@ -76,6 +78,9 @@ class DataPlane:
         self.capture = None if settings.capture is None else Capture(
             settings.capture, settings.capture_sample, metrics,
             replica=settings.capture_replica, retention_days=settings.capture_retention_days)
+        # labels of the captures, written beside them as the replica capture claimed
+        self.label_store = None if settings.capture is None or self.capture is None else \
+            LabelStore(settings.capture, settings.repo, self.capture.replica, metrics)
 
     def observe(self, held: request.Scope, status: int) -> None:
         """An answered request, for a running rollout's analysis: counted only when the
@@ -118,6 +123,16 @@ class DataPlane:
             yield mv
         finally:
             self.registry.release(mv, batched=batched)
+
+    # -- labels ------------------------------------------------------------------------------
+
+    async def label(self, name: str, body: bytes) -> dict:
+        """POST /v2/models/{name}/labels: the body's labels of captured requests, all or
+        none (``service.labels``); 409 when capture is off (nothing to label)."""
+        if self.label_store is None:
+            raise Conflict("labels: capture is off; labels are taken for captured requests "
+                           "only (orthornn serve --capture DIR)")
+        return await asyncio.to_thread(self.label_store.add_body, name, body)
 
     # -- /generate ---------------------------------------------------------------------------
 

@@ -69,13 +69,16 @@ def _json_content_type(scope: Scope) -> bool | None:
     return given.partition(";")[0].strip().lower() == "application/json"
 
 
-def admin(token: SecretStr | None, loopback: bool) -> AdminCheck:
+def admin(token: SecretStr | None, loopback: bool, also: SecretStr | None = None,
+          what: str = "the repository API") -> AdminCheck:
     """The repository API's check: raises ClientError (403 for a foreign origin or, without
     a token on a LOOPBACK listener, a non-loopback Host; 401 without ``Authorization:
     Bearer <token>``, compared in constant time; 415 for a mutating route's body that is
     not declared JSON). Without a token beyond loopback (``allow_open_repository_api``,
-    open on purpose) the Host is not checked."""
-    expected = token.get_secret_value().encode() if token is not None else None
+    open on purpose) the Host is not checked. ALSO: a second token the check takes (the
+    labels route's ``labels_token``); WHAT: the routes' name in the messages."""
+    tokens = [t.get_secret_value().encode() for t in (token, also) if t is not None]
+    expected = tokens[0] if tokens else None
     check_host = expected is None and loopback
 
     def check(scope: Scope, mutating: bool) -> None:
@@ -83,25 +86,25 @@ def admin(token: SecretStr | None, loopback: bool) -> AdminCheck:
         scheme = scope.get("scheme", "http")
         origin = header(scope, b"origin")
         if origin is not None and not _same_server(origin, host, scheme):
-            raise ClientError(f"origin {origin[:100]!r}: the repository API answers no "
+            raise ClientError(f"origin {origin[:100]!r}: {what} answers no "
                               "other origin than its own (a browser page elsewhere may "
                               "not drive it)", status=403)
         if check_host and host is not None:
             found = _host_port(host, scheme)
             if found is None or not is_loopback(found[0]):
-                raise ClientError(f"host {host[:100]!r}: without an admin token the "
-                                  "repository API answers only requests addressed to "
+                raise ClientError(f"host {host[:100]!r}: without an admin token "
+                                  f"{what} answers only requests addressed to "
                                   "loopback (localhost, 127.0.0.1, [::1])", status=403)
         if expected is not None:
             scheme_, _, given = (header(scope, b"authorization") or "").partition(" ")
-            if scheme_.lower() != "bearer" or not hmac.compare_digest(
-                    given.strip().encode(), expected):
-                raise ClientError("authorization: a valid bearer token is required for "
-                                  "the repository API", status=401)
+            matches = [hmac.compare_digest(given.strip().encode(), t) for t in tokens]
+            if scheme_.lower() != "bearer" or not any(matches):
+                raise ClientError(f"authorization: a valid bearer token is required for "
+                                  f"{what}", status=401)
         if mutating:
             is_json = _json_content_type(scope)
             if not is_json and not (is_json is None and expected is not None):
-                raise ClientError("content-type: the repository API takes "
+                raise ClientError(f"content-type: {what} takes "
                                   "application/json only (send the header, even with an "
                                   "empty body)", status=415)
     return check

@@ -38,6 +38,7 @@ from ..dataplane.schemas import (
     parse,
 )
 from ..errors import POSITION_HEADER, SECRET_HEADER, ClientError, ServiceError
+from ..labels import LabelsRequest, LabelsResponse
 from ..metrics import Metrics
 from ..settings import Settings, is_loopback
 from ..tracing import open_tracing
@@ -48,6 +49,7 @@ from .routing import (
     ADMIN_ERRORS,
     ERRORS,
     INFER_ERRORS,
+    LABEL_ERRORS,
     ROLLBACK_ERRORS,
     Call,
     ErrorTable,
@@ -116,6 +118,9 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
     """The route table's rows, their handlers bound to DATAPLANE; DRAINING says whether
     the server is shutting down (readiness answers 503 then)."""
     admin = auth.admin(settings.admin_token, is_loopback(settings.host))
+    # labels: the admin token or the labels token, and the repository API's other checks
+    label_check = auth.admin(settings.admin_token, is_loopback(settings.host),
+                             settings.labels_token, "the labels route")
     tracer = open_tracing(settings.tracing)  # None: off (ValueError: the extra is missing)
     decode_predict, encode_predict = predict_json.decode, predict_json.encode
     decode_infer, encode_infer = oip_binary.decode, oip_binary.encode
@@ -229,6 +234,12 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         _admin_body(call.body)
         return JSON(await dataplane.repository.unload(call.params["name"]))
 
+    async def labels(call: Call) -> Response:
+        name = call.params["name"]
+        _names(name)
+        label_check(call.scope, True)
+        return JSON(await dataplane.label(name, call.body))
+
     async def prometheus(call: Call) -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
@@ -262,6 +273,10 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         Route("POST", "/v2/models/{name}/versions/{version}/infer", infer,
               "inference on one version", InferenceResponse, InferenceRequest,
               errors=INFER_ERRORS),
+        Route("POST", "/v2/models/{name}/labels", labels, "labels of captured requests "
+              "(by their X-Request-Id), all or none, checked against the version that "
+              "answered; capture on only (bearer: the admin or the labels token)",
+              LabelsResponse, LabelsRequest, errors=LABEL_ERRORS, admin=True),
         Route("POST", "/v2/repository/index", repository_index, "every model version in the "
               "repository with its state", list[RepositoryModel], RepositoryIndexRequest,
               body_required=False, errors=ADMIN_ERRORS, admin=True),

@@ -74,6 +74,17 @@ ROLLBACK_ERRORS: ErrorTable = {
                          "message names the usable versions), or the repository is "
                          "read-only here"}}
 
+LABEL_ERRORS: ErrorTable = {
+    **ADMIN_ERRORS,
+    404: {"model": ErrorResponse, "description": "a model that is not in the repository"},
+    409: {"model": ErrorResponse,
+          "description": "capture is off, or an id is already labelled (the message names "
+                         "it)"},
+    422: {"model": ErrorResponse,
+          "description": "an id that was not captured for the model, or a label outside "
+                         "the classes (or vocabulary) of the version that answered it: the "
+                         "message names the item, [i].id or [i].label, and what is allowed"}}
+
 
 @dataclass(frozen=True)
 class Route:

@@ -1,0 +1,493 @@
+"""Labels given back for captured requests (docs/capture.md, "Labels"): validation against
+the manifest of the version that answered, the store (JSON lines beside the captures,
+``DIR/<model>/labels/<YYYY-MM-DD>/<replica>-1.jsonl``), and the index of captured and
+labelled ids, read incrementally from the segment and label files so that a request does
+not rescan everything. ``POST /v2/models/{name}/labels`` (``LabelStore.add_body``) and
+``orthornn labels import`` (``LabelStore.add``) share all of it; ``read_labels`` is what
+``orthornn capture dataset`` and the retraining trigger read.
+
+A batch of labels is all or nothing: every label is checked before one ``write`` appends
+them all, under an flock of the replica's file (a torn line a crash left is skipped by
+every reader and fenced off by the next write)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import os
+import re
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from orthornn.export.artifacts.manifest import Manifest
+from orthornn.export.artifacts.package import read_manifest
+from orthornn.export.artifacts.repository import check_name
+from orthornn.export.artifacts.vocabulary import UNK, words
+from pydantic import BaseModel, Field, RootModel
+
+from .errors import ClientError, NotFound
+from .metrics import Metrics
+
+LABELS = "labels"  # DIR/<model>/labels/: beside the version folders, which capture reads
+MAX_LABELS = 10_000  # labels in one request (or one import batch)
+MAX_TOKENS = 4_096  # next tokens in one language-model label (per sequence)
+#: ids the index holds per model, about 200 bytes each (docs/capture.md, "Labels"); beyond
+#: it the oldest day's segments are forgotten (a label for them is then an unknown id)
+MAX_INDEXED_IDS = 2_000_000
+_ID = re.compile(r"[\x21-\x7e]{1,128}")  # capture's request id rule: printable ASCII
+# a record's first key is its id (capture writes it first): read without parsing the line
+_FIRST_ID = re.compile(rb'\{\s*"id"\s*:\s*("(?:[^"\\]|\\.){1,300}")')
+_READ = 8 << 20  # bytes of a segment read at once (a 64 MiB segment in eight reads)
+_SHIFT = 40  # an id's place: segment number << 40 | byte offset (segments < 1 TiB)
+_MANIFESTS = 64  # manifests kept (versions are immutable: never re-read)
+OPEN = ".open"  # the suffix of a segment being written (capture.OPEN)
+
+
+class LabelError(ClientError):
+    """A bad label: the item's INDEX in the batch (its line, for an import) and FIELD."""
+
+    def __init__(self, message: str, status: int, index: int | None = None,
+                 field: str | None = None):
+        self.index, self.field, self.reason = index, field, message
+        where = "" if index is None else f"[{index}]" + (f".{field}" if field else "")
+        super().__init__(f"{where}: {message}" if where else message, status)
+
+
+# -- the OpenAPI document's schemas (the route parses the body itself: one pass, and
+#    messages that name the item) --------------------------------------------------------
+
+class Label(BaseModel):
+    id: str = Field(description="a captured request's id (its X-Request-Id)",
+                    min_length=1, max_length=128)
+    label: int | str | list[int | str | list[int | str]] = Field(
+        description="classify: a class index or name (a list, one per sequence, for a "
+                    "request of several sequences); lm: the next tokens (token ids, words, "
+                    "or text)")
+
+
+class LabelsRequest(RootModel[list[Label]]):
+    root: list[Label] = Field(max_length=MAX_LABELS)
+
+
+class LabelsResponse(BaseModel):
+    model: str
+    accepted: int = Field(description="labels written (all of the request's)")
+
+
+# -- reading -------------------------------------------------------------------------------
+
+def _lines(data: bytes) -> Iterator[dict]:
+    for line in data.splitlines():
+        try:
+            value = orjson.loads(line)
+        except orjson.JSONDecodeError:  # a torn line a crash left: skipped
+            continue
+        if isinstance(value, dict) and "id" in value and "label" in value:
+            yield value
+
+
+def label_files(root: Path, model: str) -> list[Path]:
+    return sorted((Path(root) / model / LABELS).glob("*/*.jsonl"))
+
+
+def read_labels(root: Path, model: str) -> list[dict]:
+    """Every label line of MODEL under the capture folder ROOT: {"id", "label" (a class
+    index, a list of them, or token ids), "time" (Unix seconds), "source" ("api" or
+    "import")}, in file order (day, then replica); torn lines skipped."""
+    return [{"id": v["id"], "label": v["label"], "time": v.get("time"),
+             "source": v.get("source")}
+            for path in label_files(root, model) for v in _lines(path.read_bytes())]
+
+
+def _segment_key(path: Path, root: Path) -> str:
+    """A segment's name relative to ROOT, without ``.open`` (it keeps it when it closes)."""
+    rel = path.relative_to(root).as_posix()
+    return rel[:-5] if rel.endswith(".open") else rel
+
+
+@dataclass
+class _Segment:
+    key: str  # relative to the capture folder, without .open
+    number: int
+    day: str
+    offset: int = 0  # bytes read (whole lines only)
+    ids: list[str] = field(default_factory=list)  # the ids it gave the index
+    evicted: bool = False
+
+
+class CaptureIndex:
+    """One model's captured ids (id -> where its record starts) and labelled ids, kept up
+    to date by reading only the bytes appended since the last ``refresh``: the segments of
+    every replica on the volume and every replica's label files. Memory: the ids (at most
+    ``max_ids``; then the oldest day's segments are forgotten, ids and labels alike)."""
+
+    def __init__(self, root: Path, model: str, max_ids: int = MAX_INDEXED_IDS):
+        self.root, self.model, self.max_ids = Path(root), model, max_ids
+        self._segments: dict[str, _Segment] = {}
+        self._by_number: list[_Segment] = []
+        self._ids: dict[str, int] = {}  # id -> segment number << 40 | offset
+        self.labelled: set[str] = set()
+        self._label_offsets: dict[Path, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def refresh(self) -> None:
+        folder = self.root / self.model
+        if not folder.is_dir():
+            return
+        for path in sorted(folder.glob("*/*/*.jsonl*")):
+            if not path.parent.parent.name.isdigit() or not (
+                    path.name.endswith(".jsonl") or path.name.endswith(".jsonl.open")):
+                continue
+            key = _segment_key(path, self.root)
+            segment = self._segments.get(key)
+            if segment is None:
+                segment = _Segment(key, len(self._by_number), path.parent.name)
+                self._segments[key] = segment
+                self._by_number.append(segment)
+            self._tail(segment)
+        for path in label_files(self.root, self.model):
+            offset = self._label_offsets.get(path, 0)
+            data = _read_from(path, offset)
+            end = data.rfind(b"\n") + 1
+            if end:
+                self.labelled.update(str(v["id"]) for v in _lines(data[:end])
+                                     if str(v["id"]) in self._ids)
+                self._label_offsets[path] = offset + end
+        if len(self._ids) > self.max_ids:
+            self._evict()
+
+    def _tail(self, segment: _Segment) -> None:
+        """Index the whole lines appended to SEGMENT since the last read."""
+        size = _READ
+        while True:
+            try:
+                data = _read_from(self.root / segment.key, segment.offset, size, alt=OPEN)
+            except FileNotFoundError:  # gone (retention): its ids go with it
+                self._forget(segment)
+                return
+            end = data.rfind(b"\n") + 1
+            if not end:
+                if len(data) < size:  # a line still being written: the next refresh
+                    return
+                size *= 2  # one record longer than a read
+                continue
+            start, base = 0, segment.number << _SHIFT
+            while start < end:
+                stop = data.index(b"\n", start)
+                rid = _line_id(data[start:stop])
+                if rid is not None and rid not in self._ids:  # a retry's twin: the first
+                    self._ids[rid] = base | (segment.offset + start)
+                    segment.ids.append(rid)
+                start = stop + 1
+            segment.offset += end
+            if len(data) < size:
+                return
+            size = _READ
+
+    def _forget(self, segment: _Segment) -> None:
+        for rid in segment.ids:
+            if self._ids.get(rid, -1) >> _SHIFT == segment.number:
+                del self._ids[rid]
+                self.labelled.discard(rid)
+        segment.ids = []
+        segment.evicted = True
+
+    def _evict(self) -> None:
+        """The oldest day's segments forgotten until the ids fit in max_ids."""
+        for segment in sorted(self._by_number, key=lambda s: (s.day, s.number)):
+            if len(self._ids) <= self.max_ids:
+                return
+            if not segment.evicted:
+                self._forget(segment)
+
+    def record(self, rid: str) -> dict | None:
+        """The captured record of RID (None: not captured, or forgotten)."""
+        place = self._ids.get(rid)
+        if place is None:
+            return None
+        segment = self._by_number[place >> _SHIFT]
+        offset = place & ((1 << _SHIFT) - 1)
+        try:
+            data, size = b"", 1 << 16
+            while b"\n" not in data:
+                more = _read_from(self.root / segment.key, offset + len(data), size, alt=OPEN)
+                if not more:
+                    return None
+                data += more
+                size *= 2
+            return orjson.loads(data[:data.index(b"\n")])
+        except (FileNotFoundError, orjson.JSONDecodeError):
+            return None
+
+
+
+def _read_from(path: Path, offset: int, size: int = -1, alt: str | None = None) -> bytes:
+    """SIZE bytes (all: -1) of PATH from OFFSET; ALT: the path's other name (a segment
+    closed by rename between the listing and the read)."""
+    for candidate in (path, Path(f"{path}{alt}")) if alt else (path,):
+        try:
+            with open(candidate, "rb") as f:
+                f.seek(offset)
+                return f.read(size)
+        except FileNotFoundError:
+            continue
+    raise FileNotFoundError(path)
+
+
+def _line_id(line: bytes) -> str | None:
+    found = _FIRST_ID.match(line)
+    try:
+        if found is not None:
+            value = orjson.loads(found.group(1))
+        else:  # not as capture writes it (whitespace, another key first): parse it all
+            value = orjson.loads(line).get("id")
+    except (orjson.JSONDecodeError, AttributeError):  # a torn line: never an id
+        return None
+    return value if isinstance(value, str) else None
+
+
+# -- validation against the version that answered -----------------------------------------
+
+@dataclass(frozen=True)
+class _Version:
+    """What a label of one model version may be: its task, classes, vocabulary."""
+
+    name: str
+    version: int
+    task: str
+    classes: list[str]  # classify: the class names (str(i) where the manifest has none)
+    vocabulary: dict[str, int] | None = None  # lm: word -> token id
+    vocabulary_size: int = 0
+
+    @classmethod
+    def of(cls, package: Path, manifest: Manifest) -> _Version:
+        size = manifest.output_spec.size
+        if manifest.task == "lm":
+            names = (package / str(manifest.vocabulary_file)).read_text().split("\n")
+            if names and names[-1] == "":
+                names.pop()
+            return cls(manifest.name, manifest.version, "lm", [],
+                       {w: i for i, w in enumerate(names)}, size)
+        names = [str(v) for v in manifest.labels or []]
+        return cls(manifest.name, manifest.version, manifest.task,
+                   names if len(names) == size else [str(i) for i in range(size)])
+
+    def where(self) -> str:
+        return f"model {self.name!r} version {self.version}"
+
+    def check(self, label: Any, sequences: int) -> Any:
+        """LABEL normalised (class indices, token ids) for a record of SEQUENCES
+        sequences; ValueError naming what is allowed."""
+        if self.task not in ("classify", "lm"):
+            raise ValueError(f"{self.where()} (task {self.task}) takes no labels: labels are "
+                             f"class indices or names (classify) or next tokens (lm)")
+        one = self._class if self.task == "classify" else self._tokens
+        if sequences == 1:
+            if self.task == "classify" and isinstance(label, list):
+                if len(label) != 1:
+                    raise ValueError(f"the request had 1 sequence: one class, not a list of "
+                                     f"{len(label)}")
+                label = label[0]
+            if self.task == "lm" and isinstance(label, list) and label and \
+                    all(isinstance(v, list) for v in label):
+                if len(label) != 1:
+                    raise ValueError(f"the request had 1 sequence: one list of next tokens, "
+                                     f"not {len(label)}")
+                label = label[0]
+            return one(label)
+        if not isinstance(label, list) or len(label) != sequences:
+            got = f"a list of {len(label)}" if isinstance(label, list) else type(label).__name__
+            raise ValueError(f"the request had {sequences} sequences: a list of {sequences} "
+                             f"labels, one per sequence in order; got {got}")
+        return [one(v) for v in label]
+
+    def _class(self, value: Any) -> int:
+        count = len(self.classes)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if 0 <= value < count:
+                return value
+            raise ValueError(f"class index {value} is outside 0..{count - 1} ({self.where()} "
+                             f"has {count} classes)")
+        if isinstance(value, str):
+            if value in self.classes:
+                return self.classes.index(value)
+            shown = ", ".join(repr(c) for c in self.classes[:20]) + \
+                (", ..." if count > 20 else "")
+            raise ValueError(f"{value[:100]!r} is not a class of {self.where()}: one of "
+                             f"{shown}, or an index 0..{count - 1}")
+        raise ValueError(f"a class index (0..{count - 1}) or a class name; got "
+                         f"{type(value).__name__}")
+
+    def _tokens(self, value: Any) -> list[int]:
+        assert self.vocabulary is not None
+        if isinstance(value, str):
+            value = words(value)
+        if not isinstance(value, list) or not value:
+            raise ValueError("the next tokens: a non-empty list of token ids or words, or "
+                             "text")
+        if len(value) > MAX_TOKENS:
+            raise ValueError(f"at most {MAX_TOKENS} next tokens; got {len(value)}")
+        ids = []
+        for token in value:
+            if isinstance(token, int) and not isinstance(token, bool):
+                if not 0 <= token < self.vocabulary_size:
+                    raise ValueError(f"token id {token} is outside 0..{self.vocabulary_size - 1}"
+                                     f" (the vocabulary of {self.where()})")
+                ids.append(token)
+            elif isinstance(token, str):
+                found = self.vocabulary.get(token, self.vocabulary.get(UNK))
+                if found is None:
+                    raise ValueError(f"word {token[:100]!r} is not in the vocabulary of "
+                                     f"{self.where()}, which has no {UNK}")
+                ids.append(found)
+            else:
+                raise ValueError(f"a token id or a word; got {type(token).__name__}")
+        return ids
+
+
+# -- the store -----------------------------------------------------------------------------
+
+def _replica_of(name: str | None) -> str:
+    raw = name or f"import-{socket.gethostname()}-{os.getpid()}"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", raw)[:128]
+
+
+def today(now: float) -> str:
+    return dt.datetime.fromtimestamp(now, dt.UTC).strftime("%Y-%m-%d")
+
+
+class LabelStore:
+    """Labels of the captures under ROOT, checked against the packages of the model
+    repository REPO, written as REPLICA (capture's claimed name: no two replicas share a
+    file); SOURCE: "api" or "import". Thread-safe: one batch at a time per process."""
+
+    def __init__(self, root: Path, repo: Path, replica: str | None = None,
+                 metrics: Metrics | None = None, *, source: str = "api",
+                 max_ids: int = MAX_INDEXED_IDS, clock: Callable[[], float] = time.time):
+        self.root, self.repo, self.metrics = Path(root), Path(repo), metrics
+        self.replica, self.source, self.max_ids, self.clock = \
+            _replica_of(replica), source, max_ids, clock
+        self._indexes: dict[str, CaptureIndex] = {}
+        self._versions: OrderedDict[tuple[str, int], _Version] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def index(self, model: str) -> CaptureIndex:
+        found = self._indexes.get(model)
+        if found is None:
+            found = self._indexes[model] = CaptureIndex(self.root, model, self.max_ids)
+        found.refresh()
+        return found
+
+    def _version(self, model: str, version: int) -> _Version:
+        key = (model, version)
+        found = self._versions.get(key)
+        if found is None:
+            package = self.repo / model / str(version)
+            manifest = read_manifest(package)  # PackageError (a ValueError) when gone
+            found = self._versions[key] = _Version.of(package, manifest)
+            if len(self._versions) > _MANIFESTS:
+                self._versions.popitem(last=False)
+        return found
+
+    def add_body(self, model: str, body: bytes) -> dict:
+        """POST /v2/models/{name}/labels: the body's labels, all or none."""
+        try:
+            items = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise ClientError("body is not valid JSON: a list of {\"id\", \"label\"} "
+                              "objects") from None
+        if not isinstance(items, list):
+            raise ClientError("body: must be a JSON list of {\"id\", \"label\"} objects")
+        return {"model": model, "accepted": self.add(model, items)}
+
+    def add(self, model: str, items: list, limit: int | None = MAX_LABELS) -> int:
+        """Check every label of ITEMS ([{"id", "label"}], at most LIMIT: None for an
+        import, whose file the reader bounds), then append them all with one write; the
+        count. LabelError (its index and field) on the first bad one, and then nothing is
+        written."""
+        try:
+            check_name(model)
+        except ValueError as error:
+            raise NotFound(f"model: {error}") from None
+        if not (self.repo / model).is_dir():
+            raise NotFound(f"model {model!r} is not in the model repository")
+        if not items:
+            raise ClientError("body: an empty list (give at least one {\"id\", \"label\"})")
+        if limit is not None and len(items) > limit:
+            raise ClientError(f"body: at most {limit} labels per request; got "
+                              f"{len(items)} (send them in several requests)")
+        seen: dict[str, int] = {}
+        for i, item in enumerate(items):
+            if not isinstance(item, dict) or "id" not in item or "label" not in item:
+                raise LabelError('must be an object with "id" and "label"', 400, i)
+            extra = sorted(set(item) - {"id", "label"})
+            if extra:
+                raise LabelError(f"unknown field {extra[0]!r} (an item has id and label)",
+                                 400, i)
+            rid = item["id"]
+            if not isinstance(rid, str) or not _ID.fullmatch(rid):
+                raise LabelError("1 to 128 printable ASCII characters, no spaces (the "
+                                 "request's X-Request-Id)", 400, i, "id")
+            if rid in seen:
+                raise LabelError(f"{rid!r} appears twice in the request (also at "
+                                 f"[{seen[rid]}]): one label per id", 400, i, "id")
+            seen[rid] = i
+        with self._lock:  # checked and written as one: no second batch between
+            index = self.index(model)
+            lines = []
+            now = self.clock()
+            for i, item in enumerate(items):
+                rid = item["id"]
+                record = index.record(rid)
+                if record is None:
+                    raise LabelError(f"{rid!r} was not captured for model {model!r} (or its "
+                                     f"day is past the capture retention)", 422, i, "id")
+                if rid in index.labelled:
+                    raise LabelError(f"{rid!r} is already labelled (a label is given once)",
+                                     409, i, "id")
+                try:
+                    version = self._version(model, int(record["version"]))
+                except (ValueError, OSError) as error:
+                    raise LabelError(f"{rid!r} was answered by version {record['version']}, "
+                                     f"whose package cannot be read ({error})", 422, i,
+                                     "id") from None
+                try:
+                    label = version.check(item["label"], len(record.get("inputs") or [1]))
+                except ValueError as error:
+                    raise LabelError(str(error), 422, i, "label") from None
+                lines.append(orjson.dumps({"id": rid, "label": label,
+                                           "time": round(now, 6), "source": self.source},
+                                          option=orjson.OPT_APPEND_NEWLINE))
+            self._append(model, b"".join(lines), now)
+            index.labelled.update(seen)
+        if self.metrics is not None:
+            self.metrics.labels_received.labels(model).inc(len(items))
+        return len(items)
+
+    def _append(self, model: str, data: bytes, now: float) -> None:
+        """DATA (whole lines) at the end of this replica's file of the day, one write under
+        an flock; a torn last line a crash left is closed by a newline first, so that it
+        stays one bad line that readers skip."""
+        folder = self.root / model / LABELS / today(now)
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / f"{self.replica}-1.jsonl",
+                     os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                data = b"\n" + data
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)  # the lock goes with it
