@@ -124,14 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
     from orthornn.export.cli import add_export_parser
     from orthornn.quickstart import add_quickstart_parser
     from orthornn.service.cli import add_serve_parsers
+    from orthornn.service.loop_cli import add_loop_parsers
     from orthornn.service.rollout_cli import add_rollout_parser
     from orthornn.training.cli import add_plot_parser, add_train_parser
+    from orthornn.training.flags import add_progress_flag
 
     add_train_parser(sub)
     add_plot_parser(sub)
     add_export_parser(sub)
     add_rollout_parser(sub)
     add_serve_parsers(sub)
+    add_loop_parsers(sub, add_progress_flag)
     add_quickstart_parser(sub)
     return parser
 

@@ -1,0 +1,217 @@
+"""`orthornn capture dataset` against a hand-built capture folder (the join by id, the
+late-label window, a retry captured twice, the split by time; the .npz read back by
+training's own ``load_npz`` and compared with the captured arrays), and `orthornn labels
+import` (JSON lines and CSV, its errors naming the line and the field)."""
+
+import base64
+import datetime as dt
+import re
+
+import numpy as np
+import orjson
+import pytest
+from orthornn.service.dataset import build, holdout_path, write_dataset
+from orthornn.service.labels import read_labels
+from orthornn.training.tasks.user import load_npz
+
+from ...helpers import orthornn_here
+from ...service_helpers import make_repo
+
+T0 = 1_795_000_000.0  # 2026-11-18 (UTC)
+DAY = 86_400.0
+NAMES = [f"c{i}" for i in range(4)]
+
+
+def day_of(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d")
+
+
+def encoded(a: np.ndarray) -> dict:
+    return {"dtype": a.dtype.str, "shape": list(a.shape),
+            "b64": base64.b64encode(a.tobytes()).decode()}
+
+
+def captured_record(rid: str, t: float, xs: list[np.ndarray], version: int = 1) -> dict:
+    outputs = [{"label": NAMES[i % 4], "index": i % 4, "probabilities": [0.25] * 4,
+                "top_k": [{"label": NAMES[j], "index": j, "probability": 0.25}
+                          for j in range(4)]}
+               for i in range(len(xs))]  # the class names, as /predict's answers show them
+    return {"id": rid, "time": t, "route": "/predict", "model": "m", "version": version,
+            "inputs": [encoded(x) for x in xs], "outputs": outputs, "session": None,
+            "position": None, "compute_ms": 0.1}
+
+
+def write_segment(root, replica: str, records: list[dict], suffix: str = ".jsonl") -> None:
+    for r in records:
+        folder = root / "m" / str(r["version"]) / day_of(r["time"])
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"{replica}-1{suffix}", "ab") as f:
+            f.write(orjson.dumps(r) + b"\n")
+
+
+def write_labels(root, lines: list[dict]) -> None:
+    folder = root / "m" / "labels" / day_of(T0)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "r-1.jsonl", "ab") as f:
+        f.write(b"".join(orjson.dumps({**v, "source": "api"}) + b"\n" for v in lines))
+
+
+@pytest.fixture
+def captures(tmp_path):
+    """60 records of model m over six days (lengths 2..6, d = 3), one of two sequences,
+    a retry of r5 captured again by replica b, and a torn last line in an open segment;
+    labels for r0..r53, r54's eight days late, r55..r59 unlabelled, r1 labelled twice."""
+    rng = np.random.default_rng(0)
+    root, xs, records = tmp_path / "cap", {}, []
+    for i in range(60):
+        t = T0 + i * 0.1 * DAY
+        xs[f"r{i}"] = [rng.normal(size=(2 + i % 5, 3)).astype(np.float32)
+                       for _ in range(2 if i == 7 else 1)]
+        records.append(captured_record(f"r{i}", t, xs[f"r{i}"]))
+    write_segment(root, "a", records[:20])
+    for r in records[20:]:  # the segment a replica is writing: a-2 (a-1 was closed)
+        folder = root / "m" / "1" / day_of(r["time"])
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "a-2.jsonl.open", "ab") as f:
+            f.write(orjson.dumps(r) + b"\n")
+    retry = captured_record("r5", records[5]["time"] + 1.0, [np.zeros((2, 3), np.float32)])
+    write_segment(root, "b", [retry])
+    with open(sorted(root.glob("m/1/*/a-2.jsonl.open"))[-1], "ab") as f:
+        f.write(b'{"id": "r60", "time"')  # a killed writer's torn last line
+    labels = {f"r{i}": ([1, 2] if i == 7 else i % 4) for i in range(55)}
+    write_labels(root, [{"id": rid, "label": y,
+                         "time": records[int(rid[1:])]["time"] + (8 * DAY if rid == "r54"
+                                                                  else 60.0)}
+                        for rid, y in labels.items()]
+                 + [{"id": "r1", "label": 3, "time": records[1]["time"] + 120.0}])
+    return root, xs, records, labels
+
+
+def test_the_dataset_joins_dedups_splits_by_time_and_loads_in_training(captures, tmp_path):
+    root, xs, records, labels = captures
+    summary = write_dataset(root, "m", tmp_path / "d.npz", progress=False)
+    assert (summary.records, summary.labelled, summary.unlabelled, summary.late,
+            summary.duplicates, summary.torn) == (61, 54, 5, 1, 2, 1)
+    # 54 labelled records (r7 has two sequences): the newest 11 records held out
+    train, held = np.load(tmp_path / "d.npz"), np.load(holdout_path(tmp_path / "d.npz"))
+    kept = [f"r{i}" for i in range(54)]  # by time; r54 late, r55.. unlabelled
+    assert list(held["ids"]) == kept[43:]
+    assert list(train["ids"]) == [*kept[:7], "r7", *kept[7:43]]
+    assert (summary.train, summary.holdout) == (44, 11)
+    assert summary.classes == {"c0": 14, "c1": 15, "c2": 14, "c3": 12}
+    for part in (train, held):
+        rows = [(rid, k) for rid in dict.fromkeys(part["ids"]) for k in range(len(xs[rid]))]
+        assert len(rows) == len(part["y"])
+        for n, (rid, k) in enumerate(rows):
+            x = xs[rid][k]  # r5's first capture, not the retry's zeros
+            assert part["lengths"][n] == len(x)
+            assert np.array_equal(part["x"][n, :len(x)], x)
+            assert not part["x"][n, len(x):].any()  # zero padding
+            want = labels[rid][k] if isinstance(labels[rid], list) else labels[rid]
+            assert part["y"][n] == want  # r1's second label ignored: the first counts
+            assert part["times"][n] == records[int(rid[1:])]["time"]
+        assert list(part["labels"]) == NAMES and set(part["versions"]) == {1}
+    assert max(train["times"]) < min(held["times"])
+    day0, day1 = day_of(T0), day_of(records[50]["time"])
+    assert set(train["segments"]) >= {f"m/1/{day0}/a-1.jsonl"}
+    assert all(s.endswith(".jsonl") for s in [*train["segments"], *held["segments"]])
+    assert f"m/1/{day1}/a-2.jsonl" in held["segments"]  # the open one, by its final name
+    # training's own reader takes both files
+    for path, part in ((tmp_path / "d.npz", train), (holdout_path(tmp_path / "d.npz"), held)):
+        x, y, lengths, names = load_npz(path)
+        assert np.array_equal(x.numpy(), part["x"]) and np.array_equal(y.numpy(), part["y"])
+        assert np.array_equal(lengths.numpy(), part["lengths"]) and names == NAMES
+
+
+def test_the_window_since_and_too_few_are_counted_or_refused(captures, tmp_path):
+    root, _, records, _ = captures
+    _, _, wide = build(root, "m", window_days=9, holdout_share=0.25, progress=False)
+    assert (wide.late, wide.labelled, wide.holdout) == (0, 55, 14)
+    since = day_of(records[20]["time"])
+    _, _, later = build(root, "m", since=since, holdout_share=0, progress=False)
+    assert later.records == sum(1 for r in records if day_of(r["time"]) >= since)
+    with pytest.raises(ValueError, match=r"too few labelled sequences of 'm': \d+ to train "
+                                         r"on and \d+ held out"):
+        build(root, "m", holdout_share=0.9, progress=False)
+    for kwargs, flag in (({"since": "yesterday"}, "--since"), ({"window_days": 0}, "--window"),
+                         ({"holdout_share": 1.0}, "--holdout-share")):
+        with pytest.raises(ValueError, match=flag):
+            build(root, "m", progress=False, **kwargs)
+    with pytest.raises(ValueError, match="no captures of model 'nope'"):
+        build(root, "nope", progress=False)
+
+
+def test_the_command_prints_the_summary_and_exits_2_on_bad_input(captures, tmp_path):
+    root = captures[0]
+    out = tmp_path / "part.npz"
+    r = orthornn_here("capture", "dataset", "--capture", root, "--name", "m", "--out", out,
+                      "--holdout", tmp_path / "held.npz", "--no-progress", code=0)
+    assert "m: records 61, labelled 54, unlabelled 5, late labels 1, duplicates 2" in r.stdout
+    assert "per class: c0: 14, c1: 15, c2: 14, c3: 12" in r.stdout
+    assert f"wrote {out} (44), {tmp_path / 'held.npz'} (11)" in r.stdout
+    assert len(np.load(tmp_path / "held.npz")["y"]) == 11
+    r = orthornn_here("capture", "dataset", "--capture", root, "--name", "m", "--out", out,
+                      "--window", "soon", code=2)
+    assert r.stderr.strip() == "orthornn capture: error: --window: a number; got 'soon'"
+
+
+# -- orthornn labels import ----------------------------------------------------------------
+
+@pytest.fixture
+def digits(service_packages, tmp_path):
+    """The digits package in a repository, and captures of it (r0..r11, one sequence each;
+    r12 two sequences)."""
+    repo = make_repo(service_packages, tmp_path / "repo", {"digits": [1]})
+    records = [captured_record(f"r{i}", T0 + i, [np.ones((3, 1), np.float32)])
+               for i in range(12)]
+    records.append(captured_record("r12", T0 + 12, [np.ones((3, 1), np.float32)] * 2))
+    for r in records:
+        r["model"] = "digits"
+    folder = tmp_path / "cap" / "digits" / "1" / day_of(T0)
+    folder.mkdir(parents=True)
+    (folder / "a-1.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    return repo, tmp_path / "cap"
+
+
+def test_labels_import_from_json_lines_and_csv(digits, tmp_path):
+    repo, cap = digits
+    jsonl = tmp_path / "l.jsonl"
+    jsonl.write_text("".join(orjson.dumps({"id": f"r{i}", "label": i % 10}).decode() + "\n"
+                             for i in range(6)) + "\n")
+    r = orthornn_here("labels", "import", jsonl, "--capture", cap, "--name", "digits",
+                      "--repo", repo, code=0)
+    assert f"digits: imported 6 labels from {jsonl}" in r.stdout
+    csv = tmp_path / "l.csv"
+    csv.write_text('id,label\nr6,7\nr7,"3"\nr12,"[1, 2]"\n')
+    orthornn_here("labels", "import", csv, "--capture", cap, "--name", "digits", "--repo",
+                  repo, code=0)
+    got = read_labels(cap, "digits")
+    assert [(v["id"], v["label"], v["source"]) for v in got] == \
+        [(f"r{i}", i, "import") for i in range(6)] + \
+        [("r6", 7, "import"), ("r7", 3, "import"), ("r12", [1, 2], "import")]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("id,label\nr8,1\nr9,11\n", r"l.csv line 3: label: class index 11 is outside 0..9"),
+    ("id,label\nr8,1\nnope,1\n", r"l.csv line 3: id: 'nope' was not captured for model "
+                                 r"'digits'"),
+    ("r8,1\nr8,2\n", r"l.csv line 2: id: 'r8' appears twice"),
+    ("r8,1\nr0,2\n", r"l.csv line 2: id: 'r0' is already labelled"),
+    ("r8,1\nr9,seven\n", r"l.csv line 2: label: 'seven' is not a class"),
+    ("r8,1\nr9,1,2\n", r"l.csv line 2: two columns id,label; got 3"),
+    ("r8,1\nr12,1\n", r"l.csv line 2: label: the request had 2 sequences"),
+])
+def test_labels_import_errors_name_the_line_and_field_and_write_nothing(digits, tmp_path,
+                                                                         text, message):
+    repo, cap = digits
+    first = tmp_path / "first.jsonl"
+    first.write_text('{"id": "r0", "label": 0}\n')
+    orthornn_here("labels", "import", first, "--capture", cap, "--name", "digits",
+                  "--repo", repo, code=0)
+    path = tmp_path / "l.csv"
+    path.write_text(text)
+    r = orthornn_here("labels", "import", path, "--capture", cap, "--name", "digits",
+                      "--repo", repo, code=2)
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("orthornn labels: error: ") and re.search(message, line), line
+    assert [v["id"] for v in read_labels(cap, "digits")] == ["r0"]
