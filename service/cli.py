@@ -16,6 +16,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"  # where orthornn serve and the quickstart
 
 #: settings with no flag: a secret must not appear in a process list or shell history
 ENV_ONLY = {"admin_token": "ORTHORNN_ADMIN_TOKEN",
+            "labels_token": "ORTHORNN_LABELS_TOKEN",
             "session_store_password": "ORTHORNN_SESSION_STORE_PASSWORD"}
 
 
