@@ -1,18 +1,33 @@
-"""Capture on its own (no HTTP): the sample by the request id's hash, the segments and their
-rotation, the drops (a read-only or full disk) counted, a killed writer's torn line, the
-retention, and one segment name per replica."""
+"""Capture on its own (no HTTP): the sample by the request id's hash, a record's line against
+an independent encoding, the segments and their rotation, the disk space reserved ahead
+and given back, the drops (a read-only or full disk) counted and cheap, a killed writer's
+torn line, the retention, and one segment name per replica."""
 
+import base64
 import binascii
+import ctypes
 import errno
 import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import orjson
 import pytest
 from orthornn.service import capture as capture_module
-from orthornn.service.capture import Capture, read_records, request_id, sampled
+from orthornn.service import request
+from orthornn.service.capture import (
+    Capture,
+    array,
+    keep_answer,
+    read_records,
+    request_id,
+    sampled,
+)
 from orthornn.service.errors import ClientError
 from orthornn.service.metrics import Metrics
+from orthornn.service.registry.runtime import Chunk
 
 DAY = 86_400.0
 T0 = 1_790_000_000.0  # 2026-09-21 (UTC)
@@ -81,25 +96,168 @@ def test_segments_rotate_by_size_and_number_on(tmp_path):
                                           (errno.ENOSPC, "disk_full")])
 def test_a_read_only_or_full_disk_drops_and_counts_and_recovers(tmp_path, monkeypatch, caplog,
                                                                 code, reason):
-    metrics = Metrics()
-    c = Capture(tmp_path, 1.0, metrics, replica="a", clock=lambda: T0)
+    metrics, now, writes = Metrics(), [T0], []
+    c = Capture(tmp_path, 1.0, metrics, replica="a", clock=lambda: now[0])
     real = os.write
     broken = [True]
 
     def write(fd, data):
+        writes.append(data)
         if broken[0]:
             raise OSError(code, os.strerror(code))
         return real(fd, data)
     monkeypatch.setattr(capture_module.os, "write", write)
-    keep_all(c, [record(i) for i in range(7)])  # seven writes fail: each dropped, counted
+    keep_all(c, [record(i) for i in range(7)])  # seven records dropped, each counted
     assert dropped(metrics, reason) == 7
+    assert len(writes) == 1  # the disk is not tried again within the second
     # one warning, not one a write: a full disk fails every write (a log that nobody reads
     # would fill its pipe and stall the server)
     assert len([r for r in caplog.records if "capture: a record of m" in r.message]) == 1
-    broken[0] = False  # the disk back: the next records are written
+    broken[0] = False  # the disk back: the records of the next second are written
+    now[0] += 1.0
     keep_all(c, [record(i) for i in range(7, 9)])
     c.close()
     assert sorted(r["id"] for r in read_records(tmp_path, "m")[0]) == ["r7", "r8"]
+
+
+def test_a_short_write_is_cut_back_so_the_next_record_starts_whole(tmp_path, monkeypatch):
+    """A disk that takes half a line (full mid-write): the half is cut, the record counted
+    dropped, and the next records are whole lines after the ones before."""
+    metrics, now = Metrics(), [T0]
+    c = Capture(tmp_path, 1.0, metrics, replica="a", clock=lambda: now[0])
+    keep_all(c, [record(0)])
+    real = os.write
+    monkeypatch.setattr(capture_module.os, "write", lambda fd, data: real(fd, data[:20]))
+    keep_all(c, [record(1)])
+    monkeypatch.undo()
+    now[0] += 1.0
+    keep_all(c, [record(2)])
+    c.close()
+    assert read_records(tmp_path, "m") == ([orjson.loads(orjson.dumps(
+        record(i), option=orjson.OPT_SERIALIZE_NUMPY)) for i in (0, 2)], 0)
+    assert dropped(metrics, "disk_full") == 1
+
+
+def _space(path) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+needs_fallocate = pytest.mark.skipif(capture_module._fallocate() is None,
+                                     reason="no fallocate(2) here")
+
+
+@needs_fallocate
+def test_disk_space_is_reserved_ahead_and_given_back_at_the_close(tmp_path):
+    """While a segment is open its disk blocks are reserved 4 MiB ahead, its length the
+    bytes written (a reader sees no zero tail); the close frees what was not used."""
+    c = Capture(tmp_path, 1.0, replica="a", clock=lambda: T0)
+    keep_all(c, [record(i) for i in range(10)])
+    path = tmp_path / "m" / "1" / "2026-09-21" / "a-1.jsonl.open"
+    written = sum(len(orjson.dumps(record(i), option=orjson.OPT_SERIALIZE_NUMPY)) + 1
+                  for i in range(10))
+    assert path.stat().st_size == written
+    if _space(path) < capture_module.RESERVE:
+        pytest.skip("this file system reserves no blocks past the end")
+    c.close()
+    closed = path.with_name("a-1.jsonl")
+    assert closed.stat().st_size == written and _space(closed) < 64 << 10
+
+
+def test_a_full_disk_refuses_at_the_reservation_and_costs_no_encoding(tmp_path, monkeypatch):
+    """The reservation fails (ENOSPC): no byte written; for a second after, the records are
+    dropped without being encoded or the disk tried; then reserved and written again."""
+    metrics, now, tries, lines = Metrics(), [T0], [], []
+    c = Capture(tmp_path, 1.0, metrics, replica="a", clock=lambda: now[0])
+
+    def full(fd, mode, offset, length):
+        tries.append(length)
+        ctypes.set_errno(errno.ENOSPC)
+        return -1
+    c._reserve_space = full
+    real_line = capture_module._line
+    monkeypatch.setattr(capture_module, "_line", lambda *a: lines.append(1) or real_line(*a))
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    with request.opened() as scope:
+        for i in range(1000):
+            scope.id = f"q{i}"
+            keep_answer(c, "/predict", "m", 1, [x], [{"index": i}])
+        assert tries and len(tries) == 1 and len(lines) == 1
+        assert dropped(metrics, "disk_full") == 1000
+        path = tmp_path / "m" / "1" / "2026-09-21" / "a-1.jsonl.open"
+        assert path.stat().st_size == 0
+        c._reserve_space = capture_module._fallocate()  # the disk has room again
+        now[0] += 1.0
+        scope.id = "q-back"
+        keep_answer(c, "/predict", "m", 1, [x], [{"index": 0}])
+    c.close()
+    (rec,), torn = read_records(tmp_path, "m")
+    assert rec["id"] == "q-back" and torn == 0
+
+
+def test_a_line_is_the_record_as_an_independent_encoding_writes_it(tmp_path):
+    """keep_answer's bytes against a record built with the base64 module and json: the
+    fields in order, each array's dtype, shape and bytes (a transposed view, int64 token
+    ids, a session chunk, the OIP's output tensors by name)."""
+    c = Capture(tmp_path, 1.0, replica="a", clock=lambda: T0 + 0.1234567)
+    x = np.arange(12, dtype=np.float32).reshape(3, 4).T  # not contiguous
+    tokens = np.array([5, 900, 7], dtype=np.int64)
+    logits = np.linspace(-1, 1, 6, dtype=np.float32).reshape(1, 2, 3)
+
+    def b64(a):
+        a = np.ascontiguousarray(a)
+        return {"dtype": a.dtype.str, "shape": list(a.shape),
+                "b64": base64.b64encode(a.tobytes()).decode()}
+    with request.opened() as scope:
+        scope.id, scope.compute_s = "a\"quote", 0.0123456
+        keep_answer(c, "infer", "m", 3, [x, Chunk(tokens, np.zeros(2))], {"logits": logits},
+                    "s-1", 7)
+        scope.id, scope.compute_s = "b", None
+        keep_answer(c, "/predict", "m", 3, [tokens], [{"label": "é", "index": 1}])
+    c.close()
+    lines = (tmp_path / "m" / "3" / "2026-09-21" / "a-1.jsonl").read_bytes().splitlines()
+    first = orjson.loads(lines[0])
+    assert list(first) == ["id", "time", "route", "model", "version", "inputs", "outputs",
+                           "session", "position", "compute_ms"]
+    assert first == {"id": 'a"quote', "time": round(T0 + 0.1234567, 6), "route": "infer",
+                     "model": "m", "version": 3, "inputs": [b64(x), b64(tokens)],
+                     "outputs": {"logits": b64(logits)}, "session": "s-1", "position": 7,
+                     "compute_ms": 12.346}
+    assert np.array_equal(array(first["inputs"][0]), x)
+    assert orjson.loads(lines[1]) == {
+        "id": "b", "time": round(T0 + 0.1234567, 6), "route": "/predict", "model": "m",
+        "version": 3, "inputs": [b64(tokens)], "outputs": [{"label": "é", "index": 1}],
+        "session": None, "position": None, "compute_ms": None}
+
+
+def test_a_segment_cut_by_sigkill_recovers_to_exactly_the_written_records(tmp_path):
+    """A real writer process: 200 records, then half of one more, then SIGKILL (its segment
+    left open, its disk reservation held). The restart keeps exactly the 200, counts the
+    torn one, and gives the reservation back."""
+    script = f"""
+import os, signal, sys
+sys.path[:0] = {sys.path!r}
+import numpy as np
+from orthornn.service.capture import Capture
+c = Capture({str(tmp_path)!r}, 1.0, replica="a", clock=lambda: {T0!r})
+for i in range(200):
+    c.keep({{"id": f"r{{i}}", "model": "m", "version": 1, "x": [i]}})
+seg = c._segments[("m", 1)]
+os.write(seg.fd, b'{{"id": "r200", "model": "m", "ver')  # the kill comes mid-write
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    path = tmp_path / "m" / "1" / "2026-09-21" / "a-1.jsonl.open"
+    assert path.exists()
+    metrics = Metrics()
+    Capture(tmp_path, 1.0, metrics, replica="a", clock=lambda: T0).close()
+    closed = path.with_name("a-1.jsonl")
+    assert not path.exists() and dropped(metrics, "torn") == 1
+    records, torn = read_records(tmp_path, "m")
+    assert records == [{"id": f"r{i}", "model": "m", "version": 1, "x": [i]}
+                       for i in range(200)] and torn == 0
+    assert closed.stat().st_size == sum(len(orjson.dumps(r)) + 1 for r in records)
+    assert _space(closed) < 64 << 10  # the reservation given back
 
 
 def test_a_killed_writers_torn_line_is_cut_and_counted_at_the_restart(tmp_path):
