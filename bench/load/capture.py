@@ -1,15 +1,23 @@
-"""What capture costs the service: the same POST /predict load (distinct X-Request-Id per
-request) against `orthornn serve` processes of this checkout up side by side on one
-package: capture off, off again (the noise floor), on for every request (--capture), on for
-10% (--capture-sample 0.1), and, where this machine lets a tmpfs be mounted, on for every
-request into a full disk (records dropped, counted). Rounds alternate the servers (their
-order rotates each round); each ratio is the median over the rounds of the per-round
-throughput ratio to the first "off" server. Afterwards each capturing server's records
-plus drops are checked against the requests it answered 200 (its /metrics), and the full
-disk's server's resident memory growth is reported. Prints a table and writes
+"""What capture costs the service, and that it loses nothing: the same POST /predict load
+(distinct X-Request-Id per request) against `orthornn serve` processes of this checkout up
+side by side on one package: capture off, off again (the noise floor), on for every
+request (--capture), on for 10% (--capture-sample 0.1), and, where this machine lets a
+tmpfs be mounted, on for every request into a full disk and into a read-only one (records
+dropped, counted). Rounds alternate the servers (their order rotates each round); each
+ratio is the median over the rounds of the per-round ratio to the first "off" server
+(throughput, and p99 latency). Afterwards each capturing server's records plus drops are
+checked against the requests it answered 200 (its /metrics), and each server's resident
+memory growth over the rounds is reported. Prints a table and writes
 bench/results/capture.json.
 
-    python bench/load/capture.py [--round-s 2] [--rounds 6] [--concurrency 32] [--hidden 64]
+With --nothing-lost N, instead: N requests (each id once) from --concurrency clients to
+one server capturing every request, SIGKILL once half are answered, a restart on the same
+folder, the rest of the ids sent to it; then every request answered 200 must be on disk
+exactly once (a torn last line at most, cut and counted at the restart). Writes
+bench/results/capture_nothing_lost.json.
+
+    python bench/load/capture.py [--round-s 2] [--rounds 8] [--concurrency 32] [--hidden 64]
+    python bench/load/capture.py --nothing-lost 20000
 """
 
 from __future__ import annotations
@@ -18,11 +26,14 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -34,27 +45,31 @@ sys.path.insert(0, str(ROOT))
 from bench.common import write_result  # noqa: E402
 from bench.load.client import Server, build_package, load, summary  # noqa: E402
 
+MEMORY_LIMIT_KIB = 16 << 10  # the issue's bound on a failing disk's memory growth
+
+
+def with_id(body: bytes, rid: str) -> bytes:
+    return (f"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}"
+            f"\r\nContent-Type: application/json\r\nX-Request-Id: {rid}\r\n\r\n"
+            .encode() + body)
+
 
 def requests_with_ids(bodies: list[bytes], count: int) -> list[bytes]:
     """COUNT requests cycling over BODIES, each with an X-Request-Id of its own."""
-    out = []
-    for i in range(count):
-        body = bodies[i % len(bodies)]
-        out.append(f"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}"
-                   f"\r\nContent-Type: application/json\r\nX-Request-Id: bench-{i}\r\n\r\n"
-                   .encode() + body)
-    return out
+    return [with_id(bodies[i % len(bodies)], f"bench-{i}") for i in range(count)]
 
 
-def metric(port: int, name: str) -> float:
+def metrics_text(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+        return r.read().decode()
 
 
-def answered(port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
+def metric(text: str, name: str, labels: str = "") -> float:
+    return sum(float(v) for v in re.findall(
+        rf"^{name}(?:{{[^}}]*{labels}[^}}]*}})? (\S+)$", text, re.M))
+
+
+def answered(text: str) -> float:
     return sum(float(v) for v in re.findall(
         r'^orthornn_requests_total{endpoint="/predict",[^}]*status="200"[^}]*} (\S+)$',
         text, re.M))
@@ -62,88 +77,205 @@ def answered(port: int) -> float:
 
 def rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
-        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+        found = re.search(r"VmRSS:\s+(\d+)", f.read())
+    return int(found.group(1)) if found else 0
+
+
+def tmpfs(folder: Path, options: str) -> bool:
+    """Mount a 64 KiB tmpfs on FOLDER with OPTIONS (False: this machine does not allow
+    it)."""
+    folder.mkdir(parents=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=64k,{options}", "tmpfs",
+                           str(folder)], capture_output=True).returncode == 0
 
 
 def full_disk(folder: Path) -> bool:
-    """Mount a 64 KiB tmpfs on FOLDER and fill it (False: this machine does not allow it)."""
-    folder.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)],
-                             capture_output=True)
-    if mounted.returncode != 0:
+    """A 64 KiB tmpfs on FOLDER, filled (False: this machine does not allow it)."""
+    if not tmpfs(folder, "rw"):
         return False
     with open(folder / "filler", "wb") as f, contextlib.suppress(OSError):
         f.write(b"\0" * (1 << 20))  # until the disk is full
     return True
 
 
+def bodies_for(args: argparse.Namespace) -> list[bytes]:
+    rng = np.random.default_rng(1)
+    return [json.dumps({"model": "bench", "inputs": [
+        rng.normal(size=(args.steps, args.features)).round(4).tolist()]}).encode()
+        for _ in range(64)]
+
+
+def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
+    """The alternated rounds; a row per server."""
+    flags = {"off": [], "off again": [],
+             "every request": ["--capture", str(work / "all")],
+             "10% sampled": ["--capture", str(work / "tenth"), "--capture-sample", "0.1"]}
+    mounts = []
+    if full_disk(work / "full"):
+        mounts.append(work / "full")
+        flags["every request, disk full"] = ["--capture", str(work / "full")]
+    if tmpfs(work / "ro", "ro"):
+        mounts.append(work / "ro")
+        flags["every request, read-only"] = ["--capture", str(work / "ro")]
+    servers = {name: Server(repo, True, extra) for name, extra in flags.items()}
+    runs: dict[str, list] = {name: [] for name in servers}
+    rows = {}
+    try:
+        for s in servers.values():
+            s.wait_ready()
+        requests = requests_with_ids(bodies_for(args), 100_000)
+        for s in servers.values():  # a first round each, not measured: every path warm
+            asyncio.run(load(s.port, requests, args.concurrency, 0.5, 10**9))
+        memory_before = {n: rss_kib(s.proc.pid) for n, s in servers.items()}
+        names = list(servers)
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                runs[name].append(asyncio.run(load(servers[name].port, requests,
+                                                   args.concurrency, args.round_s, 10**9)))
+            print(f"round {r + 1}/{args.rounds}", flush=True)
+        base = runs["off"]
+        for name in names:
+            row = summary(runs[name], digits=3, seconds=False)
+            ratios = [len(o[1]) / o[0] / max(len(b[1]) / b[0], 1e-9)
+                      for b, o in zip(base, runs[name], strict=True)]
+            p99s = [float(np.percentile(o[1], 99) / np.percentile(b[1], 99))
+                    for b, o in zip(base, runs[name], strict=True)]
+            row["ratio"] = round(float(np.median(ratios)), 3)
+            row["ratios"] = [round(x, 3) for x in ratios]
+            row["p99_ratio"] = round(float(np.median(p99s)), 3)
+            row["p99_ratios"] = [round(x, 3) for x in p99s]
+            text = metrics_text(servers[name].port)
+            row["answered_200"] = answered(text)
+            row["records"] = metric(text, "orthornn_capture_records_total")
+            row["dropped"] = metric(text, "orthornn_capture_dropped_total")
+            row["rss_growth_kib"] = rss_kib(servers[name].proc.pid) - memory_before[name]
+            rows[name] = row
+    finally:
+        for s in servers.values():
+            s.stop()
+        for folder in mounts:
+            subprocess.run(["umount", str(folder)], capture_output=True)
+    return rows
+
+
+async def _send(port: int, bodies: list[bytes], ids: list[str], concurrency: int,
+                got: list[str], kill_at: int | None, pid: int) -> list[str]:
+    """Send each of IDS once (CONCURRENCY keep-alive clients), noting those answered 200
+    in GOT; with KILL_AT, SIGKILL process PID once that many are answered. A client ends
+    when the server is gone. The ids never sent."""
+    queue = list(reversed(ids))
+
+    async def client() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while queue:
+                rid = queue.pop()
+                writer.write(with_id(bodies[int(rid.rpartition("-")[2]) % len(bodies)],
+                                     rid))
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+                await reader.readexactly(length)
+                if head[9:12] == b"200":
+                    got.append(rid)
+                    if kill_at is not None and len(got) == kill_at:
+                        os.kill(pid, signal.SIGKILL)
+        except (OSError, asyncio.IncompleteReadError):
+            return  # killed
+        finally:
+            writer.close()
+    await asyncio.gather(*[client() for _ in range(concurrency)])
+    return list(reversed(queue))
+
+
+def nothing_lost(args: argparse.Namespace, work: Path, repo: Path) -> dict:
+    from orthornn.service.capture import read_records
+
+    folder = work / "captured"
+    extra = ["--capture", str(folder), "--capture-replica", "pod-0"]
+    bodies = bodies_for(args)
+    ids = [f"lost-{i}" for i in range(args.nothing_lost)]
+    got: list[str] = []
+    first = Server(repo, True, extra)
+    first.wait_ready()
+    start = time.perf_counter()
+    # the ids in flight at the kill are not sent again: their records may be on disk
+    rest = asyncio.run(_send(first.port, bodies, ids, args.concurrency, got,
+                             args.nothing_lost // 2, first.proc.pid))
+    first.proc.wait(30)
+    killed = first.proc.returncode == -signal.SIGKILL
+    before_kill = len(got)
+    second = Server(repo, True, extra)  # recovers pod-0's open segments at its start
+    try:
+        second.wait_ready()
+        asyncio.run(_send(second.port, bodies, rest, args.concurrency, got, None, 0))
+        torn_cut = metric(metrics_text(second.port), "orthornn_capture_dropped_total",
+                          'reason="torn"')
+    finally:
+        second.stop()
+    seconds = time.perf_counter() - start
+    records, torn_left = read_records(folder, "bench")
+    on_disk = [r["id"] for r in records]
+    counts: dict[str, int] = {}
+    for rid in on_disk:
+        counts[rid] = counts.get(rid, 0) + 1
+    missing = [rid for rid in got if rid not in counts]
+    twice = [rid for rid, n in counts.items() if n > 1]
+    return {"requests": args.nothing_lost, "concurrency": args.concurrency,
+            "killed": killed, "answered_before_kill": before_kill,
+            "in_flight_at_kill": args.nothing_lost - before_kill - len(rest),
+            "answered_200": len(got), "records": len(on_disk),
+            "missing": len(missing), "twice": len(twice),
+            "written_not_answered": len(counts) - len(set(got) & set(counts)),
+            "torn_cut_at_restart": torn_cut, "torn_left": torn_left,
+            "seconds": round(seconds, 1),
+            "ok": killed and not missing and not twice and torn_cut <= 1 and not torn_left}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--round-s", type=float, default=2.0)
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--features", type=int, default=9)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "capture.json"))
+    parser.add_argument("--nothing-lost", type=int, default=0, metavar="N",
+                        help="the SIGKILL check with N requests instead of the rounds")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.nothing_lost < 0:
+        parser.error(f"--nothing-lost: 0 (off) or a number of requests; got "
+                     f"{args.nothing_lost}")
+    results = ROOT / "bench" / "results"
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         repo = build_package(work, args.hidden, args.steps, args.features)
-        rng = np.random.default_rng(1)
-        bodies = [json.dumps({"model": "bench", "inputs": [
-            rng.normal(size=(args.steps, args.features)).round(4).tolist()]}).encode()
-            for _ in range(64)]
-        flags = {"off": [], "off again": [],
-                 "every request": ["--capture", str(work / "all")],
-                 "10% sampled": ["--capture", str(work / "tenth"), "--capture-sample", "0.1"]}
-        mounted = full_disk(work / "full")
-        if mounted:
-            flags["every request, disk full"] = ["--capture", str(work / "full")]
-        servers = {name: Server(repo, True, extra) for name, extra in flags.items()}
-        runs: dict[str, list] = {name: [] for name in servers}
-        try:
-            for s in servers.values():
-                s.wait_ready()
-            requests = requests_with_ids(bodies, 100_000)
-            memory_before = {n: rss_kib(s.proc.pid) for n, s in servers.items()}
-            names = list(servers)
-            for r in range(args.rounds):
-                for name in names[r % len(names):] + names[:r % len(names)]:
-                    runs[name].append(asyncio.run(load(servers[name].port, requests,
-                                                       args.concurrency, args.round_s, 10**9)))
-                print(f"round {r + 1}/{args.rounds}", flush=True)
-            rows = {}
-            base = runs["off"]
-            for name in names:
-                row = summary(runs[name], digits=3, seconds=False)
-                ratios = [len(o[1]) / o[0] / max(len(b[1]) / b[0], 1e-9)
-                          for b, o in zip(base, runs[name], strict=True)]
-                row["ratio"] = round(float(np.median(ratios)), 3)
-                row["ratios"] = [round(x, 3) for x in ratios]
-                port = servers[name].port
-                row["answered_200"] = answered(port)
-                row["records"] = metric(port, "orthornn_capture_records_total")
-                row["dropped"] = metric(port, "orthornn_capture_dropped_total")
-                row["rss_growth_kib"] = rss_kib(servers[name].proc.pid) - memory_before[name]
-                rows[name] = row
-        finally:
-            for s in servers.values():
-                s.stop()
-            if mounted:
-                subprocess.run(["umount", str(work / "full")], capture_output=True)
-    lines = ["| server | req/s | ratio to off | p50 ms | p99 ms | answered 200 | records | "
-             "dropped | RSS growth KiB |", "| --- " * 9 + "|"]
+        if args.nothing_lost:
+            result = nothing_lost(args, work, repo)
+            print("\n".join(f"{k}: {v}" for k, v in result.items()))
+            write_result(args.out or results / "capture_nothing_lost.json", result)
+            return 0 if result["ok"] else 1
+        rows = overhead(args, work, repo)
+    lines = ["| server | req/s | ratio to off (rounds) | p50 ms | p99 ms | p99 ratio (rounds) "
+             "| answered 200 | records | dropped | RSS growth KiB |", "| --- " * 10 + "|"]
     for name, row in rows.items():
-        lines.append(f"| {name} | {row['throughput']:.0f} | {row['ratio']:.3f} | "
-                     f"{row['p50_ms']:.2f} | {row['p99_ms']:.2f} | {row['answered_200']:.0f} | "
-                     f"{row['records']:.0f} | {row['dropped']:.0f} | {row['rss_growth_kib']} |")
+        spread = f"{min(row['ratios']):.2f}-{max(row['ratios']):.2f}"
+        p99_spread = f"{min(row['p99_ratios']):.2f}-{max(row['p99_ratios']):.2f}"
+        lines.append(f"| {name} | {row['throughput']:.0f} | {row['ratio']:.3f} ({spread}) | "
+                     f"{row['p50_ms']:.2f} | {row['p99_ms']:.2f} | {row['p99_ratio']:.3f} "
+                     f"({p99_spread}) | {row['answered_200']:.0f} | {row['records']:.0f} | "
+                     f"{row['dropped']:.0f} | {row['rss_growth_kib']} |")
     print("\n".join(lines))
-    if not mounted:
-        print("(no disk-full row: this machine does not let a tmpfs be mounted)")
-    write_result(args.out, {"concurrency": args.concurrency, "round_s": args.round_s,
-                            "rounds": args.rounds, "machine": platform.processor()
-                            or platform.machine(), "rows": rows})
+    failing = [n for n in rows if "disk full" in n or "read-only" in n]
+    if not failing:
+        print("(no disk-full or read-only rows: this machine does not let a tmpfs be mounted)")
+    for name in failing:
+        print(f"{name}: memory growth {rows[name]['rss_growth_kib']} KiB "
+              f"(bound {MEMORY_LIMIT_KIB} KiB)")
+    write_result(args.out or results / "capture.json",
+                 {"concurrency": args.concurrency, "round_s": args.round_s,
+                  "rounds": args.rounds, "machine": platform.processor()
+                  or platform.machine(), "rows": rows})
     return 0
 
 
