@@ -20,7 +20,8 @@ EXTRAS = {
     "train": ("torch", "safetensors", "tqdm", "yaml", "matplotlib", "sklearn", "sktime",
               "mnist1d", "gensim"),
     "serve": ("fastapi", "starlette", "uvicorn", "uvloop", "httptools", "pydantic",
-              "pydantic_settings", "orjson", "simdjson", "prometheus_client", "fastapi_offline"),
+              "pydantic_settings", "orjson", "simdjson", "prometheus_client", "fastapi_offline",
+              "scipy"),
     "gpu": ("triton",),
 }
 
@@ -125,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     from orthornn.quickstart import add_quickstart_parser
     from orthornn.service.cli import add_serve_parsers
     from orthornn.service.loop_cli import add_loop_parsers
+    from orthornn.service.monitor_cli import add_monitor_parser
     from orthornn.service.rollout_cli import add_rollout_parser
     from orthornn.training.cli import add_plot_parser, add_train_parser
     from orthornn.training.flags import add_progress_flag
@@ -133,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plot_parser(sub)
     add_export_parser(sub)
     add_rollout_parser(sub)
+    add_monitor_parser(sub)
     add_serve_parsers(sub)
     add_loop_parsers(sub, add_progress_flag)
     add_quickstart_parser(sub)

@@ -208,6 +208,15 @@ class Settings(BaseSettings):
         None, pattern=r"^[A-Za-z0-9._-]{1,128}$",
         description="this replica's name in capture segment names (default: the host name, "
                     "a pod's name on Kubernetes)")
+    drift: bool = Field(
+        True, description="test the answered sequences of each version, in windows, against "
+                          "the drift reference its package recorded at export "
+                          "(orthornn_drift_score, orthornn_drift_detected; docs/drift.md); "
+                          "versions without a reference measure nothing")
+    drift_window: int | None = Field(
+        None, ge=20, le=100_000,
+        description="sequences per drift window (default: the window the reference's "
+                    "thresholds were calibrated for, 200)")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 31,
                                 description="request body limit (413 beyond it)")
     max_header_bytes: int = Field(

@@ -188,6 +188,10 @@ class Manifest:
     #: labelled records} when it learned from ``orthornn capture dataset`` files (absent
     #: otherwise and in older manifests)
     lineage: dict | None = None
+    #: the drift reference file (``export.artifacts.drift``: summaries of the validation
+    #: split and the tests' calibrated thresholds); None for packages before it, or when
+    #: the validation data could not be rebuilt: the service then measures no drift
+    reference: str | None = None
     source: dict = field(default_factory=dict)
     created: str = ""
     orthornn_version: str = ""
@@ -237,6 +241,8 @@ class Manifest:
             plain_file_name(f"graphs.{key}", filename)
         if manifest.vocabulary_file is not None:
             plain_file_name("vocabulary_file", manifest.vocabulary_file)
+        if manifest.reference is not None:
+            plain_file_name("reference", manifest.reference)
         if manifest.preprocessing is not None:
             check_preprocessing(manifest.preprocessing, manifest.input_spec.feature_size)
         return manifest

@@ -5,6 +5,7 @@
         steps.onnx       classify / regress: the output after every step
         step.onnx        language models: one step, state in and out
         vocab.txt        language models: one token per line
+        reference.npz    the drift reference (``export.artifacts.drift``; optional)
         golden.npz       "<graph>/<tensor>" inputs and the outputs torch computed
         manifest.json    what the package is (``Manifest`` below), with the sha256 of
                          every other file
@@ -105,6 +106,8 @@ def check_hashes(package: str | Path, manifest: Manifest) -> None:
     vocabulary = manifest.vocabulary_file
     if vocabulary is not None and vocabulary not in files:
         raise PackageError(f"manifest lists no sha256 for vocabulary_file {vocabulary!r}")
+    if manifest.reference is not None and manifest.reference not in files:
+        raise PackageError(f"manifest lists no sha256 for reference {manifest.reference!r}")
     for name, expected in files.items():
         if not isinstance(name, str) or not isinstance(expected, str):
             raise PackageError("manifest field 'files' must map file names to sha256 strings")

@@ -3,8 +3,9 @@
 Steps: rebuild the model from RUN_DIR, build its ONNX graph(s) (dense or factored; a
 Scan over one step, or ONNX's LSTM operator: a fixed rule, so an export is
 reproducible), compute golden outputs with torch on inputs that include padded
-variable-length sequences, evaluate the graph on the task's test split, write the
-manifest, verify the package with onnxruntime, and publish it by one atomic rename.
+variable-length sequences, evaluate the graph on the task's test split, record the drift
+reference of its validation split (``reference``), write the manifest, verify the package
+with onnxruntime, and publish it by one atomic rename.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from orthornn.training.progress import progress_bar
 
 from orthornn import __version__
 
-from ..artifacts import gate, package, repository
+from ..artifacts import drift, gate, package, repository
 from ..artifacts.package import INITIAL_LOGITS, INITIAL_STATE
 from . import evaluation
 from .onnx_export import MODES, build_graph
+from .reference import build_reference
 
 if TYPE_CHECKING:
     from orthornn.training.tasks import Task
@@ -246,6 +248,13 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
         record = {"absent": absent}
         if gate_data is not None:
             raise ValueError(f"--gate-data: the run has no evaluation to gate on ({absent})")
+    reference = None  # the drift reference, of the run's validation split (docs/drift.md)
+    if task is not None:
+        try:
+            reference = build_reference(package.session_from_bytes(graph.SerializeToString()),
+                                        task, model.state_size)
+        except ValueError:  # too few validation sequences: the version measures no drift
+            reference = None
     parent = repository.live_version(repository.versions(model_dir),
                                      repository.promoted(model_dir))
     created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
@@ -283,6 +292,9 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
         if vocabulary is not None:
             (tmp / "vocab.txt").write_text("\n".join(vocabulary) + "\n")
             files["vocab.txt"] = package.sha256(tmp / "vocab.txt")
+        if reference is not None:
+            drift.write(reference, tmp / drift.FILE)
+            files[drift.FILE] = package.sha256(tmp / drift.FILE)
         io = {key: _io_spec(proto) for key, proto in graphs.items()}
         manifest = package.Manifest(
             name=name, version=version_number, arch=model.arch, task=model.task,
@@ -295,6 +307,7 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
             vocabulary_file="vocab.txt" if vocabulary is not None else None,
             hidden_size=model.hidden_size, files=files, spectral=spectral_summary(model),
             preprocessing=config.get("preprocessing"), evaluation=record, lineage=lineage,
+            reference=drift.FILE if reference is not None else None,
             training=json.loads(summary_path.read_text()) if summary_path.is_file() else None,
             source={"run_dir": str(run_dir.resolve()),
                     "checkpoint_sha256": package.sha256(run_dir / "model.safetensors")},

@@ -16,6 +16,7 @@ from orthornn.export.artifacts.package import INITIAL_STATE
 
 from .. import request
 from ..capture import Capture, keep_answer
+from ..drift import Drift
 from ..errors import (
     SECRET_HEADER,
     ClientError,
@@ -75,6 +76,8 @@ class DataPlane:
         self.shadows = Shadows(registry)
         self.metadata = Metadata(settings, registry)  # the routes' other two jobs
         self.repository = Repository(registry)
+        # live drift against each version's reference (off: not even a method call)
+        self.drift = Drift(metrics, settings.drift_window) if settings.drift else None
         self.capture = None if settings.capture is None else Capture(
             settings.capture, settings.capture_sample, metrics,
             replica=settings.capture_replica, retention_days=settings.capture_retention_days)
@@ -256,6 +259,8 @@ class DataPlane:
             raise ClientError(f"per_step: for classify and regress models; {spec.task} "
                               f"models already answer every step")
         rows = await mv.infer(seqs, per_step=req.per_step, probabilities=True)
+        if self.drift is not None and not req.per_step:
+            self.drift.observe(mv, seqs, rows)
         out = shape_outputs(spec, rows, seqs, req.top_k, req.per_step, req.allow_unk)
         if req.return_state:
             for item, row in zip(out, rows, strict=True):
@@ -363,6 +368,8 @@ class DataPlane:
             raise ClientError(f"outputs: unknown output {unknown[0]!r}; the model has {names}")
         datatypes = {o.name: o.datatype for o in mv.spec.io["model"].outputs}
         rows = await mv.infer(seqs)
+        if self.drift is not None:
+            self.drift.observe(mv, seqs, rows)
         tensors = outputs_to_tensors(rows, names, steps, runtime.per_step["model"])
         return [OutputTensor(n, datatypes[n], tensors[n]) for n in names]
 

@@ -54,6 +54,8 @@ def create_app(settings: Settings, providers: ProviderChoice | None = None) -> F
         yield
         await dataplane.sessions.close()
         await dataplane.shadows.close()
+        if dataplane.drift is not None:
+            dataplane.drift.close()
         if dataplane.capture is not None:  # what is queued written, every segment closed
             dataplane.capture.close()
         await registry.close()

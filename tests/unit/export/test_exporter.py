@@ -240,7 +240,8 @@ def test_export_publishes_verified_versions(runs, tmp_path):
         assert key in manifest, key
     assert manifest["mode"] == "factored" and manifest["version"] == 2
     assert manifest["input_spec"] == {"kind": "float", "feature_size": 2, "max_length": 6}
-    assert set(manifest["files"]) == {"model.onnx", "steps.onnx", "golden.npz"}
+    assert set(manifest["files"]) == {"model.onnx", "steps.onnx", "golden.npz",
+                                      "reference.npz"}  # the drift reference
     assert manifest["spectral"]["sigma_max"] <= 1.01 + 1e-6
     assert verify_package(second).version == 2
     with np.load(second / "golden.npz") as golden:

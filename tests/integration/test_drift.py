@@ -1,0 +1,174 @@
+"""Drift on the digits model (issue 43's acceptance): the windows computed exactly as the
+service computes them (``service.drift.test_window`` on onnxruntime outputs of the exported
+graph), against the reference the export recorded; then live, through the app's /metrics.
+
+A digits classifier trained well enough to mean something (an LSTM, hidden 32, 300 steps:
+about 65% on the test split, in ~20 s); the requests are held-out digits (the test split,
+which the reference, from the validation split, never saw) drawn with replacement."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+WINDOW = 200
+
+
+@pytest.fixture(scope="module")
+def digits_package(tmp_path_factory) -> Path:
+    from orthornn.export.builder.exporter import export_run
+    from orthornn.training.config import TrainConfig
+    from orthornn.training.trainer import train
+
+    root = tmp_path_factory.mktemp("drift")
+    train(TrainConfig(arch="lstm", task="digits", hidden_size=32, steps=300, batch_size=64,
+                      lr=0.01, optimizer="adam", log_every=300, out=str(root / "run")),
+          progress=False)
+    return export_run(root / "run", root / "repo", "digits")
+
+
+@pytest.fixture(scope="module")
+def served(digits_package):
+    """The test split's sequences, labels and their (logits, state) rows through the
+    package's graph, as the service's batcher hands them over."""
+    from orthornn.export.artifacts import drift, package
+    from orthornn.training.tasks import make_task
+
+    manifest = package.read_manifest(digits_package)
+    sess = package.session(digits_package / "model.onnx")
+    test = make_task("digits").test
+    x = test.x.numpy().astype(np.float32)
+    inverted = [1 - s for s in x]
+
+    def rows(seqs):
+        outputs, states = drift.run_graph(sess, "logits", seqs)
+        return [{"logits": o, "state": s} for o, s in zip(outputs, states, strict=True)]
+    reference = drift.read(digits_package / manifest.reference)
+    mv = SimpleNamespace(spec=SimpleNamespace(output_name="logits"))
+    return SimpleNamespace(x=list(x), y=test.y.numpy(), rows=rows(list(x)),
+                           inverted=inverted, inverted_rows=rows(inverted),
+                           reference=reference, mv=mv, manifest=manifest)
+
+
+def _alarms(served, stream) -> list[bool]:
+    """Whether each full window of STREAM (a list of (sequence, row)) alarms."""
+    from orthornn.service.drift import test_window
+
+    return [max(test_window(served.mv, served.reference, stream[i:i + WINDOW]).values()) >= 1
+            for i in range(0, len(stream) - WINDOW + 1, WINDOW)]
+
+
+def _draw(served, rng, n, pool, shifted=False):
+    index = rng.choice(pool, size=n)
+    xs, rows = (served.inverted, served.inverted_rows) if shifted else (served.x, served.rows)
+    return [(xs[i], rows[i]) for i in index]
+
+
+def _delay(served, rng, pool, shifted) -> int:
+    """Sequences after the switch until the end of the first window that alarms: a run of
+    unshifted requests whose switch falls at a random point of a window."""
+    offset = int(rng.integers(0, WINDOW))
+    before = _draw(served, rng, WINDOW + offset, np.arange(len(served.x)))
+    after = _draw(served, rng, 6 * WINDOW, pool, shifted)
+    for k, alarm in enumerate(_alarms(served, before + after)):
+        if alarm:
+            return max(0, (k + 1) * WINDOW - len(before))
+    return 10**9
+
+
+def test_reference_is_calibrated_on_the_validation_split(served):
+    meta = served.reference.meta
+    assert meta["split"] == "validation" and meta["sequences"] == 269  # 15% of 1797
+    assert meta["window"] == WINDOW and set(meta["thresholds"]) == {
+        "inputs", "classes", "entropy", "state"}
+    # the model means something: well above the 10% of chance
+    assert served.manifest.evaluation["value"] > 0.5
+
+
+def test_unshifted_requests_alarm_in_at_most_1_percent_of_windows(served):
+    rng = np.random.default_rng(0)
+    alarms = _alarms(served, _draw(served, rng, 10_000, np.arange(len(served.x))))
+    assert len(alarms) == 50
+    assert sum(alarms) <= 0.01 * len(alarms), alarms
+
+
+def test_inverted_digits_are_detected_within_200_sequences(served):
+    rng = np.random.default_rng(1)
+    delays = [_delay(served, rng, np.arange(len(served.x)), shifted=True) for _ in range(20)]
+    assert np.median(delays) <= 200, delays
+
+
+def test_a_class_prior_shift_is_detected_within_1000_sequences(served):
+    rng = np.random.default_rng(2)
+    few = np.flatnonzero(np.isin(served.y, [0, 1, 2]))  # only three classes
+    delays = [_delay(served, rng, few, shifted=False) for _ in range(20)]
+    assert np.median(delays) <= 1000, delays
+    print(json.dumps({"class_prior_delays": delays}))
+
+
+def _metric(text: str, name: str, **labels: str) -> float | None:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            got = ",".join(sorted(line[len(name) + 1:line.index("}")].split(",")))
+            if got == want:
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_live_windows_move_the_metrics_and_monitor_reports_the_same(served, digits_package,
+                                                                    tmp_path, capsys):
+    """Through the app (in process): a window of held-out digits leaves drift_detected at
+    0, a window of inverted ones sets it; then `orthornn monitor` over what was captured
+    finds the same two windows, with the scores the service computed."""
+    from fastapi.testclient import TestClient
+    from orthornn.service.http.app import create_app
+    from orthornn.service.settings import Settings
+
+    from orthornn.cli import main
+
+    from ..service_helpers import publish_copy, wait_until
+
+    repo, capture = tmp_path / "repo", tmp_path / "captures"
+    publish_copy(digits_package, repo / "digits", 1)
+    app = create_app(Settings(repo=repo, poll_interval_s=0, capture=capture))
+    rng = np.random.default_rng(3)
+    with TestClient(app) as c:
+        app.state.registry.scanned.wait(60)
+        for shifted, expected in ((served.x, 0.0), (served.inverted, 1.0)):
+            for _ in range(10):  # 10 requests of 20 sequences: one window
+                batch = [shifted[i].tolist() for i in rng.integers(0, len(shifted), 20)]
+                assert c.post("/predict", json={"model": "digits", "inputs": batch}
+                              ).status_code == 200
+            monitor = app.state.dataplane.drift.monitors[("digits", 1)]
+            wait_until(lambda m=monitor, n=int(expected) + 1: m.windows == n,
+                       what="the window's test")
+            text = c.get("/metrics").text
+            assert _metric(text, "orthornn_drift_detected", model="digits",
+                           version="1") == expected
+            inputs = _metric(text, "orthornn_drift_score", model="digits", version="1",
+                             test="inputs")
+            assert inputs == pytest.approx(monitor.last["inputs"])
+            assert (inputs >= 1) == bool(expected)
+        live = monitor.last
+    args = ["monitor", "--capture", str(capture), "--name", "digits", "--repo", str(repo),
+            "--json", str(tmp_path / "m.json"), "--plot", str(tmp_path / "m.png")]
+    capsys.readouterr()
+    assert main([*args, "--exit-code"]) == 1  # the newest window drifts
+    out = capsys.readouterr().out
+    assert "2 windows, 1 drifting" in out and "DRIFTS" in out
+    report = json.loads((tmp_path / "m.json").read_text())
+    assert [w["drift"] for w in report["windows"]] == [False, True]
+    for test, score in live.items():  # the same scores as the service's, from the captures
+        assert report["windows"][1]["scores"][test] == pytest.approx(score, rel=1e-3,
+                                                                     abs=1e-6)
+    assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+    assert main([*args, "--exit-code", "--since", "2999-01-01"]) == 0  # no window: no drift
+    assert main([*args[:-4], "--window", "5"]) == 2  # bad input
+    assert "--window must be an integer in [20, 100000]" in capsys.readouterr().err
