@@ -38,9 +38,10 @@ from .metrics import Metrics
 LABELS = "labels"  # DIR/<model>/labels/: beside the version folders, which capture reads
 MAX_LABELS = 10_000  # labels in one request (or one import batch)
 MAX_TOKENS = 4_096  # next tokens in one language-model label (per sequence)
-#: ids the index holds per model, about 200 bytes each (docs/capture.md, "Labels"); beyond
-#: it the oldest day's segments are forgotten (a label for them is then an unknown id)
-MAX_INDEXED_IDS = 2_000_000
+#: ids the index holds per model, 160 bytes each measured (32-character ids: 160 MiB at the
+#: bound; docs/capture.md, "Labels"); beyond it the oldest days' segments are forgotten (a
+#: label for them is then an unknown id)
+MAX_INDEXED_IDS = 1_000_000
 _ID = re.compile(r"[\x21-\x7e]{1,128}")  # capture's request id rule: printable ASCII
 # a record's first key is its id (capture writes it first): read without parsing the line
 _FIRST_ID = re.compile(rb'\{\s*"id"\s*:\s*("(?:[^"\\]|\\.){1,300}")')
@@ -180,14 +181,13 @@ class CaptureIndex:
                     return
                 size *= 2  # one record longer than a read
                 continue
-            start, base = 0, segment.number << _SHIFT
-            while start < end:
-                stop = data.index(b"\n", start)
-                rid = _line_id(data[start:stop])
+            start, base = segment.offset, segment.number << _SHIFT
+            for line in data[:end - 1].split(b"\n"):
+                rid = _line_id(line)
                 if rid is not None and rid not in self._ids:  # a retry's twin: the first
-                    self._ids[rid] = base | (segment.offset + start)
+                    self._ids[rid] = base | start
                     segment.ids.append(rid)
-                start = stop + 1
+                start += len(line) + 1
             segment.offset += end
             if len(data) < size:
                 return
@@ -244,6 +244,10 @@ def _read_from(path: Path, offset: int, size: int = -1, alt: str | None = None) 
 
 
 def _line_id(line: bytes) -> str | None:
+    if line.startswith(b'{"id":"'):  # as capture writes it: the id up to the next quote
+        rid = line[7:max(7, line.find(b'"', 7))]
+        if rid and b"\\" not in rid:  # no escape in it (else parsed below)
+            return rid.decode("ascii", "replace")
     found = _FIRST_ID.match(line)
     try:
         if found is not None:
@@ -450,7 +454,9 @@ class LabelStore:
                 record = index.record(rid)
                 if record is None:
                     raise LabelError(f"{rid!r} was not captured for model {model!r} (or its "
-                                     f"day is past the capture retention)", 422, i, "id")
+                                     f"day is past the capture retention, or older than the "
+                                     f"newest {self.max_ids:,} captures the index holds)",
+                                     422, i, "id")
                 if rid in index.labelled:
                     raise LabelError(f"{rid!r} is already labelled (a label is given once)",
                                      409, i, "id")

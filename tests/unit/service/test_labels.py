@@ -169,10 +169,12 @@ def test_the_index_reads_only_what_was_appended(tmp_path):
     day.mkdir(parents=True)
     open_segment = day / "a-1.jsonl.open"
     open_segment.write_bytes(segment_line("x1") + segment_line("x2") + b'{"id": "x3", "ti')
-    (day / "b-1.jsonl").write_bytes(segment_line("y1") + segment_line("x1"))  # a retry
+    (day / "b-1.jsonl").write_bytes(segment_line("y1") + segment_line("x1")  # a retry
+                                    + segment_line('q"\\x'))  # escaped in JSON
     index = CaptureIndex(tmp_path, "m")
     index.refresh()
-    assert len(index) == 3 and index.record("x3") is None  # a half line is not indexed
+    assert len(index) == 4 and index.record("x3") is None  # a half line is not indexed
+    assert index.record('q"\\x')["id"] == 'q"\\x'
     assert index.record("x2")["id"] == "x2" and index.record("y1")["inputs"]
     # the writer finishes the line, appends another, then closes the segment by rename
     with open(open_segment, "ab") as f:
@@ -191,8 +193,8 @@ def test_the_index_reads_only_what_was_appended(tmp_path):
         CaptureIndex._tail = real
     # each segment is read from where the last read stopped, under either name
     assert sorted(reads) == [("m/1/2026-11-27/a-1.jsonl", 2 * len(segment_line("x1"))),
-                             ("m/1/2026-11-27/b-1.jsonl", 2 * len(segment_line("x1")))]
-    assert len(index) == 5 and index.record("x4")["id"] == "x4"
+                             ("m/1/2026-11-27/b-1.jsonl", (day / "b-1.jsonl").stat().st_size)]
+    assert len(index) == 6 and index.record("x4")["id"] == "x4"
     assert index.record("x3")["time"] == 2.0
     # another replica's label file: its ids are labelled here too
     labels = tmp_path / "m" / "labels" / "2026-11-27"
