@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     from orthornn.service.loop_cli import add_loop_parsers
     from orthornn.service.monitor_cli import add_monitor_parser
     from orthornn.service.rollout_cli import add_rollout_parser
+    from orthornn.service.trigger_cli import add_trigger_parser
     from orthornn.training.cli import add_plot_parser, add_train_parser
     from orthornn.training.flags import add_progress_flag
 
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     add_rollout_parser(sub)
     add_monitor_parser(sub)
+    add_trigger_parser(sub)
     add_serve_parsers(sub)
     add_loop_parsers(sub, add_progress_flag)
     add_quickstart_parser(sub)

@@ -78,7 +78,7 @@ def check_better(metric: str, higher_is_better: bool, candidate: float,
         return ""
     version, value = incumbent
     gain = candidate - value if higher_is_better else value - candidate
-    if gain < margin:
+    if gain < margin - 1e-9:  # 0.6 - 0.5 is 0.0999...: a gain of exactly the margin passes
         return (f"candidate's {metric} {candidate:.6g} is not better than promoted version "
                 f"{version}'s {value:.6g} by at least --gate-margin {margin:g} "
                 f"(--require-better-on-gate-data: drift was the trigger)")

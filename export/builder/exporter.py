@@ -327,6 +327,8 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
     value = record.get("value")
     reason = (f"{record['metric']} {value:.6g} on the test split" if value is not None
               else f"evaluation absent: {absent}")
+    if record.get("splits"):
+        reason += f", {record['splits']['gate_data']['value']:.6g} on the held-out captured slice"
     if promote:
         repository.promote(model_dir, int(path.name), "promote" if gated else "publish",
                            ("passed the gate: " if gated else "published: ") + reason)
