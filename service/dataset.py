@@ -137,12 +137,12 @@ def _class_names(rows_versions: set[int], repo: Path | None, model: str,
         for v in sorted(rows_versions):
             manifest = read_manifest(Path(repo) / model / str(v))
             if manifest.task != "classify":
-                raise ValueError(f"capture dataset: model {model!r} version {v} is a "
+                raise ValueError(f"model {model!r} version {v} is a "
                                  f"{manifest.task} model; the data set is for classify "
                                  f"models (the lm task trains on a text --corpus)")
             found = [str(n) for n in manifest.labels or range(manifest.output_spec.size)]
             if names is not None and found != names:
-                raise ValueError(f"capture dataset: versions of {model!r} differ in their "
+                raise ValueError(f"versions of {model!r} differ in their "
                                  f"classes ({names} and {found} in version {v}); use --since "
                                  f"to take one version's captures")
             names = found
@@ -222,7 +222,7 @@ def build(root: Path, model: str, *, since: str | None = None, window_days: floa
         ys = label["label"] if isinstance(label["label"], list) else [label["label"]]
         if len(ys) != len(inputs) or not all(isinstance(y, int) for y in ys) or \
                 any(x.ndim != 2 or x.dtype.kind != "f" for x in inputs):
-            raise ValueError(f"capture dataset: record {rid!r} of model {model!r} is not a "
+            raise ValueError(f"record {rid!r} of model {model!r} is not a "
                              f"classifier's (float inputs [T, d], one class index per "
                              f"sequence); the data set is for classify models (the lm "
                              f"task trains on a text --corpus)")
@@ -231,7 +231,7 @@ def build(root: Path, model: str, *, since: str | None = None, window_days: floa
                     for x, y in zip(inputs, ys, strict=True))
     classes = _class_names({r.version for r in rows}, repo, model, outputs, sizes)
     if rows and max(r.y for r in rows) >= len(classes):
-        raise ValueError(f"capture dataset: class index {max(r.y for r in rows)} outside the "
+        raise ValueError(f"class index {max(r.y for r in rows)} outside the "
                          f"{len(classes)} classes of {model!r} (pass --repo to read them from "
                          f"the manifests)")
     # by time: the newest labelled records held out (a record's sequences stay together)
@@ -246,14 +246,14 @@ def build(root: Path, model: str, *, since: str | None = None, window_days: floa
     counts = Counter(r.y for r in rows)
     summary.classes = {classes[i]: counts[i] for i in sorted(counts)}
     if len(train) < MIN_EXAMPLES or (holdout_share > 0 and len(holdout) < MIN_EXAMPLES):
-        raise ValueError(f"capture dataset: too few labelled sequences of {model!r}: "
+        raise ValueError(f"too few labelled sequences of {model!r}: "
                          f"{len(train)} to train on and {len(holdout)} held out (training "
                          f"needs at least {MIN_EXAMPLES} in each; labelled records "
                          f"{summary.labelled}, unlabelled {summary.unlabelled}, late labels "
                          f"{summary.late})")
     widths = {x.shape[1] for r in rows for x in [r.x]}
     if len(widths) > 1:
-        raise ValueError(f"capture dataset: the records of {model!r} differ in their feature "
+        raise ValueError(f"the records of {model!r} differ in their feature "
                          f"size {sorted(widths)}; use --since to take one version's captures")
     return _arrays(train, classes), _arrays(holdout, classes), summary
 
