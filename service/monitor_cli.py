@@ -185,7 +185,8 @@ def _bar(total: int, desc: str, enabled: bool) -> Any:
 def table(windows: list[Window]) -> str:
     tests = list(dict.fromkeys(t for w in windows for t in w.scores))
     head = ["window", "version", "from", "to", "seqs", *tests, "drift"]
-    rows = [[str(i), str(w.version), _iso(w.start)[5:16], _iso(w.end)[5:16],
+    rows = [[str(i), str(w.version), _iso(w.start)[:16].replace("T", " "),
+             _iso(w.end)[:16].replace("T", " "),
              str(w.sequences), *(f"{w.scores[t]:.2f}" if t in w.scores else "-" for t in tests),
              "DRIFT" if w.drifts else "no"] for i, w in enumerate(windows)]
     widths = [max(len(r[j]) for r in [head, *rows]) for j in range(len(head))]
@@ -206,7 +207,9 @@ def plot(windows: list[Window], path: Path, name: str) -> None:
         ax.plot(x, [w.scores.get(test, np.nan) for w in windows], marker="o", ms=3,
                 label=test)
     ax.axhline(1.0, color="red", linestyle="--", linewidth=1, label="alarm (score 1)")
-    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_yscale("symlog", linthresh=1.0)  # linear up to the alarm line, then log
+    ax.set_ylim(bottom=0)
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("window (time order)")
     ax.set_ylabel("statistic / threshold")
     ax.set_title(f"drift of {name}'s captured requests")

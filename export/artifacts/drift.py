@@ -223,7 +223,7 @@ def p_statistics(tests: tuple[str, ...], reference: dict[str, np.ndarray],
             p = _ks_p(reference[test], window[test])
         else:
             continue
-        stats[test] = -np.log10(np.maximum(np.nan_to_num(p, nan=1.0), P_FLOOR))
+        stats[test] = 0.0 - np.log10(np.maximum(np.nan_to_num(p, nan=1.0), P_FLOOR))
     return stats
 
 
@@ -246,9 +246,9 @@ def calibrate(tests: tuple[str, ...], summaries: dict[str, np.ndarray], bandwidt
     of its null statistics, and for a p-value test at least the nominal -log10(alpha /
     len(tests)) and the same quantile of the exponential distribution with the null's
     mean; the MMD's from MMD_ROUNDS draws, at least the quantile of the gamma
-    distribution with their mean and variance. Half-size references and a window from a finite half make the null wider
-    than the deployed test's (the whole reference, a window of fresh data), so the
-    thresholds err on the side of fewer false alarms."""
+    distribution with their mean and variance. Half-size references and a window from a
+    finite half make the null wider than the deployed test's (the whole reference, a
+    window of fresh data), so the thresholds err on the side of fewer false alarms."""
     rng = np.random.default_rng(seed)
     n = len(summaries["projected"])
     half = n // 2
