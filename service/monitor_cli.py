@@ -199,6 +199,7 @@ def plot(windows: list[Window], path: Path, name: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
     tests = list(dict.fromkeys(t for w in windows for t in w.scores))
@@ -209,7 +210,7 @@ def plot(windows: list[Window], path: Path, name: str) -> None:
     ax.axhline(1.0, color="red", linestyle="--", linewidth=1, label="alarm (score 1)")
     ax.set_yscale("symlog", linthresh=1.0)  # linear up to the alarm line, then log
     ax.set_ylim(bottom=0)
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("window (time order)")
     ax.set_ylabel("statistic / threshold")
     ax.set_title(f"drift of {name}'s captured requests")
