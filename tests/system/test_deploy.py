@@ -45,8 +45,14 @@ DISTRIBUTED = ("retraining.enabled=true", "retraining.distributed.enabled=true",
                "retraining.distributed.nodes=3", "retraining.distributed.nprocPerNode=2")
 GPU = (*DISTRIBUTED, "retraining.gpu.enabled=true", "retraining.gpu.count=2", "gpu.enabled=true")
 CAPTURE = ("capture.enabled=true", "capture.sample=0.1", "capture.retentionDays=7")
+# retraining on live data (docs/retraining.md): the trigger, the captured data, both gates
+LIVE = ("retraining.enabled=true", *CAPTURE, "retraining.trigger.enabled=true",
+        "retraining.trigger.minLabels=50", "retraining.trigger.cooldownHours=6",
+        "retraining.fromCaptures.enabled=true", "retraining.fromCaptures.dataMix=0.3",
+        "retraining.trainConfig.task=classify",
+        "retraining.trainConfig.data=/models/data/original.npz")
 VARIANTS = {"defaults": (), "full": tuple(FULL), "rollout": ROLLOUT, "capture": CAPTURE,
-            "distributed": DISTRIBUTED, "nccl": GPU}
+            "distributed": DISTRIBUTED, "nccl": GPU, "live": LIVE}
 # Each way of keeping server-side sessions (values "sessions.*"), and the Ingress with
 # session affinity: every combination is linted and validated like the defaults.
 SESSIONS = {
@@ -1190,3 +1196,141 @@ def test_capture_writes_to_the_volumes_captures_folder_with_the_repository_read_
     assert mounts["/models"]["readOnly"] is True and "subPath" not in mounts["/models"]
     assert mounts["/captures"] == {"name": "models", "mountPath": "/captures",
                                    "subPath": "captures", "readOnly": False}
+
+
+def _commands(script: str, env: dict) -> list[list[str]]:
+    """The orthornn command lines of a retraining script, its variables filled in ($data and
+    $gate_data as the script sets them on a drift trigger)."""
+    (data,) = re.findall(r'^ *data="(--data [^"]*)"$', script, re.M)
+    fills = {**env, "run": "/runs/x", "data": data,
+             "gate_data": "--gate-data /runs/captured-holdout.npz "
+                          "--require-better-on-gate-data"}
+    for name, value in fills.items():
+        script = script.replace(f'"${name}"', value).replace(f"${name}", value)
+    return [shlex.split(line.strip()) for line in script.splitlines()
+            if line.strip().startswith("orthornn ")]
+
+
+def test_live_retraining_runs_trigger_dataset_train_and_the_two_split_gate():
+    """retraining.trigger and retraining.fromCaptures: the job's commands, each parsed by
+    orthornn's own parser, and the captures/ folder mounted read-only for it."""
+    docs = render(*LIVE)
+    parser, _ = _subcommands()
+    scripts = _retraining_scripts(docs)
+    assert scripts["CronJob"] == scripts["Job"]
+    script, env = scripts["CronJob"]
+    assert env["ORTHORNN_CAPTURES"] == "/captures"
+    commands = _commands(script, env)
+    assert [c[1] for c in commands] == ["retrain-trigger", "capture", "train", "export"]
+    trigger, dataset, train, export = (parser.parse_args(c[1:]) for c in commands)
+    assert (trigger.capture, trigger.repo, trigger.name) == ("/captures", "/models", "digits")
+    assert (trigger.min_labels, trigger.cooldown, trigger.drift) == ("50", "6", True)
+    assert trigger.reason_file == "/tmp/retrain-reason"
+    assert (dataset.capture, dataset.out, dataset.holdout) == (
+        "/captures", "/runs/captured.npz", "/runs/captured-holdout.npz")
+    assert train.data == ["/models/data/original.npz", "/runs/captured.npz"]
+    assert train.data_mix == 0.3 and train.config == "/config/train.yaml"
+    assert export.gate and export.gate_data == "/runs/captured-holdout.npz"
+    assert export.require_better_on_gate_data  # as the script sets it on drift
+    for pod in _pods(docs).values():
+        if "retrain" in pod["containers"][0]["name"]:
+            mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
+            assert mounts["/captures"] == {"name": "models", "mountPath": "/captures",
+                                           "subPath": "captures", "readOnly": True}
+    quiet, _ = _retraining_scripts(render(*LIVE, "retraining.trigger.onDrift=false"))["Job"]
+    (line,) = [x.split() for x in quiet.splitlines()
+               if x.strip().startswith("orthornn retrain-trigger")]
+    assert "--no-drift" in line and "--drift" not in line
+
+
+def test_live_retraining_off_leaves_the_job_exactly_as_before():
+    """The new values set but both blocks off: the same pods as without them."""
+    base = _pods(render("retraining.enabled=true"))
+    tuned = _pods(render("retraining.enabled=true", "retraining.trigger.minLabels=5",
+                         "retraining.trigger.cooldownHours=1",
+                         "retraining.fromCaptures.dataMix=0.5",
+                         "retraining.fromCaptures.mountPath=/live"))
+    assert base == tuned
+    script, env = _retraining_scripts(render("retraining.enabled=true"))["Job"]
+    assert "retrain-trigger" not in script and "ORTHORNN_CAPTURES" not in env
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (("retraining.trigger.enabled=true",), "need capture.enabled"),
+    ((*CAPTURE, "retraining.fromCaptures.enabled=true", "retraining.gate.enabled=false",
+      "retraining.trainConfig.task=classify", "retraining.trainConfig.data=/d.npz"),
+     "fromCaptures.enabled needs retraining.gate.enabled"),
+    ((*CAPTURE, "retraining.fromCaptures.enabled=true"),
+     "needs retraining.trainConfig.task=classify and retraining.trainConfig.data"),
+    ((*CAPTURE, *DISTRIBUTED[1:], "retraining.trigger.enabled=true"),
+     "set retraining.distributed.enabled=false"),
+    ((*LIVE, "retraining.fromCaptures.dataMix=1"), "/retraining/fromCaptures/dataMix"),
+], ids=["no-capture", "no-gate", "no-data", "distributed", "mix"])
+def test_live_retraining_refuses_what_cannot_run(sets, message):
+    result = template("retraining.enabled=true", *sets)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def _fake_orthornn(tmp_path: Path) -> Path:
+    """A stand-in `orthornn` that records its arguments; retrain-trigger writes $REASON to
+    its --reason-file and exits $TRIGGER_STATUS, capture dataset exits $DATASET_STATUS,
+    export $EXPORT_STATUS."""
+    fake = tmp_path / "bin" / "orthornn"
+    fake.parent.mkdir()
+    fake.write_text(
+        '#!/bin/sh\necho "$*" >> "$CALLS"\n'
+        'if [ "$1" = retrain-trigger ]; then\n'
+        '  while [ $# -gt 0 ]; do\n'
+        '    if [ "$1" = --reason-file ]; then echo "$REASON" > "$2"; fi; shift\n'
+        '  done\n'
+        '  exit "$TRIGGER_STATUS"\n'
+        'fi\n'
+        'if [ "$1" = capture ]; then exit "$DATASET_STATUS"; fi\n'
+        'if [ "$1" = export ]; then exit "$EXPORT_STATUS"; fi\n'
+        'exit 0\n')
+    fake.chmod(0o755)
+    return fake
+
+
+@pytest.mark.parametrize(("trigger", "reason", "dataset", "export", "job", "calls"), [
+    (0, "drift", 0, 0, 0, ["retrain-trigger", "capture", "train", "export"]),
+    (0, "labels", 0, 0, 0, ["retrain-trigger", "capture", "train", "export"]),
+    (0, "first", 0, 0, 0, ["retrain-trigger", "train", "export"]),
+    (1, "none", 0, 0, 0, ["retrain-trigger"]),
+    (2, "none", 0, 0, 2, ["retrain-trigger"]),
+    (0, "labels", 2, 0, 2, ["retrain-trigger", "capture"]),
+    (0, "drift", 0, 3, 0, ["retrain-trigger", "capture", "train", "export"]),
+], ids=["drift", "labels", "first", "nothing", "bad-input", "dataset-fails", "refused"])
+def test_live_retraining_script_follows_the_trigger(tmp_path, trigger, reason, dataset,
+                                                     export, job, calls):
+    """The container's script as the chart renders it, run by /bin/sh: nothing to do
+    (trigger exit 1) completes the job at once; drift adds --require-better-on-gate-data;
+    labels gate on the captured slice without it; a first version trains on the original
+    data alone; a failed step fails the job; a refusal (export 3) completes it."""
+    sh = shutil.which("sh")
+    if sh is None:
+        pytest.skip("no POSIX sh")
+    fake = _fake_orthornn(tmp_path)
+    script, env = _retraining_scripts(render(*LIVE))["Job"]
+    record = tmp_path / "calls"
+    result = subprocess.run(
+        [sh, "-ec", script], capture_output=True, text=True, timeout=60,
+        env={**env, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}",
+             "CALLS": str(record), "REASON": reason, "TRIGGER_STATUS": str(trigger),
+             "DATASET_STATUS": str(dataset), "EXPORT_STATUS": str(export)})
+    assert result.returncode == job, result.stderr
+    made = record.read_text().splitlines()
+    assert [c.split()[0] for c in made] == calls, made
+    nothing = "nothing to do for digits (orthornn retrain-trigger exit 1)" in result.stderr
+    assert nothing == (trigger == 1)
+    if "train" not in calls:
+        return
+    train = next(c for c in made if c.startswith("train "))
+    exported = next(c for c in made if c.startswith("export "))
+    if reason == "first":
+        assert "--data" not in train and "--gate-data" not in exported
+        return
+    assert train.endswith("--data /models/data/original.npz --data /runs/captured.npz "
+                          "--data-mix 0.3")
+    assert "--gate --gate-data /runs/captured-holdout.npz" in exported
+    assert ("--require-better-on-gate-data" in exported) == (reason == "drift")

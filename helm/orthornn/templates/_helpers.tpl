@@ -142,6 +142,29 @@ random one on a first install (so upgrades keep it); helm template needs one giv
 {{- if and .Values.ingress.sessionAffinity.enabled (not .Values.ingress.enabled) }}
 {{- fail "ingress.sessionAffinity.enabled needs ingress.enabled: the affinity is an annotation of the chart's Ingress (ingress-nginx)" }}
 {{- end }}
+{{- $live := .Values.retraining }}
+{{- if and $live.enabled (or $live.trigger.enabled $live.fromCaptures.enabled) }}
+{{- if not .Values.capture.enabled }}
+{{- fail "retraining.trigger.enabled and retraining.fromCaptures.enabled read the captures: they need capture.enabled" }}
+{{- end }}
+{{- if $live.distributed.enabled }}
+{{- fail "retraining.trigger and retraining.fromCaptures run in a one-pod job: set retraining.distributed.enabled=false" }}
+{{- end }}
+{{- end }}
+{{- if and $live.enabled $live.fromCaptures.enabled }}
+{{- if not $live.gate.enabled }}
+{{- fail "retraining.fromCaptures.enabled needs retraining.gate.enabled: the candidate is judged on the held-out captured slice (orthornn export --gate --gate-data)" }}
+{{- end }}
+{{- if or (ne (toString $live.trainConfig.task) "classify") (not $live.trainConfig.data) }}
+{{- fail "retraining.fromCaptures.enabled needs retraining.trainConfig.task=classify and retraining.trainConfig.data (the original .npz, trained on beside the captures)" }}
+{{- end }}
+{{- if not (kindIs "invalid" $live.fromCaptures.dataMix) }}
+{{- $mix := float64 $live.fromCaptures.dataMix }}
+{{- if or (le $mix 0.0) (ge $mix 1.0) }}
+{{- fail (printf "retraining.fromCaptures.dataMix must be a number in (0, 1); got %v" $live.fromCaptures.dataMix) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- $rollout := .Values.retraining.rollout }}
 {{- if $rollout.enabled }}
 {{- if not .Values.retraining.gate.enabled }}
@@ -175,6 +198,9 @@ random one on a first install (so upgrades keep it); helm template needs one giv
 {{- $r := .Values.retraining -}}
 {{- $gate := $r.gate -}}
 {{- $rollout := $r.rollout -}}
+{{- $trigger := $r.trigger -}}
+{{- $captured := $r.fromCaptures -}}
+{{- $live := or $trigger.enabled $captured.enabled -}}
 metadata:
   labels:
     {{- include "orthornn.selectorLabels" . | nindent 4 }}
@@ -225,7 +251,39 @@ spec:
       args:
         - |
           run="/runs/${ORTHORNN_MODEL_NAME}-$(date -u +%Y%m%dT%H%M%SZ)"
+          {{- if $live }}
+          reason=schedule
+          {{- end }}
+          {{- if $trigger.enabled }}
+          # retrain only on drift or enough new labels, outside the cooldown (exit 1: nothing to do)
+          set +e
+          orthornn retrain-trigger --capture "$ORTHORNN_CAPTURES" --repo "$ORTHORNN_REPO" --name "$ORTHORNN_MODEL_NAME" --min-labels {{ int $trigger.minLabels | quote }} --cooldown {{ $trigger.cooldownHours | toString | quote }} {{ ternary "--drift" "--no-drift" $trigger.onDrift }} --reason-file /tmp/retrain-reason
+          status=$?
+          set -e
+          if [ "$status" -eq 1 ]; then
+            echo "retraining: nothing to do for ${ORTHORNN_MODEL_NAME} (orthornn retrain-trigger exit 1); the promoted version keeps serving" >&2
+            exit 0
+          fi
+          if [ "$status" -ne 0 ]; then exit "$status"; fi
+          reason=$(cat /tmp/retrain-reason)
+          {{- end }}
+          {{- if $captured.enabled }}
+          data=""
+          gate_data=""
+          if [ "$reason" != first ]; then
+            # the labelled captures: the older part to train on, the newest slice held out
+            orthornn capture dataset --capture "$ORTHORNN_CAPTURES" --name "$ORTHORNN_MODEL_NAME" --repo "$ORTHORNN_REPO" --out /runs/captured.npz --holdout /runs/captured-holdout.npz --no-progress
+            data="--data {{ $r.trainConfig.data }} --data /runs/captured.npz{{ if not (kindIs "invalid" $captured.dataMix) }} --data-mix {{ $captured.dataMix }}{{ end }}"
+            gate_data="--gate-data /runs/captured-holdout.npz"
+            if [ "$reason" = drift ]; then
+              # drift was the trigger: the candidate must be better on the shifted inputs
+              gate_data="$gate_data --require-better-on-gate-data"
+            fi
+          fi
+          orthornn train --config /config/train.yaml --out "$run" --no-progress $data
+          {{- else }}
           orthornn train --config /config/train.yaml --out "$run" --no-progress
+          {{- end }}
           {{- include "orthornn.distributedTrainFlags" . }}
           {{- if $r.distributed.enabled }}
           if [ ! -f "$run/summary.json" ]; then
@@ -239,6 +297,7 @@ spec:
           {{- if $gate.enabled }} --gate
           {{- if not (kindIs "invalid" $gate.minMetric) }} --min-metric {{ $gate.minMetric | toString | quote }}{{ end }}
           {{- if $gate.tolerance }} --tolerance {{ $gate.tolerance | toString | quote }}{{ end }}
+          {{- if $captured.enabled }} $gate_data{{ end }}
           {{- if $rollout.enabled }} --rollout --shadow {{ $rollout.shadow | toString | quote }} --steps {{ join "," $rollout.steps | quote }} --interval {{ int $rollout.intervalSeconds | quote }} --min-requests {{ int $rollout.minRequests | quote }} --min-agreement {{ $rollout.minAgreement | toString | quote }} --max-error-rate {{ $rollout.maxErrorRate | toString | quote }} --max-latency-ratio {{ $rollout.maxLatencyRatio | toString | quote }}{{ end }}
           {{- end }}
           status=$?
@@ -280,6 +339,10 @@ spec:
           value: {{ $r.modelName | quote }}
         - name: ORTHORNN_EXPORT_MODE
           value: {{ $r.exportMode | quote }}
+        {{- if $live }}
+        - name: ORTHORNN_CAPTURES
+          value: {{ $captured.mountPath | quote }}
+        {{- end }}
         {{- if $rollout.enabled }}
         - name: ORTHORNN_ROLLOUT_REPLICAS
           value: {{ printf "dns:%s.%s.svc:%d" (include "orthornn.headlessName" .) .Release.Namespace (int .Values.containerPort) | quote }}
@@ -316,6 +379,13 @@ spec:
           mountPath: /runs
         - name: tmp
           mountPath: /tmp
+        {{- if $live }}
+        # the models volume's captures/ folder, read-only: the trigger and the data set read it
+        - name: models
+          mountPath: {{ $captured.mountPath }}
+          subPath: captures
+          readOnly: true
+        {{- end }}
   volumes:
     - name: models
       persistentVolumeClaim:
