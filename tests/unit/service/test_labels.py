@@ -231,3 +231,42 @@ def test_a_torn_label_line_is_skipped_and_fenced_off(service_packages, tmp_path)
     assert [(v["id"], v["label"]) for v in read_labels(tmp_path / "cap", "digits")] == \
         [("a", 2), ("b", 4)]
     assert np.isclose(read_labels(tmp_path / "cap", "digits")[1]["time"], 1_795_000_000.0)
+
+
+def test_any_json_body_gets_a_4xx_with_an_error_never_a_5xx(repo, tmp_path):
+    """Arbitrary JSON (and label-shaped bodies) to the labels route with capture on: a
+    JSON error with a 4xx, or 200 for a body that is valid, and never a traceback."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    values = st.recursive(
+        st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+        | st.text(max_size=5),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5),
+                                                                    inner, max_size=3),
+        max_leaves=20)
+    ids = st.sampled_from(["d0", "d1", "pair", "w0", "nope", "", "x y"]) | st.text(max_size=4)
+    items = st.fixed_dictionaries({"id": ids, "label": values})
+    bodies = values | st.lists(items, max_size=4)
+    with serve(repo, tmp_path / "cap") as c:
+        c.app.state.registry.scanned.wait(60)
+        for rid in ("d0", "d1"):
+            predict(c, rid)
+        predict(c, "pair", sequences=2)
+        predict(c, "w0", model="words")
+
+        @settings(max_examples=150, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(model=st.sampled_from(["digits", "words"]), body=bodies)
+        def run(model, body):
+            r = c.post(f"/v2/models/{model}/labels", content=json.dumps(body),
+                       headers={"Content-Type": "application/json"})
+            assert r.status_code in (200, 400, 404, 409, 422), (r.status_code, r.text)
+            if r.status_code != 200:
+                assert isinstance(r.json()["error"], str)
+            else:
+                assert r.json()["accepted"] == len(body)
+        run()
+        # whatever was accepted is on disk, once per id
+        written = [v["id"] for m in ("digits", "words") for v in read_labels(tmp_path / "cap", m)]
+        assert len(written) == len(set(written))
