@@ -270,3 +270,15 @@ def test_any_json_body_gets_a_4xx_with_an_error_never_a_5xx(repo, tmp_path):
         # whatever was accepted is on disk, once per id
         written = [v["id"] for m in ("digits", "words") for v in read_labels(tmp_path / "cap", m)]
         assert len(written) == len(set(written))
+
+
+def test_label_days_past_the_capture_retention_are_deleted_with_the_captures(tmp_path):
+    from orthornn.service.capture import Capture
+
+    for day in ("2026-08-01", "2026-11-20"):
+        (tmp_path / "m" / "labels" / day).mkdir(parents=True)
+        (tmp_path / "m" / "labels" / day / "r-1.jsonl").write_bytes(b'{"id":"a","label":1}\n')
+    Capture(tmp_path, 1.0, replica="a", retention_days=30,
+            clock=lambda: 1_795_000_000.0).close()  # 2026-11-18: the cutoff is 2026-10-19
+    assert [p.name for p in (tmp_path / "m" / "labels").iterdir()] == ["2026-11-20"]
+    assert len(read_labels(tmp_path, "m")) == 1
