@@ -108,7 +108,9 @@ def monitor_check(capture: Path, repo: Path, name: str) -> DriftCheck:
             [sys.executable, "-m", "orthornn", "monitor", "--capture", str(capture),
              "--name", name, "--repo", str(repo), "--exit-code"],
             capture_output=True, text=True, check=False)
-        lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+        # its verdict is stdout's last line (stderr holds notes), or an error on stderr
+        lines = [line for line in done.stdout.splitlines() if line.strip()] or \
+            [line for line in done.stderr.splitlines() if line.strip()]
         return done.returncode, lines[-1].strip() if lines else ""
     return check
 
