@@ -7,12 +7,16 @@
   tests/monitoring_rules_test.yaml: every alert has a case where it fires and one where it
   stays silent.
 - A real `orthornn serve` under load (requests, overload, sessions in a real Redis that goes
-  down and comes back, a promotion, a broken version), scraped every second by a real
+  down and comes back, a promotion, a broken version; and the loop: capture on, with one
+  version's folder broken so that its records are dropped, labels given back for captured
+  digits, and the digits clients switched to inverted digits until drift is detected),
+  scraped every second by a real
   Prometheus (Debian's `prometheus`) configured from the rendered ServiceMonitor (its
   target labels and relabelings) and loaded with the rendered rules. Then every dashboard
   variable's query and every panel's query, with the variables substituted (All, and one
-  model, version and pod), returns data through Prometheus's query API, and so does every
-  recording rule: a renamed metric or a wrong label fails here.
+  model, version and pod; the Loop row's panels at the digits model), returns data through
+  Prometheus's query API, and so does every recording rule: a renamed metric or a wrong
+  label fails here.
 
 prometheus and promtool come from scripts/ci-debian.sh (`make test`'s tools step); where
 they are missing the tests that need them skip with the reason. Each process is started on
@@ -55,6 +59,25 @@ MONITORING = ("dashboards.enabled=true", "rules.enabled=true",
 SCRAPE_S = 1  # Prometheus's scrape and rule evaluation interval here
 RATE_INTERVAL = f"{4 * SCRAPE_S}s"  # Grafana's $__rate_interval: 4 x the scrape interval
 SEQ = [[0.5, 1.0], [0.25, 0.0], [0.1, 1.0]]  # one sequence of the "adding" model (d = 2)
+LABELS_TOKEN = "monitoring-labels-token-0123456789"
+#: Loop panels no live feature answers yet, by title, with why: the every-panel check
+#: requires these to have NO data (so the entry must go once the feature lands) and every
+#: other panel to have data. Empty: every panel answers.
+NOT_YET_ANSWERED: dict[str, str] = {}
+
+
+def digits(count: int, seed: int, inverted: bool = False) -> tuple[list, list[int]]:
+    """COUNT of scikit-learn's 8x8 digits drawn at random (SEED), as the digits model reads
+    them (T = 64, d = 1, scaled to [0, 1]; inverted: 1 - x, the drift the live check
+    makes), and their classes."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    pick = np.random.default_rng(seed).integers(0, len(bunch.target), count)
+    x = bunch.data[pick] / 16.0
+    x = 1.0 - x if inverted else x
+    return [[[float(v)] for v in row] for row in x], [int(c) for c in bunch.target[pick]]
 
 
 # ------------------------------------------------------------------------------ rendering
@@ -79,6 +102,17 @@ def records(spec: dict) -> dict[str, dict]:
 
 def panels(board: dict) -> list[dict]:
     return [p for p in board["panels"] if p["type"] != "row"]
+
+
+def row_of(board: dict) -> dict[str, str]:
+    """Each panel's title -> the title of the row it is under."""
+    rows, row = {}, ""
+    for p in board["panels"]:
+        if p["type"] == "row":
+            row = p["title"]
+        else:
+            rows[p["title"]] = row
+    return rows
 
 
 def test_monitoring_is_off_by_default():
@@ -404,13 +438,23 @@ class Load:
 
     def __init__(self, url: str, threads: int = 3):
         self.url, self.stop, self.answers = url, threading.Event(), []
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+        self.normal_digits = threading.Event()  # set: the clients also send (plain) digits
+        self.normal_digits.set()
+        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True)
+                        for k in range(threads)]
 
-    def _run(self) -> None:
+    def _run(self, k: int) -> None:
+        plain, _ = digits(1000, seed=k)
         with httpx.Client(base_url=self.url, timeout=30) as client:
+            n = 0
             while not self.stop.is_set():
                 r = client.post("/predict", json={"model": "adding", "inputs": [SEQ, SEQ[:2]]})
                 self.answers.append(r.status_code)
+                if self.normal_digits.is_set():
+                    n = (n + 4) % len(plain)
+                    r = client.post("/predict", json={"model": "digits",
+                                                      "inputs": plain[n:n + 4]})
+                    self.answers.append(r.status_code)
                 client.post("/v2/models/adding/infer", json={"inputs": [
                     {"name": "x", "shape": [1, 3, 2], "datatype": "FP32",
                      "data": [x for step in SEQ for x in step]}]})
@@ -477,9 +521,11 @@ def data_checks(prom: Prometheus, start: float, pod: str) -> list[tuple[str, Che
     """What must have data in PROM from START to now, named: each check answers None once
     it has, else what is missing (the range only grows: a check that passed stays passed).
     Every recording rule of the chart; the alert on load failures, firing for the broken
-    version; every dashboard variable's query offering the chosen model, version and pod;
-    every panel's query with the variables at All and at those values, with a finite
-    sample."""
+    version, and the one on capture drops, pending or firing for the broken capture folder;
+    every dashboard variable's query offering the chosen model, version and pod; every
+    panel's query with the variables at All and at those values (the Loop row's at digits
+    version 1, the model labels and drift are for), with a finite sample; the panels of
+    NOT_YET_ANSWERED with no data at all."""
     checks: list[tuple[str, Check]] = []
 
     def has_data(expr: str, what: str) -> Check:
@@ -491,11 +537,17 @@ def data_checks(prom: Prometheus, start: float, pod: str) -> list[tuple[str, Che
     checks.append(("OrthornnModelLoadFailed", has_data(
         'ALERTS{alertname="OrthornnModelLoadFailed",alertstate="firing",model="adding"}',
         "did not fire")))
+    # the alert on capture drops went pending (for: 5m is longer than this test) for the
+    # records of adding version 2, whose capture folder is broken
+    checks.append(("OrthornnCaptureDropping", has_data(
+        'ALERTS{alertname="OrthornnCaptureDropping",reason="error"}', "not pending")))
 
     board = dashboard()
     variables = {v["name"]: v for v in board["templating"]["list"]}
     selector = variables["selector"]["query"]
     chosen = {"model": "adding", "version": "2", "pod": pod}
+    loop = {"model": "digits", "version": "1", "pod": pod}  # the Loop row's selection
+    rows = row_of(board)
 
     def offers(name: str, value: str) -> Check:
         query = interpolate(variables[name]["query"]["query"],
@@ -517,16 +569,69 @@ def data_checks(prom: Prometheus, start: float, pod: str) -> list[tuple[str, Che
             return f"{'only NaN' if result else 'no data'}: {expr}"
         return check
 
-    selections = {"All": dict.fromkeys(chosen, ".*"),
-                  "one": {k: grafana_escape(v) for k, v in chosen.items()}}
-    for selection, values in selections.items():
-        substitutions = {"selector": selector, "__rate_interval": RATE_INTERVAL, **values}
+    def empty(expr: str, why: str) -> Check:  # a panel NOT_YET_ANSWERED says has no data
+        def check() -> str | None:
+            if prom.query_range(expr, start, time.time()):
+                return f"answers now (remove it from NOT_YET_ANSWERED: {why!r}): {expr}"
+            return None
+        return check
+
+    assert set(NOT_YET_ANSWERED) <= {p["title"] for p in panels(board)}, NOT_YET_ANSWERED
+    for selection in ("All", "one"):
         for panel in panels(board):
+            values = chosen if rows[panel["title"]] != "Loop" else loop
+            values = ({k: grafana_escape(v) for k, v in values.items()} if selection == "one"
+                      else dict.fromkeys(values, ".*"))
+            substitutions = {"selector": selector, "__rate_interval": RATE_INTERVAL, **values}
             for target in panel["targets"]:
                 expr = interpolate(target["expr"], substitutions)
-                checks.append((f"{selection}: {panel['title']} "
-                               f"[{target['legendFormat']}]", finite(expr)))
+                why = NOT_YET_ANSWERED.get(panel["title"])
+                checks.append((f"{selection}: {panel['title']} [{target['legendFormat']}]",
+                               finite(expr) if why is None else empty(expr, why)))
     return checks
+
+
+def give_labels(url: str, prom: Prometheus, count: int = 20) -> None:
+    """COUNT digits, each a request of its own with an X-Request-Id, then their true
+    classes as labels, in two halves (the second after Prometheus saw the first, so that
+    the rate moves)."""
+    plain, classes = digits(count, seed=100)
+    auth = {"Authorization": f"Bearer {LABELS_TOKEN}"}
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for i, sequence in enumerate(plain):
+            r = client.post("/predict", json={"model": "digits", "inputs": [sequence]},
+                            headers={"X-Request-Id": f"monitoring-{i}"})
+            assert r.status_code == 200, r.text
+        half = count // 2
+        for part, scraped in ((range(half), "> 0"), (range(half, count), f"== {count}")):
+            r = client.post("/v2/models/digits/labels", headers=auth, json=[
+                {"id": f"monitoring-{i}", "label": classes[i]} for i in part])
+            assert r.status_code == 200, r.text
+            assert r.json()["accepted"] == len(part), r.text
+            prom.wait(f'orthornn_labels_received_total{{model="digits"}} {scraped}')
+
+
+DIGITS_1 = r'\{(?=[^}]*model="digits")(?=[^}]*version="1")[^}]*\}'
+
+
+def drift(url: str, load: Load, timeout: float = 60.0) -> None:
+    """The digits clients switch to inverted digits: plain digits until a window has been
+    tested (orthornn_drift_score), then inverted ones until the drift is detected."""
+    load.normal_digits.clear()
+    plain, _ = digits(400, seed=200)
+    inverted, _ = digits(400, seed=300, inverted=True)
+    with httpx.Client(base_url=url, timeout=30) as client:
+        # digits version 1's series, whatever the order of the labels
+        for batch, pattern in ((plain, rf"^orthornn_drift_score{DIGITS_1}"),
+                               (inverted, rf"^orthornn_drift_detected{DIGITS_1} 1")):
+            deadline, n = time.monotonic() + timeout, 0
+            while not metric_line(url, pattern):
+                assert time.monotonic() < deadline, f"not within {timeout} s: {pattern}"
+                for _ in range(5):  # 40 sequences, then look again
+                    r = client.post("/predict", json={"model": "digits",
+                                                      "inputs": batch[n:n + 8]})
+                    assert r.status_code == 200, r.text
+                    n = (n + 8) % len(batch)
 
 
 def test_every_panel_and_recording_rule_returns_data_from_a_real_prometheus(
@@ -538,8 +643,9 @@ def test_every_panel_and_recording_rule_returns_data_from_a_real_prometheus(
     from ..service_helpers import make_repo, publish_copy
     from .test_service_promotion import break_model, set_manifest
 
-    # the repository: adding 1 (promoted) and 2, each with its test score
-    repo = make_repo(service_packages, tmp_path / "repo", {"adding": [1, 2]})
+    # the repository: adding 1 (promoted) and 2, each with its test score, and digits 1 (a
+    # classifier: labels and drift)
+    repo = make_repo(service_packages, tmp_path / "repo", {"adding": [1, 2], "digits": [1]})
     model_dir = repo / "adding"
     for version, mse in ((1, 0.05), (2, 0.04)):
         set_manifest(model_dir / str(version), evaluation={
@@ -547,13 +653,21 @@ def test_every_panel_and_recording_rule_returns_data_from_a_real_prometheus(
             "examples": 512, "data_fingerprint": "ab" * 32})
     promote(model_dir, 1, "publish", "exported")
 
+    # capture on, every request; adding version 2's folder is a file, so once version 2
+    # serves, its records are dropped (reason "error") while the others are written
+    capture = tmp_path / "capture"
+    (capture / "adding").mkdir(parents=True)
+    (capture / "adding" / "2").write_text("a file where capture makes a folder\n")
+
     docs = render(*MONITORING)
     pod = f"{RELEASE}-orthornn-0"
     with RedisServer(tmp_path / "redis") as redis, \
             Replica(repo, env={"ORTHORNN_SESSION_STORE": redis.url,
                                "ORTHORNN_MAX_INFLIGHT_REQUESTS": "4",
                                "ORTHORNN_KEEP_VERSIONS": "2",
-                               "ORTHORNN_POLL_INTERVAL_S": "0.2"}) as server:
+                               "ORTHORNN_POLL_INTERVAL_S": "0.2",
+                               "ORTHORNN_LABELS_TOKEN": LABELS_TOKEN},
+                    args=["--capture", str(capture), "--capture-sample", "1"]) as server:
         config = {"global": {"scrape_interval": f"{SCRAPE_S}s",
                              "evaluation_interval": f"{SCRAPE_S}s"},
                   "rule_files": [str(write_rules(tmp_path))],
@@ -591,6 +705,14 @@ def test_every_panel_and_recording_rule_returns_data_from_a_real_prometheus(
                 wait_for(lambda: metric_line(server.url, r"^orthornn_session_store_up 1"),
                          what="the store seen up again")
                 assert sessions(server.url, "c") == [200, 200, 200]
+                # version 2 of adding serves and its records are dropped; digits are written
+                wait_for(lambda: metric_line(server.url, r'^orthornn_capture_dropped_total'
+                                             r'\{reason="error"\} [1-9]'),
+                         what="version 2's records dropped")
+                assert metric_line(server.url, r'^orthornn_capture_records_total'
+                                   r'\{model="digits"\} [1-9]')
+                give_labels(server.url, prom)
+                drift(server.url, load)
                 # every check below polled under load until it passes: each new series
                 # scraped a few times (a rate needs two samples in its window) and the
                 # rules evaluated on the last state, however slowly Prometheus gets there
