@@ -121,6 +121,7 @@ class _Segment:
     offset: int = 0  # bytes read (whole lines only)
     ids: list[str] = field(default_factory=list)  # the ids it gave the index
     evicted: bool = False
+    done: bool = False  # closed and read to its end
 
 
 class CaptureIndex:
@@ -144,17 +145,26 @@ class CaptureIndex:
         folder = self.root / self.model
         if not folder.is_dir():
             return
+        listed = set()
         for path in sorted(folder.glob("*/*/*.jsonl*")):
             if not path.parent.parent.name.isdigit() or not (
                     path.name.endswith(".jsonl") or path.name.endswith(".jsonl.open")):
                 continue
             key = _segment_key(path, self.root)
+            listed.add(key)
             segment = self._segments.get(key)
             if segment is None:
                 segment = _Segment(key, len(self._by_number), path.parent.name)
                 self._segments[key] = segment
                 self._by_number.append(segment)
-            self._tail(segment)
+            if not segment.done:
+                self._tail(segment)
+                # closed by rename, never written again: read to its end once, then skipped
+                segment.done = not path.name.endswith(OPEN)
+        for key, segment in self._segments.items():  # deleted (retention): ids forgotten
+            if key not in listed and not segment.evicted and not any(
+                    Path(f"{self.root / key}{end}").exists() for end in ("", OPEN)):
+                self._forget(segment)
         for path in label_files(self.root, self.model):
             offset = self._label_offsets.get(path, 0)
             data = _read_from(path, offset)

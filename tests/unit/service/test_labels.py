@@ -191,9 +191,9 @@ def test_the_index_reads_only_what_was_appended(tmp_path):
         index.refresh()
     finally:
         CaptureIndex._tail = real
-    # each segment is read from where the last read stopped, under either name
-    assert sorted(reads) == [("m/1/2026-11-27/a-1.jsonl", 2 * len(segment_line("x1"))),
-                             ("m/1/2026-11-27/b-1.jsonl", (day / "b-1.jsonl").stat().st_size)]
+    # the open segment is read from where the last read stopped, under its new name; the
+    # closed one, read to its end already, not at all
+    assert reads == [("m/1/2026-11-27/a-1.jsonl", 2 * len(segment_line("x1")))]
     assert len(index) == 6 and index.record("x4")["id"] == "x4"
     assert index.record("x3")["time"] == 2.0
     # another replica's label file: its ids are labelled here too
@@ -202,6 +202,9 @@ def test_the_index_reads_only_what_was_appended(tmp_path):
     (labels / "other-1.jsonl").write_bytes(b'{"id": "x2", "label": 1}\n{"id": "x')
     index.refresh()
     assert index.labelled == {"x2"}
+    (day / "b-1.jsonl").unlink()  # past the retention: its ids (and labels) are forgotten
+    index.refresh()
+    assert len(index) == 4 and index.record("y1") is None and index.record("x1") is not None
 
 
 def test_the_index_forgets_the_oldest_days_beyond_its_bound(tmp_path):
