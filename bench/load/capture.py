@@ -7,8 +7,9 @@ dropped, counted). Rounds alternate the servers (their order rotates each round)
 ratio is the median over the rounds of the per-round ratio to the first "off" server
 (throughput, and p99 latency). Afterwards each capturing server's records plus drops are
 checked against the requests it answered 200 (its /metrics), and each server's resident
-memory growth over the rounds is reported. Prints a table and writes
-bench/results/capture.json.
+memory growth over the rounds and CPU time per request (its event loop's and the whole
+process's: on a shared machine, steadier than the throughput) are reported. Prints a
+table and writes bench/results/capture.json.
 
 With --nothing-lost N, instead: N requests (each id once) from --concurrency clients to
 one server capturing every request, SIGKILL once half are answered, a restart on the same
@@ -81,6 +82,15 @@ def rss_kib(pid: int) -> int:
     return int(found.group(1)) if found else 0
 
 
+def cpu_s(pid: int, thread: bool) -> float:
+    """CPU seconds (user + system) of process PID, or of its main thread (the event
+    loop's) with THREAD."""
+    path = f"/proc/{pid}/task/{pid}/stat" if thread else f"/proc/{pid}/stat"
+    with open(path) as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def tmpfs(folder: Path, options: str) -> bool:
     """Mount a 64 KiB tmpfs on FOLDER with OPTIONS (False: this machine does not allow
     it)."""
@@ -119,6 +129,8 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
         flags["every request, read-only"] = ["--capture", str(work / "ro")]
     servers = {name: Server(repo, True, extra) for name, extra in flags.items()}
     runs: dict[str, list] = {name: [] for name in servers}
+    # CPU seconds spent in the rounds: the event loop's, the whole process's
+    spent = {name: [0.0, 0.0] for name in servers}
     rows = {}
     try:
         for s in servers.values():
@@ -130,8 +142,12 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
         names = list(servers)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
+                pid = servers[name].proc.pid
+                loop, process = cpu_s(pid, True), cpu_s(pid, False)
                 runs[name].append(asyncio.run(load(servers[name].port, requests,
                                                    args.concurrency, args.round_s, 10**9)))
+                spent[name][0] += cpu_s(pid, True) - loop
+                spent[name][1] += cpu_s(pid, False) - process
             print(f"round {r + 1}/{args.rounds}", flush=True)
         base = runs["off"]
         for name in names:
@@ -143,6 +159,10 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
             row["ratio"] = round(float(np.median(ratios)), 3)
             row["ratios"] = [round(x, 3) for x in ratios]
             row["p99_ratio"] = round(float(np.median(p99s)), 3)
+            # CPU per request: unlike the throughput, not moved by what else runs here
+            done = sum(len(o[1]) for o in runs[name])
+            row["loop_cpu_us"] = round(spent[name][0] / done * 1e6, 1)
+            row["process_cpu_us"] = round(spent[name][1] / done * 1e6, 1)
             row["p99_ratios"] = [round(x, 3) for x in p99s]
             text = metrics_text(servers[name].port)
             row["answered_200"] = answered(text)
@@ -257,13 +277,18 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if result["ok"] else 1
         rows = overhead(args, work, repo)
     lines = ["| server | req/s | ratio to off (rounds) | p50 ms | p99 ms | p99 ratio (rounds) "
-             "| answered 200 | records | dropped | RSS growth KiB |", "| --- " * 10 + "|"]
+             "| event loop CPU µs/request (to off) | process CPU µs/request | answered 200 | "
+             "records | dropped | RSS growth KiB |", "| --- " * 12 + "|"]
+    off_cpu = rows["off"]["loop_cpu_us"]
     for name, row in rows.items():
         spread = f"{min(row['ratios']):.2f}-{max(row['ratios']):.2f}"
         p99_spread = f"{min(row['p99_ratios']):.2f}-{max(row['p99_ratios']):.2f}"
         lines.append(f"| {name} | {row['throughput']:.0f} | {row['ratio']:.3f} ({spread}) | "
                      f"{row['p50_ms']:.2f} | {row['p99_ms']:.2f} | {row['p99_ratio']:.3f} "
-                     f"({p99_spread}) | {row['answered_200']:.0f} | {row['records']:.0f} | "
+                     f"({p99_spread}) | {row['loop_cpu_us']:.0f} "
+                     f"({off_cpu / max(row['loop_cpu_us'], 1e-9):.3f}) | "
+                     f"{row['process_cpu_us']:.0f} | {row['answered_200']:.0f} | "
+                     f"{row['records']:.0f} | "
                      f"{row['dropped']:.0f} | {row['rss_growth_kib']} |")
     print("\n".join(lines))
     failing = [n for n in rows if "disk full" in n or "read-only" in n]
