@@ -215,3 +215,40 @@ def test_labels_import_errors_name_the_line_and_field_and_write_nothing(digits, 
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("orthornn labels: error: ") and re.search(message, line), line
     assert [v["id"] for v in read_labels(cap, "digits")] == ["r0"]
+
+
+def manifest_only(repo, version: int, task: str, labels: list[str]) -> None:
+    """A package folder holding only manifest.json (all the data set reads of it)."""
+    folder = repo / "m" / str(version)
+    folder.mkdir(parents=True)
+    spec = {"kind": "float", "feature_size": 3, "max_length": 0}
+    (folder / "manifest.json").write_text(orjson.dumps({
+        "format": "orthornn-package/1", "name": "m", "version": version, "arch": "rnn",
+        "task": task, "mode": "dense", "opset": 17, "recurrence": "rnn", "graphs": {},
+        "io": {}, "files": {}, "hidden_size": 4, "input_spec": spec,
+        "output_spec": {"kind": "value" if task == "regress" else "logits",
+                        "size": len(labels) or 1, "state_size": 4},
+        "labels": labels or None}).decode())
+
+
+def test_with_repo_the_class_names_come_from_the_manifests(captures, tmp_path):
+    root = captures[0]
+    names = ["zero", "one", "two", "three"]
+    manifest_only(tmp_path / "repo", 1, "classify", names)
+    train, held, _ = build(root, "m", repo=tmp_path / "repo", progress=False)
+    assert list(train["labels"]) == names and list(held["labels"]) == names
+    other = tmp_path / "other"
+    manifest_only(other, 1, "regress", [])
+    with pytest.raises(ValueError, match="version 1 is a regress model; the data set is for "
+                                         "classify models"):
+        build(root, "m", repo=other, progress=False)
+
+
+def test_a_language_models_captures_are_refused_by_name(tmp_path):
+    root = tmp_path / "cap"
+    tokens = np.array([3, 5, 7], np.int64)
+    write_segment(root, "a", [captured_record("t0", T0, [tokens])])
+    write_labels(root, [{"id": "t0", "label": [2, 4], "time": T0 + 1}])
+    with pytest.raises(ValueError, match=r"record 't0' of model 'm' is not a classifier's .*"
+                                         r"the lm task trains on a text --corpus"):
+        build(root, "m", progress=False)
