@@ -2,13 +2,16 @@
 tested against the reference its package recorded at export (``export.artifacts.drift``),
 off the request path.
 
-The request path only appends (the sequence, its output row) to the version's window: no
-arithmetic. When the window holds ``drift_window`` sequences it is handed whole to one
+The request path only appends (the sequence, its output, its final state) to the version's
+window: no arithmetic. When the window holds ``drift_window`` sequences it is handed whole to one
 worker thread, which computes the summaries and the tests (a few milliseconds) and sets
 ``orthornn_drift_score{model,version,test}`` and ``orthornn_drift_detected{model,version}``.
-A window that fills while the worker still tests the version's previous one is dropped
-(counted in ``Monitor.skipped``): the tests sample the traffic, and the backlog stays
-bounded. Counted: whole sequences the model graph answered from the start; a chunk that
+A version's windows are tested at most once per ``drift_interval_s``, and never two at
+once: a window that fills sooner, or while the worker still tests the previous one, is
+dropped (counted in ``Monitor.skipped``). The tests sample the traffic, so their cost is
+bounded whatever the request rate (a window's test is a few milliseconds of CPU).
+
+Counted: whole sequences the model graph answered from the start; a chunk that
 continues a state (states, sessions) and per-step answers are not (the reference holds
 whole sequences). Versions whose package has no reference measure nothing.
 """
@@ -16,10 +19,11 @@ whole sequences). Versions whose package has no reference measure nothing.
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from orthornn.export.artifacts import drift
@@ -39,8 +43,11 @@ class Monitor:
     mv: ModelVersion
     reference: drift.Reference | None  # None: the package has none (drift off for it)
     window: int
-    pending: list = field(default_factory=list)  # (sequence, output row) of this window
+    #: (sequence, prediction output, final state) of this window: arrays only, which the
+    #: garbage collector does not track (whole rows, dicts with lists, made it work)
+    pending: list = field(default_factory=list)
     busy: bool = False  # the worker is testing a window of this version
+    tested_at: float = -math.inf  # when the latest window was handed to the worker
     windows: int = 0  # windows tested
     skipped: int = 0  # windows dropped because the previous one was still being tested
     alarms: int = 0  # windows that alarmed
@@ -51,9 +58,11 @@ class Monitor:
 class Drift:
     """The service's drift monitors, one per loaded version (created at its first answer)."""
 
-    def __init__(self, metrics: Metrics | None, window: int | None = None):
+    def __init__(self, metrics: Metrics | None, window: int | None = None,
+                 interval_s: float = 0.0):
         self.metrics = metrics
         self.window = window  # None: the window each reference was calibrated for
+        self.interval_s = interval_s  # at most one test per version per this many seconds
         self.monitors: dict[tuple[str, int], Monitor] = {}
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="orthornn-drift")
 
@@ -82,22 +91,23 @@ class Drift:
         m = self.monitor(mv)
         if m.reference is None:
             return
-        pending = m.pending
+        pending, name = m.pending, mv.spec.output_name
         for seq, row in zip(sequences, rows, strict=True):
             if not isinstance(seq, Chunk):
-                pending.append((seq, row))
+                pending.append((seq, row[name], row["state"]))
         if len(pending) >= m.window:
             m.pending = []
-            if m.busy:
+            now = time.monotonic()
+            if m.busy or now - m.tested_at < self.interval_s:
                 m.skipped += 1
                 return
-            m.busy = True
+            m.busy, m.tested_at = True, now
             self.worker.submit(self._test, m, pending[: m.window])
 
     def _test(self, m: Monitor, window: list) -> None:
         """In the worker thread: one window's summaries, tests and gauges."""
         try:
-            scores = test_window(m.mv, m.reference, window)
+            scores = test_window(m.reference, window)
             detected = any(s >= 1 for s in scores.values())
             if self.metrics is not None:
                 version = str(m.mv.version)
@@ -118,12 +128,11 @@ class Drift:
         self.worker.shutdown(wait=False, cancel_futures=True)
 
 
-def test_window(mv: Any, reference: drift.Reference, window: list) -> dict[str, float]:
-    """The scores of a window of (sequence, output row) against REFERENCE: what the
-    service computes when a window fills (``orthornn monitor`` computes the same from
-    captures)."""
-    spec = mv.spec
-    sequences = [np.asarray(s) for s, _ in window]
-    outputs = [row[spec.output_name] for _, row in window]
-    states = np.stack([row["state"] for _, row in window])
+def test_window(reference: drift.Reference, window: list) -> dict[str, float]:
+    """The scores of a window of (sequence, prediction output, final state) against
+    REFERENCE: what the service computes when a window fills (``orthornn monitor``
+    computes the same from captures)."""
+    sequences = [np.asarray(s) for s, _, _ in window]
+    outputs = [o for _, o, _ in window]
+    states = np.stack([s for _, _, s in window])
     return reference.scores(reference.summarize(sequences, outputs, states))

@@ -217,6 +217,11 @@ class Settings(BaseSettings):
         None, ge=20, le=100_000,
         description="sequences per drift window (default: the window the reference's "
                     "thresholds were calibrated for, 200)")
+    drift_interval_s: float = Field(
+        1.0, ge=0, le=3600,
+        description="at most one drift test per version per this many seconds; windows that "
+                    "fill sooner are skipped (bounds the tests' CPU at any request rate; 0: "
+                    "test every window)")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 31,
                                 description="request body limit (413 beyond it)")
     max_header_bytes: int = Field(

@@ -77,7 +77,8 @@ class DataPlane:
         self.metadata = Metadata(settings, registry)  # the routes' other two jobs
         self.repository = Repository(registry)
         # live drift against each version's reference (off: not even a method call)
-        self.drift = Drift(metrics, settings.drift_window) if settings.drift else None
+        self.drift = Drift(metrics, settings.drift_window, settings.drift_interval_s) \
+            if settings.drift else None
         self.capture = None if settings.capture is None else Capture(
             settings.capture, settings.capture_sample, metrics,
             replica=settings.capture_replica, retention_days=settings.capture_retention_days)
