@@ -11,7 +11,8 @@ import io
 from collections.abc import Callable
 from pathlib import Path
 
-MAX_IMPORT_BYTES = 1 << 30  # an import file's size (its labels are held while checked)
+MAX_IMPORT_BYTES = 256 << 20  # an import file's size (its labels are held while checked: about
+# 5 million labels, a few GiB as Python objects at most)
 
 
 def add_loop_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser],
