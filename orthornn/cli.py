@@ -18,10 +18,9 @@ from orthornn import __version__
 # which extra brings each third-party top-level module a command may import
 EXTRAS = {
     "train": ("torch", "safetensors", "tqdm", "yaml", "matplotlib", "sklearn", "sktime",
-              "mnist1d", "gensim"),
+              "mnist1d", "gensim", "scipy"),
     "serve": ("fastapi", "starlette", "uvicorn", "uvloop", "httptools", "pydantic",
-              "pydantic_settings", "orjson", "simdjson", "prometheus_client", "fastapi_offline",
-              "scipy"),
+              "pydantic_settings", "orjson", "simdjson", "prometheus_client", "fastapi_offline"),
     "gpu": ("triton",),
 }
 

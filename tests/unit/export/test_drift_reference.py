@@ -18,7 +18,7 @@ from orthornn.export.artifacts.package import PackageError, verify_package
 from orthornn.service.http.app import create_app
 from orthornn.service.settings import Settings
 from orthornn.training.tasks import make_task
-from scipy.stats import chi2_contingency, ks_2samp
+from scipy.stats import chi2, chi2_contingency, ks_2samp, kstwobign
 
 from ...service_helpers import publish_copy
 
@@ -60,16 +60,29 @@ def test_the_summaries_are_the_validation_splits_through_the_graph(digits):
 
 
 def test_the_statistics_are_scipys():
+    """The tests' numpy statistics (the service has no scipy) against scipy's."""
     rng = np.random.default_rng(0)
-    reference, window = rng.normal(size=(1, 150, 2)), rng.normal(0.3, 1, size=(1, 200, 2))
-    got = drift._ks_p(reference, window)
+    reference, window = rng.normal(size=(1, 269, 2)), rng.normal(0.3, 1, size=(1, 200, 2))
+    window[0, :50, 1] = reference[0, :50, 1]  # ties across the samples
     for j in range(2):
-        assert got[0, j] == pytest.approx(ks_2samp(reference[0, :, j], window[0, :, j]).pvalue)
+        exact = ks_2samp(reference[0, :, j], window[0, :, j])
+        assert drift.ks_statistic(reference[..., j], window[..., j])[0] == \
+            pytest.approx(exact.statistic, abs=1e-12)
+        # Stephens' scaling of the asymptotic distribution, against scipy's exact p-value
+        assert drift.ks_mlog10p(reference[..., j], window[..., j])[0] == \
+            pytest.approx(-math.log10(exact.pvalue), rel=0.05)
+    lam = np.array([0.2, 0.6, 1.0, 1.7, 4.0, 9.0])  # both series of the distribution
+    np.testing.assert_allclose(drift.kolmogorov_mlog10(lam),
+                               -kstwobign.logsf(lam) / math.log(10), rtol=1e-9, atol=1e-12)
     a, b = rng.integers(0, 30, (4, 6)), rng.integers(0, 30, (4, 6))
     a[:, 3] = b[:, 3] = 0  # an empty class: out of the table
-    expected = [chi2_contingency(np.stack([x, y])[:, (x + y) > 0], correction=False).pvalue
+    expected = [-math.log10(chi2_contingency(np.stack([x, y])[:, (x + y) > 0],
+                                             correction=False).pvalue)
                 for x, y in zip(a, b, strict=True)]
-    np.testing.assert_allclose(drift._chi2_p(a, b), expected, rtol=1e-10)
+    np.testing.assert_allclose(drift.chi2_mlog10p(a, b), expected, rtol=1e-9)
+    stat, dof = np.array([0.5, 30.0, 900.0]), np.array([1, 9, 4])  # both branches, deep tail
+    np.testing.assert_allclose(drift.chi2_mlog10_sf(stat, dof),
+                               -chi2.logsf(stat, dof) / math.log(10), rtol=1e-9)
     # MMD^2 (biased, Gaussian kernel): the formula written out
     x, y, h = rng.normal(size=(5, 3)), rng.normal(size=(7, 3)), 1.3
 
