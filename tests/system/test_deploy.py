@@ -1241,6 +1241,10 @@ def test_live_retraining_runs_trigger_dataset_train_and_the_two_split_gate():
     (line,) = [x.split() for x in quiet.splitlines()
                if x.strip().startswith("orthornn retrain-trigger")]
     assert "--no-drift" in line and "--drift" not in line
+    half, _ = _retraining_scripts(render(*LIVE, "retraining.trigger.cooldownHours=0.5"))["Job"]
+    (line,) = [shlex.split(x.strip()) for x in half.splitlines()
+               if x.strip().startswith("orthornn retrain-trigger")]
+    assert line[line.index("--cooldown") + 1] == "0.5"
 
 
 def test_live_retraining_off_leaves_the_job_exactly_as_before():
