@@ -521,7 +521,8 @@ def data_checks(prom: Prometheus, start: float, pod: str) -> list[tuple[str, Che
     """What must have data in PROM from START to now, named: each check answers None once
     it has, else what is missing (the range only grows: a check that passed stays passed).
     Every recording rule of the chart; the alert on load failures, firing for the broken
-    version, and the one on capture drops, pending or firing for the broken capture folder;
+    version, the one on capture drops pending (or firing) for the broken capture folder
+    and the one on drift for the inverted digits;
     every dashboard variable's query offering the chosen model, version and pod; every
     panel's query with the variables at All and at those values (the Loop row's at digits
     version 1, the model labels and drift are for), with a finite sample; the panels of
@@ -541,6 +542,10 @@ def data_checks(prom: Prometheus, start: float, pod: str) -> list[tuple[str, Che
     # records of adding version 2, whose capture folder is broken
     checks.append(("OrthornnCaptureDropping", has_data(
         'ALERTS{alertname="OrthornnCaptureDropping",reason="error"}', "not pending")))
+    # and the one on drift for digits version 1, once its inverted inputs were detected
+    checks.append(("OrthornnDriftDetected", has_data(
+        'ALERTS{alertname="OrthornnDriftDetected",model="digits",version="1"}',
+        "not pending")))
 
     board = dashboard()
     variables = {v["name"]: v for v in board["templating"]["list"]}
