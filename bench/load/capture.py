@@ -5,10 +5,11 @@ request (--capture), on for 10% (--capture-sample 0.1), and, where this machine 
 tmpfs be mounted, on for every request into a full disk and into a read-only one (records
 dropped, counted). Rounds alternate the servers (their order rotates each round); each
 ratio is the median over the rounds of the per-round ratio to the first "off" server
-(throughput, and p99 latency). Afterwards each capturing server's records plus drops are
-checked against the requests it answered 200 (its /metrics), and each server's resident
-memory growth over the rounds and CPU time per request (its event loop's and the whole
-process's: on a shared machine, steadier than the throughput) are reported. Prints a
+(throughput, and p99 latency); on a machine other work shares, over the rounds in which
+other processes took at most --quiet of the CPUs (all rounds if fewer than 3 did).
+Afterwards each capturing server's records plus drops are checked against the requests it
+answered 200 (its /metrics), and each server's resident memory growth over the rounds and
+CPU time per request (its event loop's and the whole process's) are reported. Prints a
 table and writes bench/results/capture.json.
 
 With --nothing-lost N, instead: N requests (each id once) from --concurrency clients to
@@ -91,6 +92,14 @@ def cpu_s(pid: int, thread: bool) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy_s() -> float:
+    """CPU seconds this machine has spent busy, all processes (/proc/stat)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+            int, f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def tmpfs(folder: Path, options: str) -> bool:
     """Mount a 64 KiB tmpfs on FOLDER with OPTIONS (False: this machine does not allow
     it)."""
@@ -129,8 +138,9 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
         flags["every request, read-only"] = ["--capture", str(work / "ro")]
     servers = {name: Server(repo, True, extra) for name, extra in flags.items()}
     runs: dict[str, list] = {name: [] for name in servers}
-    # CPU seconds spent in the rounds: the event loop's, the whole process's
-    spent = {name: [0.0, 0.0] for name in servers}
+    # CPU seconds of each round: the event loop's, the whole process's
+    spent: dict[str, list[tuple[float, float]]] = {name: [] for name in servers}
+    others: list[float] = []  # each round's CPU share taken by other processes
     rows = {}
     try:
         for s in servers.values():
@@ -141,35 +151,48 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
         memory_before = {n: rss_kib(s.proc.pid) for n, s in servers.items()}
         names = list(servers)
         for r in range(args.rounds):
+            wall, busy, own = time.perf_counter(), machine_busy_s(), time.process_time()
+            ours = 0.0
             for name in names[r % len(names):] + names[:r % len(names)]:
                 pid = servers[name].proc.pid
                 loop, process = cpu_s(pid, True), cpu_s(pid, False)
                 runs[name].append(asyncio.run(load(servers[name].port, requests,
                                                    args.concurrency, args.round_s, 10**9)))
-                spent[name][0] += cpu_s(pid, True) - loop
-                spent[name][1] += cpu_s(pid, False) - process
-            print(f"round {r + 1}/{args.rounds}", flush=True)
-        base = runs["off"]
+                spent[name].append((cpu_s(pid, True) - loop, cpu_s(pid, False) - process))
+                ours += spent[name][-1][1]
+            ours += time.process_time() - own  # the load client
+            others.append(max(0.0, machine_busy_s() - busy - ours)
+                          / ((time.perf_counter() - wall) * (os.cpu_count() or 1)))
+            print(f"round {r + 1}/{args.rounds}: other processes took "
+                  f"{others[-1]:.0%} of the CPUs", flush=True)
+        # the rounds the rest of the machine left alone, when there are 3 or more
+        quiet = [r for r in range(args.rounds) if others[r] <= args.quiet]
+        chosen = quiet if len(quiet) >= 3 else list(range(args.rounds))
+        base = [runs["off"][r] for r in chosen]
         for name in names:
-            row = summary(runs[name], digits=3, seconds=False)
+            mine = [runs[name][r] for r in chosen]
+            row = summary(mine, digits=3, seconds=False)
             ratios = [len(o[1]) / o[0] / max(len(b[1]) / b[0], 1e-9)
-                      for b, o in zip(base, runs[name], strict=True)]
+                      for b, o in zip(base, mine, strict=True)]
             p99s = [float(np.percentile(o[1], 99) / np.percentile(b[1], 99))
-                    for b, o in zip(base, runs[name], strict=True)]
+                    for b, o in zip(base, mine, strict=True)]
             row["ratio"] = round(float(np.median(ratios)), 3)
             row["ratios"] = [round(x, 3) for x in ratios]
             row["p99_ratio"] = round(float(np.median(p99s)), 3)
-            # CPU per request: unlike the throughput, not moved by what else runs here
-            done = sum(len(o[1]) for o in runs[name])
-            row["loop_cpu_us"] = round(spent[name][0] / done * 1e6, 1)
-            row["process_cpu_us"] = round(spent[name][1] / done * 1e6, 1)
             row["p99_ratios"] = [round(x, 3) for x in p99s]
+            # CPU per request: less moved than the throughput by what else runs here
+            done = sum(len(o[1]) for o in mine)
+            row["loop_cpu_us"] = round(sum(spent[name][r][0] for r in chosen) / done * 1e6, 1)
+            row["process_cpu_us"] = round(sum(spent[name][r][1] for r in chosen) / done
+                                          * 1e6, 1)
             text = metrics_text(servers[name].port)
             row["answered_200"] = answered(text)
             row["records"] = metric(text, "orthornn_capture_records_total")
             row["dropped"] = metric(text, "orthornn_capture_dropped_total")
             row["rss_growth_kib"] = rss_kib(servers[name].proc.pid) - memory_before[name]
             rows[name] = row
+        rows["_rounds"] = {"others_cpu_share": [round(x, 3) for x in others],
+                           "quiet": quiet, "used": chosen}
     finally:
         for s in servers.values():
             s.stop()
@@ -261,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features", type=int, default=9)
     parser.add_argument("--nothing-lost", type=int, default=0, metavar="N",
                         help="the SIGKILL check with N requests instead of the rounds")
+    parser.add_argument("--quiet", type=float, default=0.15, metavar="SHARE",
+                        help="the ratios are taken over the rounds in which other processes "
+                             "used at most this share of the CPUs (all, if under 3 do)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.nothing_lost < 0:
@@ -276,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             write_result(args.out or results / "capture_nothing_lost.json", result)
             return 0 if result["ok"] else 1
         rows = overhead(args, work, repo)
+    rounds = rows.pop("_rounds")
     lines = ["| server | req/s | ratio to off (rounds) | p50 ms | p99 ms | p99 ratio (rounds) "
              "| event loop CPU µs/request (to off) | process CPU µs/request | answered 200 | "
              "records | dropped | RSS growth KiB |", "| --- " * 12 + "|"]
@@ -291,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{row['records']:.0f} | "
                      f"{row['dropped']:.0f} | {row['rss_growth_kib']} |")
     print("\n".join(lines))
+    used = ("the quiet rounds" if rounds["used"] == rounds["quiet"] else
+            f"all rounds: under 3 were quiet (other processes <= {args.quiet:.0%} of the CPUs)")
+    print(f"ratios over {used}: {len(rounds['used'])} of {args.rounds}")
     failing = [n for n in rows if "disk full" in n or "read-only" in n]
     if not failing:
         print("(no disk-full or read-only rows: this machine does not let a tmpfs be mounted)")
@@ -300,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     write_result(args.out or results / "capture.json",
                  {"concurrency": args.concurrency, "round_s": args.round_s,
                   "rounds": args.rounds, "machine": platform.processor()
-                  or platform.machine(), "rows": rows})
+                  or platform.machine(), "round_selection": rounds, "rows": rows})
     return 0
 
 
