@@ -6,7 +6,7 @@ class signal moved to another input channel, where version 1 is near chance).
 
 The trigger runs `orthornn monitor --exit-code` against version 1's reference and fires
 on drift; the job writes the captures as a data set, trains on the original data plus
-them, and the gate judges both splits (--tolerance 0.02 on the original split, and
+them, and the gate judges both splits (--tolerance 0.05 on the original split, and
 --require-better-on-gate-data on the captured one). Version 2 is
 promoted; its accuracy on the held-out slice is recomputed here with onnxruntime."""
 
@@ -94,7 +94,7 @@ def test_the_chart_retrains_on_drifted_captures_and_the_gate_promotes(tmp_path):
     runs.mkdir()
 
     sets = (*LIVE, "retraining.modelName=m", "retraining.trigger.minLabels=1000",
-            "retraining.trigger.cooldownHours=0", "retraining.gate.tolerance=0.02",
+            "retraining.trigger.cooldownHours=0", "retraining.gate.tolerance=0.05",
             f"retraining.trainConfig.data={original}",
             *(f"retraining.trainConfig.{k}={v}" for k, v in TRAIN.items()))
     docs = render(*sets)
