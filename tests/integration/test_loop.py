@@ -1,0 +1,246 @@
+"""The loop, unattended, with real processes (issue 43's acceptance): two ``orthornn serve``
+replicas capturing every request into one folder, clients that shift, labels given back
+through the labels route, the chart's retraining script (trigger, captured data set,
+training, the two-split gate, the rollout controller) run by /bin/sh with the real
+``orthornn``, while clients keep sending.
+
+Digits as 8 rows of 8 pixels (sklearn's, bundled). Version 1 learns the original digits;
+then the clients send inverted digits (1 - x), on which version 1 is near chance:
+
+1. before the shift the job runs and does nothing (no drift, too few labels);
+2. after it, labels of the shifted requests flow back, the job's trigger fires on drift,
+   the job trains on the original data plus the labelled captures, the gate passes the
+   candidate on both the original test split and the held-out captured slice, and the
+   rollout promotes it on live traffic; no request fails meanwhile;
+3. through the service, on inverted digits no model trained on, accuracy rises by at
+   least 10 points; on the original test split it falls by at most 1 point;
+4. a candidate trained on the original data only (it learned nothing from the captures)
+   is refused by the gate on the captured slice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import yaml
+
+from ..cluster import ROOT, Replica
+from ..system.test_deploy import _retraining_scripts, one, render
+
+pytestmark = pytest.mark.timeout(900)
+
+TOKEN = "labels-token-of-the-loop-test"
+# version 1 and every retraining: an LSTM baseline on rows of digits, the job's train.yaml
+TRAIN = {"arch": "lstm", "task": "classify", "hidden_size": 64, "epochs": 25,
+         "batch_size": 32, "lr": 0.005, "optimizer": "adam"}
+CHART = ("retraining.enabled=true", "capture.enabled=true",
+         "retraining.trigger.enabled=true", "retraining.trigger.minLabels=1000",
+         "retraining.trigger.cooldownHours=0", "retraining.fromCaptures.enabled=true",
+         "retraining.trainConfig.task=classify", "retraining.gate.tolerance=0.01",
+         "retraining.rollout.enabled=true", "retraining.rollout.shadow=0",
+         "retraining.rollout.steps={50,100}", "retraining.rollout.intervalSeconds=2",
+         "retraining.rollout.minRequests=20", "retraining.rollout.timeoutSeconds=300")
+
+
+def orthornn(*args: object, code: int = 0) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "orthornn", *map(str, args)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == code, (result.stdout + result.stderr)[-3000:]
+    return result
+
+
+def digits() -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]:
+    """Every digit as [8 rows, 8 pixels] in [0, 1], and the train/validation/test indices
+    the classify task splits an .npz into."""
+    from orthornn.training.tasks.task import three_way
+    from orthornn.training.tasks.user import USER_SPLIT
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x, y = (data.images / 16.0).astype(np.float32), data.target.astype(np.int64)
+    return x, y, tuple(np.asarray(i) for i in three_way(len(y), USER_SPLIT))
+
+
+class Clients:
+    """Client threads posting single digits round-robin to the replicas until stopped,
+    each with its X-Request-Id; every answer kept by id."""
+
+    def __init__(self, urls: list[str], inputs: np.ndarray, threads: int = 3):
+        self.urls, self.inputs, self.threads = urls, inputs, threads
+        self.done = threading.Event()
+        self.answers: list[tuple[int, int | None]] = []
+        self.failures: list[str] = []
+
+    def _run(self, k: int) -> None:
+        with httpx.Client(timeout=60) as client:
+            i = k
+            while not self.done.is_set():
+                body = {"model": "digits", "inputs": [self.inputs[i % len(self.inputs)].tolist()]}
+                try:
+                    r = client.post(self.urls[i % len(self.urls)] + "/predict", json=body,
+                                    headers={"X-Request-Id": f"load-{k}-{i}"})
+                except httpx.HTTPError as error:
+                    self.failures.append(repr(error))
+                    continue
+                i += self.threads
+                self.answers.append((r.status_code, r.json().get("version")))
+                if r.status_code != 200:
+                    self.failures.append(f"{r.status_code} {r.text[:200]}")
+
+    def __enter__(self) -> Clients:
+        self._threads = [threading.Thread(target=self._run, args=(k,), daemon=True)
+                         for k in range(self.threads)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        for t in self._threads:
+            t.join(timeout=60)
+
+
+def send(urls: list[str], ids: list[str], x: np.ndarray) -> list[dict]:
+    """One /predict per sequence, ids as X-Request-Id, alternating the replicas, 4 at a
+    time; the answers in order (each must be a 200)."""
+    def post(i: int) -> dict:
+        r = httpx.post(urls[i % len(urls)] + "/predict", timeout=60,
+                       json={"model": "digits", "inputs": [x[i].tolist()]},
+                       headers={"X-Request-Id": ids[i]})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(post, range(len(x))))
+
+
+def accuracy(answers: list[dict], y: np.ndarray) -> float:
+    return float(np.mean([a["outputs"][0]["index"] == t for a, t in zip(answers, y, strict=True)]))
+
+
+def test_the_loop_unattended(tmp_path):
+    sh = shutil.which("sh")
+    if sh is None:
+        pytest.skip("no POSIX sh")
+    x, y, (train_idx, _, test_idx) = digits()
+    names = np.array([str(c) for c in range(10)])
+    original = tmp_path / "original.npz"
+    np.savez(original, x=x, y=y, labels=names)
+    repo, captures, runs = tmp_path / "repo", tmp_path / "captures", tmp_path / "runs"
+    runs.mkdir()
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump({**TRAIN, "data": str(original)}))
+
+    # version 1 on the original digits; beside it, a candidate that will never see a capture
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(orthornn, "train", "--config", config, "--no-progress", "--out",
+                            tmp_path / run, "--seed", seed) for run, seed in (("v1", 0),
+                                                                              ("blind", 1))]
+        for job in jobs:
+            job.result()
+    orthornn("export", tmp_path / "v1", "--repo", repo, "--name", "digits", "--no-progress")
+
+    # the chart's retraining script, its paths pointed at this test's files
+    docs = render(*CHART, f"retraining.trainConfig.data={original}")
+    assert yaml.safe_load(one(docs, "ConfigMap", "-train")["data"]["train.yaml"])["task"] \
+        == "classify"
+    script, env = _retraining_scripts(docs)["Job"]
+    for path, here in (("/config/train.yaml", config), ("/runs", runs),
+                       ("/tmp/retrain-reason", tmp_path / "reason")):
+        script = script.replace(path, str(here))
+    shim = tmp_path / "bin" / "orthornn"  # the image's console script: this checkout's
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\ncd "{ROOT}" && exec "{sys.executable}" -m orthornn "$@"\n')
+    shim.chmod(0o755)
+
+    replicas = [Replica(repo, env={"ORTHORNN_LABELS_TOKEN": TOKEN},
+                        args=["--capture", str(captures), "--capture-sample", "1",
+                              "--capture-replica", f"r{i}", "--poll-interval-s", "0.2",
+                              "--rollout-controller", "off"]) for i in range(2)]
+    urls = [r.url for r in replicas]
+
+    def job() -> str:
+        result = subprocess.run(
+            [sh, "-ec", script], capture_output=True, text=True, timeout=600,
+            env={**os.environ, **env, "ORTHORNN_REPO": str(repo),
+                 "ORTHORNN_CAPTURES": str(captures), "ORTHORNN_ROLLOUT_REPLICAS": ",".join(urls),
+                 "PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}"})
+        out = result.stdout + result.stderr
+        assert result.returncode == 0, out[-4000:]
+        return out
+
+    try:
+        for replica in replicas:
+            replica.start()
+        # 1. the original digits: version 1's accuracy on the test split, a window of 221
+        # sequences of the reference's kind; the job finds nothing to do
+        extra = train_idx[-40:]
+        before_test = send(urls, [f"test-{i}" for i in test_idx], x[test_idx])
+        send(urls, [f"orig-{i}" for i in extra], x[extra])
+        assert {a["version"] for a in before_test} == {1}
+        out = job()
+        assert "retraining: nothing to do for digits" in out, out[-3000:]
+        assert sorted(p.name for p in (repo / "digits").iterdir() if p.name.isdigit()) == ["1"]
+
+        # 2. the clients shift to inverted digits; the labelling system answers for those
+        # of the training split's first 400 (the test split's stay unlabelled: evaluation)
+        shifted = np.concatenate([train_idx[:400], test_idx])
+        order = np.random.default_rng(0).permutation(len(shifted))
+        ids = [f"shift-{i}" for i in shifted[order]]
+        answers = dict(zip(ids, send(urls, ids, 1.0 - x[shifted[order]]), strict=True))
+        before_shifted = [answers[f"shift-{i}"] for i in test_idx]
+        labelled = [{"id": f"shift-{i}", "label": int(y[i])} for i in train_idx[:400]]
+        for k in range(0, len(labelled), 100):
+            r = httpx.post(urls[k // 100 % 2] + "/v2/models/digits/labels", timeout=60,
+                           json=labelled[k:k + 100],
+                           headers={"Authorization": f"Bearer {TOKEN}"})
+            assert r.status_code == 200 and r.json()["accepted"] == 100, r.text
+
+        # 3. the job, while the clients keep sending inverted digits to both replicas
+        with Clients(urls, 1.0 - x[train_idx[400:600]]) as load:
+            out = job()
+        assert "orthornn retrain-trigger: fires: drift detected" in out, out[-3000:]
+        assert not load.failures, load.failures[:5]
+        assert len(load.answers) >= 40 and {s for s, _ in load.answers} == {200}
+        assert {v for _, v in load.answers} == {1, 2}  # the canary served both
+        manifest = json.loads((repo / "digits" / "2" / "manifest.json").read_text())
+        with np.load(runs / "captured.npz") as f:
+            learned = len(f["y"])
+        with np.load(runs / "captured-holdout.npz") as f:
+            held_out = len(f["y"])
+        assert learned + held_out == 400  # every label joined, the newest slice held out
+        assert manifest["lineage"]["captures"]["labels"] == learned
+        gate = manifest["evaluation"]["gate"]
+        assert gate["passed"] and gate["gate_data"]["require_better"]
+        promotion = json.loads((repo / "digits" / "promotion.json").read_text())
+        assert promotion["version"] == 2
+
+        # 4. through the service again, now answered by version 2
+        after_test = send(urls, [f"after-test-{i}" for i in test_idx], x[test_idx])
+        after_shifted = send(urls, [f"after-shift-{i}" for i in test_idx], 1.0 - x[test_idx])
+        assert {a["version"] for a in after_test + after_shifted} == {2}
+        v1 = accuracy(before_test, y[test_idx]), accuracy(before_shifted, y[test_idx])
+        v2 = accuracy(after_test, y[test_idx]), accuracy(after_shifted, y[test_idx])
+        assert v2[1] >= v1[1] + 0.10, (v1, v2)  # learned the shifted inputs
+        assert v2[0] >= v1[0] - 0.01, (v1, v2)  # and kept the original ones
+
+        # 5. a candidate that learned nothing from the captures: refused on the captured slice
+        refused = orthornn("export", tmp_path / "blind", "--repo", repo, "--name", "digits",
+                           "--gate", "--gate-data", runs / "captured-holdout.npz",
+                           "--require-better-on-gate-data", "--tolerance", "0.01",
+                           "--no-progress", code=3)
+        assert "captured" in refused.stderr or "gate" in refused.stderr, refused.stderr
+        assert json.loads((repo / "digits" / "promotion.json").read_text())["version"] == 2
+    finally:
+        for replica in replicas:
+            replica.kill()
