@@ -15,7 +15,6 @@ written ends in ``.open`` and is closed by rename when it rotates (size, the day
 
 from __future__ import annotations
 
-import base64
 import binascii
 import contextlib
 import ctypes
@@ -35,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+from orthornn.export.artifacts.captures import OPEN, array, read_records  # noqa: F401 (re-exported)
 from orthornn.export.artifacts.rollout.plan import bucket
 
 from . import request
@@ -44,7 +44,6 @@ from .registry.runtime import Chunk
 
 log = logging.getLogger("orthornn.service")
 
-OPEN = ".open"  # the suffix of the segment a replica is writing
 _DUMP = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
 _ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 _REPLICA = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -376,24 +375,3 @@ def _array_json(a: np.ndarray) -> bytes:
     return b"".join((dtype, b',"shape":', orjson.dumps(a.shape), b',"b64":"',
                      binascii.b2a_base64(a, newline=False),  # type: ignore[arg-type]
                      b'"}'))
-
-
-def array(value: dict[str, Any]) -> np.ndarray:
-    """The array a record holds (``_array_json``'s inverse)."""
-    data = base64.b64decode(value["b64"])
-    return np.frombuffer(data, dtype=np.dtype(value["dtype"])).reshape(value["shape"])
-
-
-def read_records(root: Path, model: str) -> tuple[list[dict[str, Any]], int]:
-    """Every record captured for MODEL under ROOT (closed and open segments), and the count
-    of lines that are not a whole record (a torn last line of a killed writer)."""
-    records, torn = [], 0
-    # version folders only: DIR/<model>/labels/ holds the labels given back (labels.py)
-    for path in sorted(p for p in (Path(root) / model).glob("*/*/*.jsonl*")
-                       if p.parent.parent.name.isdigit()):
-        for line in path.read_bytes().splitlines():
-            try:
-                records.append(orjson.loads(line))
-            except orjson.JSONDecodeError:
-                torn += 1
-    return records, torn

@@ -19,12 +19,10 @@ from typing import Any
 
 import numpy as np
 import orjson
+from orthornn.export.artifacts.captures import OPEN, array, read_labels
 from orthornn.export.artifacts.package import read_manifest
 from orthornn.export.artifacts.records import atomic_write
 from orthornn.export.artifacts.repository import check_name
-
-from .capture import array
-from .labels import OPEN, read_labels
 
 MIN_EXAMPLES = 10  # training's minimum (training/tasks/user.py load_npz)
 DAY = 86_400.0

@@ -20,12 +20,19 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
+from orthornn.export.artifacts.captures import (  # noqa: F401 (read_labels re-exported)
+    LABELS,
+    OPEN,
+    label_files,
+    label_lines,
+    read_labels,
+)
 from orthornn.export.artifacts.manifest import Manifest
 from orthornn.export.artifacts.package import read_manifest
 from orthornn.export.artifacts.repository import check_name
@@ -35,7 +42,6 @@ from pydantic import BaseModel, Field, RootModel
 from .errors import ClientError, NotFound
 from .metrics import Metrics
 
-LABELS = "labels"  # DIR/<model>/labels/: beside the version folders, which capture reads
 MAX_LABELS = 10_000  # labels in one request (or one import batch)
 MAX_TOKENS = 4_096  # next tokens in one language-model label (per sequence)
 #: ids the index holds per model, 160 bytes each measured (32-character ids: 160 MiB at the
@@ -48,7 +54,6 @@ _FIRST_ID = re.compile(rb'\{\s*"id"\s*:\s*("(?:[^"\\]|\\.){1,300}")')
 _READ = 8 << 20  # bytes of a segment read at once (a 64 MiB segment in eight reads)
 _SHIFT = 40  # an id's place: segment number << 40 | byte offset (segments < 1 TiB)
 _MANIFESTS = 64  # manifests kept (versions are immutable: never re-read)
-OPEN = ".open"  # the suffix of a segment being written (capture.OPEN)
 
 
 class LabelError(ClientError):
@@ -83,29 +88,6 @@ class LabelsResponse(BaseModel):
 
 
 # -- reading -------------------------------------------------------------------------------
-
-def _lines(data: bytes) -> Iterator[dict]:
-    for line in data.splitlines():
-        try:
-            value = orjson.loads(line)
-        except orjson.JSONDecodeError:  # a torn line a crash left: skipped
-            continue
-        if isinstance(value, dict) and "id" in value and "label" in value:
-            yield value
-
-
-def label_files(root: Path, model: str) -> list[Path]:
-    return sorted((Path(root) / model / LABELS).glob("*/*.jsonl"))
-
-
-def read_labels(root: Path, model: str) -> list[dict]:
-    """Every label line of MODEL under the capture folder ROOT: {"id", "label" (a class
-    index, a list of them, or token ids), "time" (Unix seconds), "source" ("api" or
-    "import")}, in file order (day, then replica); torn lines skipped."""
-    return [{"id": v["id"], "label": v["label"], "time": v.get("time"),
-             "source": v.get("source")}
-            for path in label_files(root, model) for v in _lines(path.read_bytes())]
-
 
 def _segment_key(path: Path, root: Path) -> str:
     """A segment's name relative to ROOT, without ``.open`` (it keeps it when it closes)."""
@@ -170,7 +152,7 @@ class CaptureIndex:
             data = _read_from(path, offset)
             end = data.rfind(b"\n") + 1
             if end:
-                self.labelled.update(str(v["id"]) for v in _lines(data[:end])
+                self.labelled.update(str(v["id"]) for v in label_lines(data[:end])
                                      if str(v["id"]) in self._ids)
                 self._label_offsets[path] = offset + end
         if len(self._ids) > self.max_ids:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 from orthornn.export.artifacts import drift
+from orthornn.export.artifacts.captures import array, read_records
 from orthornn.export.artifacts.package import (
     PackageError,
     check_hashes,
@@ -31,8 +32,6 @@ from orthornn.export.artifacts.package import (
     session,
 )
 from orthornn.export.artifacts.repository import check_name
-
-from .capture import array, read_records
 
 DRIFTS_EXIT = 1  # --exit-code: the newest window drifts
 
