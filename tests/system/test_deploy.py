@@ -1196,6 +1196,14 @@ def test_capture_writes_to_the_volumes_captures_folder_with_the_repository_read_
     assert mounts["/models"]["readOnly"] is True and "subPath" not in mounts["/models"]
     assert mounts["/captures"] == {"name": "models", "mountPath": "/captures",
                                    "subPath": "captures", "readOnly": False}
+    env = {e["name"]: e for e in _server(docs)["env"]}
+    assert "ORTHORNN_LABELS_TOKEN" not in env  # no labels token: the admin token only
+    docs = render(*CAPTURE, "capture.labelsToken.existingSecret=labellers")
+    env = {e["name"]: e for e in _server(docs)["env"]}
+    assert env["ORTHORNN_LABELS_TOKEN"]["valueFrom"] == {
+        "secretKeyRef": {"name": "labellers", "key": "token"}}
+    assert "ORTHORNN_LABELS_TOKEN" not in {  # capture off: no labels route, no token
+        e["name"] for e in _server(render("capture.labelsToken.existingSecret=x"))["env"]}
 
 
 def _commands(script: str, env: dict) -> list[list[str]]:
