@@ -27,7 +27,6 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -40,12 +39,17 @@ from ..system.test_deploy import _retraining_scripts, one, render
 pytestmark = pytest.mark.timeout(900)
 
 TOKEN = "labels-token-of-the-loop-test"
-# version 1 and every retraining: an LSTM baseline on rows of digits, the job's train.yaml
-TRAIN = {"arch": "lstm", "task": "classify", "hidden_size": 64, "epochs": 25,
-         "batch_size": 32, "lr": 0.005, "optimizer": "adam"}
+# version 1 and every retraining: an LSTM baseline on rows of digits, the job's train.yaml.
+# Measured on one capture of this test (docs/retraining.md, "The loop, end to end"): v1
+# 0.9834 on the test split for seeds 0-2 with this recipe (a constant 0.005 over 25 epochs
+# spread 0.956-0.989); the retrain 0.983-0.989 with 15% of each batch captured, but
+# 0.967-0.978 with 30% (the inverted digits take capacity from the original ones)
+TRAIN = {"arch": "lstm", "task": "classify", "hidden_size": 64, "epochs": 40,
+         "batch_size": 32, "lr": 0.01, "schedule": "cosine", "optimizer": "adam"}
 CHART = ("retraining.enabled=true", "capture.enabled=true",
          "retraining.trigger.enabled=true", "retraining.trigger.minLabels=1000",
          "retraining.trigger.cooldownHours=0", "retraining.fromCaptures.enabled=true",
+         "retraining.fromCaptures.dataMix=0.15",
          "retraining.trainConfig.task=classify", "retraining.gate.tolerance=0.01",
          "retraining.rollout.enabled=true", "retraining.rollout.shadow=0",
          "retraining.rollout.steps={50,100}", "retraining.rollout.intervalSeconds=2",
@@ -176,6 +180,8 @@ def test_the_loop_unattended(tmp_path):
                  "ORTHORNN_CAPTURES": str(captures), "ORTHORNN_ROLLOUT_REPLICAS": ",".join(urls),
                  "PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}"})
         out = result.stdout + result.stderr
+        with open(tmp_path / "job.log", "a") as log:  # what the Job's pod would log
+            log.write(out)
         assert result.returncode == 0, out[-4000:]
         return out
 
@@ -215,11 +221,13 @@ def test_the_loop_unattended(tmp_path):
         assert {v for _, v in load.answers} == {1, 2}  # the canary served both
         manifest = json.loads((repo / "digits" / "2" / "manifest.json").read_text())
         with np.load(runs / "captured.npz") as f:
-            learned = len(f["y"])
+            learned, segments = len(f["y"]), sorted(str(s) for s in f["segments"])
+        # every replica's segments of the shift taught it (the names they keep once closed)
+        assert {s.split("/")[-1].split("-")[0] for s in segments} == {"r0", "r1"}
         with np.load(runs / "captured-holdout.npz") as f:
             held_out = len(f["y"])
         assert learned + held_out == 400  # every label joined, the newest slice held out
-        assert manifest["lineage"]["captures"]["labels"] == learned
+        assert manifest["lineage"]["captures"] == {"segments": segments, "labels": learned}
         gate = manifest["evaluation"]["gate"]
         assert gate["passed"] and gate["gate_data"]["require_better"]
         promotion = json.loads((repo / "digits" / "promotion.json").read_text())
@@ -231,6 +239,8 @@ def test_the_loop_unattended(tmp_path):
         assert {a["version"] for a in after_test + after_shifted} == {2}
         v1 = accuracy(before_test, y[test_idx]), accuracy(before_shifted, y[test_idx])
         v2 = accuracy(after_test, y[test_idx]), accuracy(after_shifted, y[test_idx])
+        print(f"loop: test split {v1[0]:.4f} -> {v2[0]:.4f}, inverted {v1[1]:.4f} -> "
+              f"{v2[1]:.4f}, {len(load.answers)} requests during the job, gate {gate}")
         assert v2[1] >= v1[1] + 0.10, (v1, v2)  # learned the shifted inputs
         assert v2[0] >= v1[0] - 0.01, (v1, v2)  # and kept the original ones
 
@@ -239,7 +249,7 @@ def test_the_loop_unattended(tmp_path):
                            "--gate", "--gate-data", runs / "captured-holdout.npz",
                            "--require-better-on-gate-data", "--tolerance", "0.01",
                            "--no-progress", code=3)
-        assert "captured" in refused.stderr or "gate" in refused.stderr, refused.stderr
+        assert "on the held-out captured slice" in refused.stderr, refused.stderr
         assert json.loads((repo / "digits" / "promotion.json").read_text())["version"] == 2
     finally:
         for replica in replicas:
