@@ -6,8 +6,10 @@ The hidden state is not captured, so each record's inputs are run again through 
 version's graph (onnxruntime, from the repository): the outputs and states, and so the
 windows' scores, are those the service computed. Windows are per version (each has its own
 reference), of whole sequences (a session's chunks are left out, as the service leaves
-them out); only full windows are tested. ``--exit-code``: 1 when the newest window
-drifts, 0 when it does not (or no window is full yet), 2 on bad input.
+them out); only full windows are tested. Once labels arrive, the labelled error rate of
+each version and ADWIN's change in it (``service.error_rate``) are reported too.
+``--exit-code``: 1 when the newest window drifts or the error rate of the newest captured
+version rose, 0 when neither (or nothing is full or labelled yet), 2 on bad input.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 import numpy as np
 from orthornn.export.artifacts import drift
-from orthornn.export.artifacts.captures import array, read_records
+from orthornn.export.artifacts.captures import array, read_records, segments
 from orthornn.export.artifacts.package import (
     PackageError,
     check_hashes,
@@ -32,6 +34,7 @@ from orthornn.export.artifacts.package import (
     session,
 )
 from orthornn.export.artifacts.repository import check_name
+from orthornn.service.error_rate import error_rates
 
 DRIFTS_EXIT = 1  # --exit-code: the newest window drifts
 
@@ -43,8 +46,9 @@ def add_monitor_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
                     "on the predicted classes, KS on entropy or NLL, MMD on the final "
                     "state) over the records `orthornn serve --capture DIR` kept, in "
                     "windows in time order, against the reference each version's package "
-                    "recorded at export. Prints a table; exit 1 with --exit-code when the "
-                    "newest window drifts.")
+                    "recorded at export; once labels arrive, each version's labelled "
+                    "error rate and river's ADWIN over it. Prints a table; exit 1 with "
+                    "--exit-code when the newest window drifts or the error rate rose.")
     parser.add_argument("--capture", metavar="DIR", help="the capture folder (required)")
     parser.add_argument("--name", help="the model's name (required)")
     parser.add_argument("--repo", help="the model repository, where the versions' references "
@@ -60,7 +64,8 @@ def add_monitor_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
                              "(PNG; needs matplotlib, the train extra)")
     parser.add_argument("--json", metavar="FILE", help="the windows and scores as JSON")
     parser.add_argument("--exit-code", action="store_true",
-                        help="exit 1 when the newest window drifts, 0 when not (2: bad "
+                        help="exit 1 when the newest window drifts or the labelled error "
+                             "rate of the newest captured version rose, 0 when not (2: bad "
                              "input)")
     parser.set_defaults(run=run_monitor)
 
@@ -238,23 +243,42 @@ def run_monitor(args: argparse.Namespace) -> int:
     if args.plot:
         import matplotlib  # noqa: F401  # a missing train extra: one line, before the work
     windows, notes = monitor(capture, repo, name, since, window, progress=sys.stderr.isatty())
+    try:
+        rates = error_rates(capture, repo, name, since)
+    except ModuleNotFoundError as error:  # the serve image: no river
+        rates = []
+        notes.append(f"the labelled error rate is not measured: {error.name} is not "
+                     f"installed (the train extra)")
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
+    verdict = []
     if windows:
         print(table(windows))
-        alarms = sum(w.drifts for w in windows)
         newest = windows[-1]
-        print(f"{len(windows)} windows, {alarms} drifting; the newest (version "
-              f"{newest.version}, to {_iso(newest.end)}) "
-              f"{'DRIFTS' if newest.drifts else 'does not drift'}")
-    else:
-        print(f"no full window of {name}'s captured sequences yet")
+        verdict.append(f"{len(windows)} windows, {sum(w.drifts for w in windows)} "
+                       f"drifting; the newest (version {newest.version}, to "
+                       f"{_iso(newest.end)}) {'DRIFTS' if newest.drifts else 'does not drift'}")
+    for rate in rates:
+        print(f"labels: {rate.line()}")
+    # the labels speak for the version serving now (the newest captured), not a past one
+    newest_version = max((int(p.parent.parent.name) for p in segments(capture, name)),
+                         default=None)
+    rose = bool(rates) and rates[-1].rose and rates[-1].version == newest_version
+    if rose:
+        verdict.append(f"the labelled error rate of version {rates[-1].version} ROSE "
+                       f"(ADWIN: {rates[-1].before:.4f} -> {rates[-1].after:.4f})")
+    # the last line: retrain-trigger quotes it
+    print("; ".join(verdict) if verdict else f"no full window of {name}'s captured "
+                                              f"sequences yet")
+    drifts = bool(windows and windows[-1].drifts) or rose
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"model": name, "windows": [w.to_dict() for w in windows], "notes": notes,
-             "newest_drifts": bool(windows and windows[-1].drifts)}, indent=2) + "\n")
+             "newest_drifts": bool(windows and windows[-1].drifts),
+             "error_rates": [r.to_dict() for r in rates], "error_rate_rose": rose,
+             "drift": drifts}, indent=2) + "\n")
     if args.plot and windows:
         plot(windows, Path(args.plot), name)
-    if args.exit_code and windows and windows[-1].drifts:
+    if args.exit_code and drifts:
         return DRIFTS_EXIT
     return 0
