@@ -153,11 +153,10 @@ def _kernel_mean(x: np.ndarray, y: np.ndarray, bandwidth: float) -> float:
     return float(np.exp(-np.maximum(d2, 0.0) / (2 * bandwidth * bandwidth)).mean())
 
 
-def _batch_kernel_mean(x: np.ndarray, y: np.ndarray, bandwidth: float) -> np.ndarray:
-    """_kernel_mean of each draw: [R, n, p] and [R, m, p] -> [R]."""
-    d2 = ((x * x).sum(2)[:, :, None] + (y * y).sum(2)[:, None, :]
-          - 2 * (x @ y.transpose(0, 2, 1)))
-    return np.exp(-np.maximum(d2, 0.0) / (2 * bandwidth * bandwidth)).mean((1, 2))
+def _kernel_matrix(x: np.ndarray, bandwidth: float) -> np.ndarray:
+    """The Gaussian kernel between every two rows of X: [n, n]."""
+    d2 = (x * x).sum(1)[:, None] + (x * x).sum(1)[None, :] - 2 * x @ x.T
+    return np.exp(-np.maximum(d2, 0.0) / (2 * bandwidth * bandwidth))
 
 
 def median_distance(x: np.ndarray) -> float:
@@ -274,7 +273,8 @@ def chi2_mlog10p(reference: np.ndarray, window: np.ndarray) -> np.ndarray:
 
 
 def _counts(classes: np.ndarray, num_classes: int) -> np.ndarray:
-    """Per draw [R, n] of class indices, the count of each class [R, num_classes]."""
+    """Per draw [R, n] of class indices, the count of each class [R, num_classes] (also
+    how often each reference row is drawn: rows as classes)."""
     offsets = classes + num_classes * np.arange(len(classes))[:, None]
     return np.bincount(offsets.ravel(), minlength=len(classes) * num_classes
                        ).reshape(len(classes), num_classes)
@@ -333,14 +333,18 @@ def calibrate(tests: tuple[str, ...], summaries: dict[str, np.ndarray], bandwidt
     drawn = np.take_along_axis(b, rng.integers(n - half, size=(rounds, window)), 1)
     null = {t: list(v) for t, v in p_statistics(tests, take(summaries, a),
                                                  take(summaries, drawn), num_classes).items()}
-    if "state" in tests:  # the MMD's null: the same formula as mmd2, 50 draws at a time
-        states = summaries["projected"]
-        null["state"] = []
-        for start in range(0, min(rounds, MMD_ROUNDS), 50):
-            x, y = states[drawn[start:start + 50]], states[a[start:start + 50, :MAX_KERNEL]]
-            kxx, kyy, kxy = (_batch_kernel_mean(u, v, bandwidth)
-                             for u, v in ((x, x), (y, y), (x, y)))
-            null["state"].extend(np.maximum(kxx + kyy - 2 * kxy, 0.0).tolist())
+    if "state" in tests:  # the MMD's null: mmd2 of each draw, from one kernel matrix
+        # (a draw's kernel mean over rows X and Y is cx' K cy / (|X| |Y|) with cx, cy the
+        # rows' counts: every pair's kernel computed once, not once per draw)
+        r = min(rounds, MMD_ROUNDS)
+        k = _kernel_matrix(summaries["projected"], bandwidth)
+        cx, cy = _counts(drawn[:r], n), _counts(a[:r, :MAX_KERNEL], n)
+        w, m = drawn.shape[1], min(half, MAX_KERNEL)
+        cx, cy = cx.astype(np.float64), cy.astype(np.float64)
+        kx, ky = cx @ k, cy @ k
+        kxx, kyy = (kx * cx).sum(1) / (w * w), (ky * cy).sum(1) / (m * m)
+        kxy = (kx * cy).sum(1) / (w * m)
+        null["state"] = np.maximum(kxx + kyy - 2 * kxy, 0.0).tolist()
     level = 1 - alpha / len(tests)
     thresholds = {}
     for test in tests:

@@ -130,3 +130,22 @@ def test_a_package_without_a_reference_still_loads_and_measures_no_drift(digits,
         monitor = app.state.dataplane.drift.monitors[("digits", 1)]
         assert monitor.reference is None and monitor.pending == [] and monitor.windows == 0
         assert 'orthornn_drift_score{' not in c.get("/metrics").text
+
+
+def test_the_mmd_null_is_mmd2_of_each_calibration_draw():
+    """The calibration's MMD null (one kernel matrix, the draws as row counts) equals the
+    live formula, drift.mmd2, run on each draw's rows: the same halves and windows drawn
+    from the same seed, with repeats."""
+    rng = np.random.default_rng(5)
+    n, rounds = 120, 40
+    states = rng.normal(size=(n, drift.PROJECTION))
+    bandwidth = drift.median_distance(states)
+    found = drift.calibrate(("state",), {"projected": states}, bandwidth, 1, rounds=rounds)
+    draw = np.random.default_rng(drift.SEED)  # the calibration's draws, again
+    orders = np.stack([draw.permutation(n) for _ in range(rounds)])
+    a, b = orders[:, :n // 2], orders[:, n // 2:]
+    drawn = np.take_along_axis(b, draw.integers(n - n // 2, size=(rounds, drift.WINDOW)), 1)
+    null = [drift.mmd2(states[drawn[r]], states[a[r, :drift.MAX_KERNEL]], bandwidth)
+            for r in range(rounds)]
+    assert found["null_quantiles"]["state"] == pytest.approx(
+        [float(np.quantile(null, q)) for q in (0.5, 0.9, 0.99)], rel=1e-9, abs=1e-12)
