@@ -36,11 +36,15 @@ tools: $(VENV)/.installed
 images: $(VENV)/.installed-serve
 	bash scripts/images.sh
 
+# The unit tests on two workers (they run so in make check every day), then the rest in
+# one process: the servers, load tests and images measure throughput, which a second
+# process beside them would disturb.
 test: $(VENV)/.installed tools lint docs
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal tests/unit
+	$(BIN)/python -m pytest -q --ignore=tests/unit
 
 # Day-to-day work: the lint and the unit tests (tests/unit/: no servers, no images, no
-# Debian tools) on every core, under two minutes on 2 cores. make test stays the whole suite.
+# Debian tools) on every core, under two minutes on 2 cores. make test runs the whole suite.
 check: lint
 	$(BIN)/python -m pytest -q -n auto --dist worksteal tests/unit
 
