@@ -1,5 +1,5 @@
 """A training data set from the captures (``orthornn capture dataset``, docs/capture.md):
-the labels (``labels.read_labels``) joined to the captured records by request id, within
+the labels (``captures.first_labels``) joined to the captured records by request id, within
 a late-label window, one record per id (a retry captured twice is kept once), split by
 time (the newest labelled share held out), written as the .npz that ``orthornn train
 --task classify --data`` reads (x, lengths, y, labels) with provenance arrays training
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import orjson
-from orthornn.export.artifacts.captures import OPEN, array, read_labels
+from orthornn.export.artifacts.captures import OPEN, array, first_labels
 from orthornn.export.artifacts.package import read_manifest
 from orthornn.export.artifacts.records import atomic_write
 from orthornn.export.artifacts.repository import check_name
@@ -187,12 +187,7 @@ def build(root: Path, model: str, *, since: str | None = None, window_days: floa
     if not (root / model).is_dir():
         raise ValueError(f"--capture: no captures of model {model!r} in {str(root)!r}")
     summary = Summary()
-    labels: dict[str, dict] = {}
-    for line in sorted(read_labels(root, model), key=lambda v: v.get("time") or 0.0):
-        if line["id"] in labels:  # labelled twice (two replicas at once): the first
-            summary.duplicates += 1
-            continue
-        labels[line["id"]] = line
+    labels, summary.duplicates = first_labels(root, model)
     seen: set[str] = set()
     rows: list[_Row] = []
     outputs: dict[int, dict[int, str]] = {}

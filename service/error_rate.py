@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from orthornn.export.artifacts.captures import array, read_labels, read_records
+from orthornn.export.artifacts.captures import array
 from orthornn.export.artifacts.package import PackageError, read_manifest
 
 # ADWIN's confidence (river's default): a change is declared when two sub-windows' means
@@ -97,15 +97,11 @@ def predicted(outputs: Any) -> list[int] | None:
     return None
 
 
-def streams(capture: Path, name: str, since: float | None = None
+def streams(records: list[dict], labels: dict[str, dict], since: float | None = None
             ) -> dict[int, list[tuple[float, bool]]]:
-    """Per version, (time, wrong) of every labelled sequence of NAME's captures, in the
-    order the answers were given; a request captured twice counts once, as its first
-    label does."""
-    labels: dict[str, Any] = {}
-    for line in sorted(read_labels(capture, name), key=lambda v: v.get("time") or 0.0):
-        labels.setdefault(line["id"], line["label"])
-    records, _ = read_records(capture, name)
+    """Per version, (time, wrong) of every labelled sequence of the captured RECORDS, in
+    the order the answers were given; LABELS: a label line by id (``first_labels``); a
+    request captured twice counts once."""
     seen: set[str] = set()
     out: dict[int, list[tuple[float, bool]]] = {}
     for r in sorted(records, key=lambda r: r.get("time", 0)):
@@ -114,7 +110,7 @@ def streams(capture: Path, name: str, since: float | None = None
                 (since is not None and r.get("time", 0) < since):
             continue
         seen.add(rid)
-        label = labels[rid]
+        label = labels[rid]["label"]
         truth = label if isinstance(label, list) else [label]
         given = predicted(r.get("outputs"))
         if given is None or len(given) != len(truth) or \
@@ -143,12 +139,13 @@ def adwin(wrong: list[bool], delta: float = DELTA) -> tuple[int | None, int]:
     return last, width
 
 
-def error_rates(capture: Path, repo: Path, name: str, since: float | None = None
-                ) -> list[ErrorRate]:
-    """The labelled error rate of each version of NAME with labelled answers, and ADWIN's
-    last change in it. ModuleNotFoundError when river (the train extra) is missing."""
+def error_rates(records: list[dict], labels: dict[str, dict], repo: Path, name: str,
+                since: float | None = None) -> list[ErrorRate]:
+    """The labelled error rate of each version of NAME with labelled answers among its
+    captured RECORDS, and ADWIN's last change in it. ModuleNotFoundError when river (the
+    train extra) is missing."""
     rates = []
-    for version, items in sorted(streams(capture, name, since).items()):
+    for version, items in sorted(streams(records, labels, since).items()):
         wrong = [w for _, w in items]
         try:
             manifest = read_manifest(Path(repo) / name / str(version))

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 from orthornn.export.artifacts import drift
-from orthornn.export.artifacts.captures import array, read_records, segments
+from orthornn.export.artifacts.captures import array, first_labels, read_records
 from orthornn.export.artifacts.package import (
     PackageError,
     check_hashes,
@@ -131,12 +131,11 @@ def _sequences(records: list[dict], since: float | None) -> dict[int, list[tuple
     return out
 
 
-def monitor(capture: Path, repo: Path, name: str, since: float | None = None,
+def monitor(records: list[dict], repo: Path, name: str, since: float | None = None,
             window: int | None = None, progress: bool = False) -> tuple[list[Window], list[str]]:
-    """The tested windows of NAME's captures (all versions, by their end time), and notes
-    (versions left out, and why)."""
-    records, torn = read_records(capture, name)
-    notes = [f"{torn} torn lines skipped"] if torn else []
+    """The tested windows of NAME's captured RECORDS (all versions, by their end time), and
+    notes (versions left out, and why)."""
+    notes: list[str] = []
     windows: list[Window] = []
     for version, items in sorted(_sequences(records, since).items()):
         path = repo / name / str(version)
@@ -242,9 +241,13 @@ def run_monitor(args: argparse.Namespace) -> int:
     since, window = parse_since(args.since), parse_window(args.window)
     if args.plot:
         import matplotlib  # noqa: F401  # a missing train extra: one line, before the work
-    windows, notes = monitor(capture, repo, name, since, window, progress=sys.stderr.isatty())
+    records, torn = read_records(capture, name)  # once, for the windows and the labels
+    windows, notes = monitor(records, repo, name, since, window,
+                             progress=sys.stderr.isatty())
+    if torn:
+        notes.insert(0, f"{torn} torn lines skipped")
     try:
-        rates = error_rates(capture, repo, name, since)
+        rates = error_rates(records, first_labels(capture, name)[0], repo, name, since)
     except ModuleNotFoundError as error:  # the serve image: no river
         rates = []
         notes.append(f"the labelled error rate is not measured: {error.name} is not "
@@ -261,8 +264,8 @@ def run_monitor(args: argparse.Namespace) -> int:
     for rate in rates:
         print(f"labels: {rate.line()}")
     # the labels speak for the version serving now (the newest captured), not a past one
-    newest_version = max((int(p.parent.parent.name) for p in segments(capture, name)),
-                         default=None)
+    newest_version = max((r["version"] for r in records
+                          if isinstance(r.get("version"), int)), default=None)
     rose = bool(rates) and rates[-1].rose and rates[-1].version == newest_version
     if rose:
         verdict.append(f"the labelled error rate of version {rates[-1].version} ROSE "

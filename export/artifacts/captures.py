@@ -68,3 +68,16 @@ def read_labels(root: Path, model: str) -> list[dict]:
     return [{"id": v["id"], "label": v["label"], "time": v.get("time"),
              "source": v.get("source")}
             for path in label_files(root, model) for v in label_lines(path.read_bytes())]
+
+
+def first_labels(root: Path, model: str) -> tuple[dict[str, dict], int]:
+    """MODEL's label lines by request id, the earliest (by its time) of an id labelled
+    twice (two replicas at once), and how many later ones were left out."""
+    labels: dict[str, dict] = {}
+    duplicates = 0
+    for line in sorted(read_labels(root, model), key=lambda v: v.get("time") or 0.0):
+        if line["id"] in labels:
+            duplicates += 1
+        else:
+            labels[line["id"]] = line
+    return labels, duplicates

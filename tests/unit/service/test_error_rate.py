@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from orthornn.export.artifacts.captures import first_labels, read_records
 from orthornn.service.error_rate import error_rates, predicted, streams
 
 DAY = "2026-11-28"
@@ -19,6 +20,11 @@ T0 = 1_795_800_000.0
 def _logits(rows: list[list[float]]) -> dict:
     a = np.asarray(rows, dtype="<f4")
     return {"dtype": "<f4", "shape": list(a.shape), "b64": base64.b64encode(a.tobytes()).decode()}
+
+
+def _rates(capture: Path, repo: Path) -> list:
+    """error_rates of model m as orthornn monitor reads them: the records and labels once."""
+    return error_rates(read_records(capture, "m")[0], first_labels(capture, "m")[0], repo, "m")
 
 
 def _write(capture: Path, version: int, wrong: list[bool], *, start: int = 0,
@@ -57,7 +63,7 @@ def test_a_planted_rise_is_found_where_it_was_planted(tmp_path):
     rng = np.random.default_rng(0)
     wrong = list(rng.random(400) < 0.05) + list(rng.random(400) < 0.5)
     _write(tmp_path, 1, wrong)
-    (rate,) = error_rates(tmp_path, tmp_path / "no-repo", "m")
+    (rate,) = _rates(tmp_path, tmp_path / "no-repo")
     assert (rate.version, rate.labelled, rate.errors) == (1, 800, sum(wrong))
     assert rate.rate == pytest.approx(np.mean(wrong)) and rate.expected is None
     assert rate.rose and 400 <= rate.change_at < 550, rate  # within 150 answers of it
@@ -83,7 +89,7 @@ def test_a_steady_rate_has_no_change_and_unlabelled_answers_do_not_count(tmp_pat
     wrong = list(rng.random(600) < 0.1)
     _write(tmp_path, 1, wrong)
     _write(tmp_path, 1, [True] * 200, start=600, labelled=False)  # never labelled
-    (rate,) = error_rates(tmp_path, tmp_path, "m")
+    (rate,) = _rates(tmp_path, tmp_path)
     assert rate.labelled == 600 and rate.errors == sum(wrong)
     assert rate.change_at is None and not rate.rose
     assert "ADWIN: no change" in rate.line()
@@ -96,9 +102,9 @@ def test_each_version_is_its_own_stream_and_a_retry_counts_once(tmp_path):
     extra = tmp_path / "m" / "2" / DAY / "r1-1.jsonl"
     extra.write_text((tmp_path / "m" / "2" / DAY / "r0-50.jsonl").read_text().splitlines()[0]
                      + "\n")
-    found = streams(tmp_path, "m")
+    found = streams(read_records(tmp_path, "m")[0], first_labels(tmp_path, "m")[0])
     assert {v: len(s) for v, s in found.items()} == {1: 50, 2: 30}
-    assert [r.rate for r in error_rates(tmp_path, tmp_path, "m")] == [0.0, 1.0]
+    assert [r.rate for r in _rates(tmp_path, tmp_path)] == [0.0, 1.0]
 
 
 def test_monitor_reports_it_and_its_exit_code_counts_a_rise(tmp_path, capsys):
