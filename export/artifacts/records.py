@@ -114,9 +114,11 @@ def write_json(path: str | Path, data: Any) -> None:
 
 def replace_json(path: str | Path, data: Any) -> None:
     """``write_json`` of a record; the caller holds the lock, so a killed writer's
-    temporary files are removed first (nobody else writes)."""
+    temporary files are removed first: those of every JSON record in the folder, which are
+    all written under this lock (a writer killed mid-rollout.json is swept by the next
+    promotion too)."""
     path = Path(path)
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+    for stale in path.parent.glob(".*.json.*.tmp"):
         with contextlib.suppress(OSError):
             stale.unlink()
     write_json(path, data)
