@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
-from orthornn.export.artifacts.captures import OPEN, array, first_labels
+from orthornn.export.artifacts.captures import OPEN, array, first_labels, line_records
 from orthornn.export.artifacts.package import read_manifest
 from orthornn.export.artifacts.records import atomic_write
 from orthornn.export.artifacts.repository import check_name
@@ -99,15 +98,12 @@ def _records(paths: list[Path], root: Path, summary: Summary, show: bool
             except FileNotFoundError:  # closed by rename meanwhile
                 data = (root / name).read_bytes()
             for line in data.splitlines():
-                try:
-                    record = orjson.loads(line)
-                except orjson.JSONDecodeError:
+                found = line_records(line)  # a batch's line: its requests' records
+                if not found or not all(isinstance(r.get("id"), str) for r in found):
                     summary.torn += 1
                     continue
-                if isinstance(record, dict) and isinstance(record.get("id"), str):
+                for record in found:
                     yield name, record
-                else:
-                    summary.torn += 1
             if bar is not None:
                 bar.set_postfix_str(f"records={summary.records}", refresh=False)
                 bar.update(sizes[path])

@@ -31,6 +31,7 @@ from orthornn.export.artifacts.captures import (  # noqa: F401 (read_labels re-e
     OPEN,
     label_files,
     label_lines,
+    line_records,
     read_labels,
 )
 from orthornn.export.artifacts.manifest import Manifest
@@ -175,10 +176,10 @@ class CaptureIndex:
                 continue
             start, base = segment.offset, segment.number << _SHIFT
             for line in data[:end - 1].split(b"\n"):
-                rid = _line_id(line)
-                if rid is not None and rid not in self._ids:  # a retry's twin: the first
-                    self._ids[rid] = base | start
-                    segment.ids.append(rid)
+                for rid in _line_ids(line):
+                    if rid not in self._ids:  # a retry's twin: the first
+                        self._ids[rid] = base | start
+                        segment.ids.append(rid)
                 start += len(line) + 1
             segment.offset += end
             if len(data) < size:
@@ -216,9 +217,10 @@ class CaptureIndex:
                     return None
                 data += more
                 size *= 2
-            return orjson.loads(data[:data.index(b"\n")])
-        except (FileNotFoundError, orjson.JSONDecodeError):
+            found = line_records(data[:data.index(b"\n")]) or []
+        except FileNotFoundError:
             return None
+        return next((r for r in found if r.get("id") == rid), None)  # a batch's: its own
 
 
 
@@ -233,6 +235,18 @@ def _read_from(path: Path, offset: int, size: int = -1, alt: str | None = None) 
         except FileNotFoundError:
             continue
     raise FileNotFoundError(path)
+
+
+def _line_ids(line: bytes) -> list[str]:
+    """The request ids of a segment's line: a batch's (its ``ids``) or a request's."""
+    if line.startswith(b'{"ids":'):  # a batch's line, as capture writes it
+        try:
+            ids = orjson.loads(line).get("ids")
+        except orjson.JSONDecodeError:  # a torn line: never an id
+            return []
+        return [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
+    rid = _line_id(line)
+    return [] if rid is None else [rid]
 
 
 def _line_id(line: bytes) -> str | None:

@@ -12,6 +12,11 @@ answered 200 (its /metrics), and each server's resident memory growth over the r
 CPU time per request (its event loop's and the whole process's) are reported. Prints a
 table and writes bench/results/capture.json.
 
+--client wrk (where wrk and taskset are installed): the load comes from wrk pinned to the
+first CPU, each server's threads pinned to the last, each request with an id of its own
+(a Lua script), as the peer harness measures; the asyncio client shares the CPUs with the
+servers, and its rounds spread twice as wide on a 2-core machine.
+
 With --nothing-lost N, instead: N requests (each id once) from --concurrency clients to
 one server capturing every request, SIGKILL once half are answered, a restart on the same
 folder, the rest of the ids sent to it; then every request answered 200 must be on disk
@@ -19,6 +24,7 @@ exactly once (a torn last line at most, cut and counted at the restart). Writes
 bench/results/capture_nothing_lost.json.
 
     python bench/load/capture.py [--round-s 2] [--rounds 8] [--concurrency 32] [--hidden 64]
+                                 [--client asyncio|wrk]
     python bench/load/capture.py --nothing-lost 20000
 """
 
@@ -45,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import write_result  # noqa: E402
-from bench.load.client import Server, build_package, load, summary  # noqa: E402
+from bench.load.client import Server, build_package, load  # noqa: E402
 
 MEMORY_LIMIT_KIB = 16 << 10  # the issue's bound on a failing disk's memory growth
 
@@ -124,6 +130,58 @@ def bodies_for(args: argparse.Namespace) -> list[bytes]:
         for _ in range(64)]
 
 
+WRK_SCRIPT = """
+local n, body = 0, %s
+request = function()
+  n = n + 1
+  return wrk.format("POST", "/predict", {["Content-Type"] = "application/json",
+                    ["X-Request-Id"] = string.format("%%s-%%d", id, n)}, body)
+end
+done = function(summary, latency)
+  local errors = summary.errors.status + summary.errors.connect + summary.errors.read
+                 + summary.errors.write + summary.errors.timeout
+  io.write(string.format("RESULT %%d %%d %%d %%d %%d\\n", summary.duration,
+           summary.requests, errors, latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+
+class Wrk:
+    """c=CONCURRENCY load from wrk on CPU 0, the body of /predict BODY, every request an id
+    of its own (a prefix per round); servers pinned to the last CPU (``pin``)."""
+
+    def __init__(self, work: Path, body: bytes, concurrency: int):
+        self.script = work / "ids.lua"
+        self.script.write_text("id = os.getenv('WRK_ID') or 'w'\n"
+                               + WRK_SCRIPT % json.dumps(body.decode()))
+        self.concurrency, self.rounds = concurrency, 0
+        self.cpu = (os.cpu_count() or 2) - 1
+
+    def pin(self, pid: int) -> None:
+        subprocess.run(["taskset", "-a", "-c", "-p", str(self.cpu), str(pid)], check=True,
+                       capture_output=True)
+
+    def run(self, port: int, seconds: float) -> tuple[float, int, int, float, float]:
+        """(seconds, requests, errors, p50 s, p99 s) of one round."""
+        self.rounds += 1
+        out = subprocess.run(
+            ["taskset", "-c", "0", "wrk", "-t1", f"-c{self.concurrency}",
+             f"-d{max(1, round(seconds))}s", "-s", str(self.script),
+             f"http://127.0.0.1:{port}/predict"], capture_output=True, text=True,
+            env={**os.environ, "WRK_ID": f"wrk{self.rounds}"}, check=True).stdout
+        us, n, errors, p50, p99 = map(int, out.rpartition("RESULT ")[2].split()[:5])
+        return us / 1e6, n, errors, p50 / 1e6, p99 / 1e6
+
+
+def _round(result: tuple) -> tuple[float, int, int, float, float]:
+    """One round as (seconds, requests, errors, p50 s, p99 s), from either client."""
+    if len(result) == 5:
+        return result
+    seconds, latencies, errors = result
+    return (seconds, len(latencies), len(errors), float(np.percentile(latencies, 50)),
+            float(np.percentile(latencies, 99)))
+
+
 def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
     """The alternated rounds; a row per server."""
     flags = {"off": [], "off again": [],
@@ -137,7 +195,7 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
         mounts.append(work / "ro")
         flags["every request, read-only"] = ["--capture", str(work / "ro")]
     servers = {name: Server(repo, True, extra) for name, extra in flags.items()}
-    runs: dict[str, list] = {name: [] for name in servers}
+    runs: dict[str, list[tuple[float, int, int, float, float]]] = {n: [] for n in servers}
     # CPU seconds of each round: the event loop's, the whole process's
     spent: dict[str, list[tuple[float, float]]] = {name: [] for name in servers}
     others: list[float] = []  # each round's CPU share taken by other processes
@@ -145,9 +203,21 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
     try:
         for s in servers.values():
             s.wait_ready()
-        requests = requests_with_ids(bodies_for(args), 100_000)
+        if args.client == "wrk":
+            wrk = Wrk(work, bodies_for(args)[0], args.concurrency)
+            for s in servers.values():
+                wrk.pin(s.proc.pid)
+
+            def measure(port: int, seconds: float) -> tuple:
+                return wrk.run(port, seconds)
+        else:
+            requests = requests_with_ids(bodies_for(args), 100_000)
+
+            def measure(port: int, seconds: float) -> tuple:
+                return _round(asyncio.run(load(port, requests, args.concurrency, seconds,
+                                               10**9)))
         for s in servers.values():  # a first round each, not measured: every path warm
-            asyncio.run(load(s.port, requests, args.concurrency, 0.5, 10**9))
+            measure(s.port, 1)
         memory_before = {n: rss_kib(s.proc.pid) for n, s in servers.items()}
         names = list(servers)
         for r in range(args.rounds):
@@ -156,11 +226,10 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
             for name in names[r % len(names):] + names[:r % len(names)]:
                 pid = servers[name].proc.pid
                 loop, process = cpu_s(pid, True), cpu_s(pid, False)
-                runs[name].append(asyncio.run(load(servers[name].port, requests,
-                                                   args.concurrency, args.round_s, 10**9)))
+                runs[name].append(measure(servers[name].port, args.round_s))
                 spent[name].append((cpu_s(pid, True) - loop, cpu_s(pid, False) - process))
                 ours += spent[name][-1][1]
-            ours += time.process_time() - own  # the load client
+            ours += time.process_time() - own  # the load client (wrk: counted as others)
             others.append(max(0.0, machine_busy_s() - busy - ours)
                           / ((time.perf_counter() - wall) * (os.cpu_count() or 1)))
             print(f"round {r + 1}/{args.rounds}: other processes took "
@@ -171,17 +240,19 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
         base = [runs["off"][r] for r in chosen]
         for name in names:
             mine = [runs[name][r] for r in chosen]
-            row = summary(mine, digits=3, seconds=False)
-            ratios = [len(o[1]) / o[0] / max(len(b[1]) / b[0], 1e-9)
+            row = {"requests": sum(o[1] for o in mine), "errors": sum(o[2] for o in mine),
+                   "throughput": round(float(np.median([o[1] / o[0] for o in mine])), 1),
+                   "p50_ms": round(float(np.median([o[3] for o in mine])) * 1e3, 3),
+                   "p99_ms": round(float(np.median([o[4] for o in mine])) * 1e3, 3)}
+            ratios = [o[1] / o[0] / max(b[1] / b[0], 1e-9)
                       for b, o in zip(base, mine, strict=True)]
-            p99s = [float(np.percentile(o[1], 99) / np.percentile(b[1], 99))
-                    for b, o in zip(base, mine, strict=True)]
+            p99s = [o[4] / max(b[4], 1e-9) for b, o in zip(base, mine, strict=True)]
             row["ratio"] = round(float(np.median(ratios)), 3)
             row["ratios"] = [round(x, 3) for x in ratios]
             row["p99_ratio"] = round(float(np.median(p99s)), 3)
             row["p99_ratios"] = [round(x, 3) for x in p99s]
             # CPU per request: less moved than the throughput by what else runs here
-            done = sum(len(o[1]) for o in mine)
+            done = sum(o[1] for o in mine)
             row["loop_cpu_us"] = round(sum(spent[name][r][0] for r in chosen) / done * 1e6, 1)
             row["process_cpu_us"] = round(sum(spent[name][r][1] for r in chosen) / done
                                           * 1e6, 1)
@@ -287,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", type=float, default=0.15, metavar="SHARE",
                         help="the ratios are taken over the rounds in which other processes "
                              "used at most this share of the CPUs (all, if under 3 do)")
+    parser.add_argument("--client", choices=("asyncio", "wrk"), default="asyncio",
+                        help="the load client: this script's asyncio one on the CPUs the "
+                             "servers use, or wrk and the servers pinned to CPUs of their own")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.nothing_lost < 0:

@@ -16,14 +16,63 @@ from typing import Any
 import numpy as np
 import orjson
 
+from .scoring import softmax
+
 OPEN = ".open"  # the suffix of the segment a replica is writing
 LABELS = "labels"  # DIR/<model>/labels/: beside the version folders
 
 
-def array(value: dict[str, Any]) -> np.ndarray:
-    """The array a record holds: its dtype, shape and little-endian bytes in base64."""
+def array(value: dict[str, Any] | np.ndarray) -> np.ndarray:
+    """The array a record holds: its dtype, shape and little-endian bytes in base64 (as a
+    line holds it), or the array itself (as ``records_of`` gives a batch's)."""
+    if isinstance(value, np.ndarray):
+        return value
     data = base64.b64decode(value["b64"])
     return np.frombuffer(data, dtype=np.dtype(value["dtype"])).reshape(value["shape"])
+
+
+def records_of(value: Any) -> list[dict[str, Any]]:
+    """The records of one parsed line, one per request: a line of one request (a session's
+    chunk) as it is; a batch's line (``ids``: its sampled requests, service.capture) split
+    into theirs, each with the fields a request's line has: ``inputs`` a list of arrays,
+    ``outputs`` one item per sequence (a classifier's ``index`` and ``probabilities``, a
+    language model's ``log_likelihood``, else the graph's output by its name). A value
+    that is neither gives none."""
+    if not isinstance(value, dict):
+        return []
+    if "ids" not in value:
+        return [value] if "id" in value else []
+    lengths = value["lengths"]
+    cuts = np.cumsum(lengths)[:-1]
+    inputs = np.split(array(value["inputs"]), cuts)
+    kind, name, out = value["outputs"]["kind"], value["outputs"]["name"], \
+        array(value["outputs"]["value"])
+    if kind == "classify":  # the probabilities /predict answered: its float64 softmax
+        items: list[dict] = [{"index": int(row.argmax()), "probabilities": row.tolist()}
+                             for row in softmax(out.astype(np.float64))]
+    elif kind == "lm":
+        items = [{"log_likelihood": float(v)} for v in out]
+    else:  # "steps": a row per step of each sequence; "rows": one per sequence
+        items = [{name: row} for row in (np.split(out, cuts) if kind == "steps" else out)]
+    records, start = [], 0
+    for rid, route, count, compute in zip(value["ids"], value["routes"], value["sequences"],
+                                          value["compute_ms"], strict=True):
+        records.append({"id": rid, "time": value["time"], "route": route,
+                        "model": value["model"], "version": value["version"],
+                        "inputs": inputs[start:start + count],
+                        "outputs": items[start:start + count], "session": None,
+                        "position": None, "compute_ms": compute})
+        start += count
+    return records
+
+
+def line_records(line: bytes) -> list[dict[str, Any]] | None:
+    """The records of one line of a segment; None for a line that is not whole JSON (a
+    torn last line of a killed writer)."""
+    try:
+        return records_of(orjson.loads(line))
+    except orjson.JSONDecodeError:
+        return None
 
 
 def segments(root: Path, model: str) -> list[Path]:
@@ -39,10 +88,11 @@ def read_records(root: Path, model: str) -> tuple[list[dict[str, Any]], int]:
     records, torn = [], 0
     for path in segments(root, model):
         for line in path.read_bytes().splitlines():
-            try:
-                records.append(orjson.loads(line))
-            except orjson.JSONDecodeError:
+            found = line_records(line)
+            if found is None:
                 torn += 1
+            else:
+                records.extend(found)
     return records, torn
 
 

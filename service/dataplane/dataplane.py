@@ -15,7 +15,7 @@ import numpy as np
 from orthornn.export.artifacts.package import INITIAL_STATE
 
 from .. import request
-from ..capture import Capture, keep_answer
+from ..capture import Capture, Tag, keep_answer
 from ..drift import Drift
 from ..errors import (
     SECRET_HEADER,
@@ -67,7 +67,7 @@ def _secret(header: str | None, field: object, name: str) -> str | None:
 
 class DataPlane:
     def __init__(self, settings: Settings, registry: Registry,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, capture: Capture | None = None):
         self.settings, self.registry, self.metrics = settings, registry, metrics
         # server-side sessions: in this process or in a Redis the replicas share
         self.sessions = Sessions(open_store(settings, metrics), registry, metrics=metrics,
@@ -79,12 +79,15 @@ class DataPlane:
         # live drift against each version's reference (off: not even a method call)
         self.drift = Drift(metrics, settings.drift_window, settings.drift_interval_s) \
             if settings.drift else None
-        self.capture = None if settings.capture is None else Capture(
-            settings.capture, settings.capture_sample, metrics,
-            replica=settings.capture_replica, retention_days=settings.capture_retention_days)
-        # labels of the captures, written beside them as the replica capture claimed
-        self.label_store = None if settings.capture is None or self.capture is None else \
-            LabelStore(settings.capture, settings.repo, self.capture.replica, metrics)
+        # capture (create_app's: the batchers record with it too), and the labels of the
+        # captures, written beside them as the replica capture claimed
+        self.capture = capture
+        self.label_store = None if settings.capture is None or capture is None else \
+            LabelStore(settings.capture, settings.repo, capture.replica, metrics)
+
+    def _tag(self, route: str, mv: ModelVersion) -> Tag | None:
+        """Capture's tag of this request (None: capture off, or not sampled)."""
+        return None if self.capture is None else self.capture.tag(route, mv.name, mv.version)
 
     def observe(self, held: request.Scope, status: int) -> None:
         """An answered request, for a running rollout's analysis: counted only when the
@@ -192,11 +195,10 @@ class DataPlane:
                     for i, (s, st) in enumerate(zip(seqs, req.states, strict=True))]
             else:
                 batch = list(seqs)
-            outputs, _, raw = await self._run(mv, batch, req)
+            outputs, _, raw = await self._run(mv, batch, req, self._tag("/predict", mv))
             if req.states is None and not req.per_step:
                 self.shadows.after(mv, lambda spec: predict_sequences(
                     spec, req, self.settings.max_request_sequences), raw)
-        keep_answer(self.capture, "/predict", mv.name, mv.version, batch, outputs)
         return PredictResult(Served(mv.name, mv.version, warning), outputs)
 
     async def _predict_session(self, req: Prediction, secret: str | None) -> PredictResult:
@@ -251,15 +253,15 @@ class DataPlane:
                     held.candidate_refused = True
             raise
 
-    async def _run(self, mv: ModelVersion, seqs: list, req: Prediction
+    async def _run(self, mv: ModelVersion, seqs: list, req: Prediction, tag: Tag | None = None
                    ) -> tuple[list[dict], list[np.ndarray], list[np.ndarray]]:
         """(The /predict outputs, the state after each sequence, the graph's output per
-        sequence.)"""
+        sequence.) TAG: capture's, the request recorded with its batch."""
         spec = mv.spec
         if req.per_step and spec.task not in ("classify", "regress"):
             raise ClientError(f"per_step: for classify and regress models; {spec.task} "
                               f"models already answer every step")
-        rows = await mv.infer(seqs, per_step=req.per_step, probabilities=True)
+        rows = await mv.infer(seqs, per_step=req.per_step, probabilities=True, tag=tag)
         if self.drift is not None and not req.per_step:
             self.drift.observe(mv, seqs, rows)
         out = shape_outputs(spec, rows, seqs, req.top_k, req.per_step, req.allow_unk)
@@ -334,7 +336,8 @@ class DataPlane:
             with self.hold(name, number) as mv:
                 seqs, steps = self._infer_sequences(mv, req)
                 warning = self._range_warning(mv, seqs, "inputs[x]")
-                tensors = await self._infer_run(mv, req, seqs, steps)
+                tensors = await self._infer_run(mv, req, seqs, steps,
+                                                self._tag("infer", mv))
                 if stateless:
                     self._shadow_infer(mv, req, seqs, tensors)
             served = Served(mv.name, mv.version, warning)
@@ -342,10 +345,9 @@ class DataPlane:
         outputs = [t for t in tensors if wanted is None or t.name in wanted]
         if wanted is not None:
             outputs.sort(key=lambda t: wanted.index(t.name))
-        if self.capture is not None:  # capture off: not even the outputs' dict is built
+        if self.capture is not None and req.sequence is not None:  # a session's chunk
             keep_answer(self.capture, "infer", served.model, served.version, seqs,
-                        {t.name: t.data for t in outputs},
-                        None if req.sequence is None else req.sequence.id, position)
+                        {t.name: t.data for t in outputs}, req.sequence.id, position)
         return InferenceResult(served, outputs, req.id, position=position,
                                session_secret=given)
 
@@ -359,16 +361,17 @@ class DataPlane:
             spec, req, spec.io["model"], self.settings.max_request_sequences,
             self.settings.max_lm_output_bytes))
 
-    async def _infer_run(self, mv: ModelVersion, req: Inference, seqs: list, steps: int
-                         ) -> list[OutputTensor]:
-        """Every output of the model, as tensors [B, ...] (the request's outputs checked)."""
+    async def _infer_run(self, mv: ModelVersion, req: Inference, seqs: list, steps: int,
+                         tag: Tag | None = None) -> list[OutputTensor]:
+        """Every output of the model, as tensors [B, ...] (the request's outputs checked).
+        TAG: capture's, the request recorded with its batch."""
         runtime = mv.runtime
         names = runtime.output_names["model"]
         unknown = [o.name for o in req.outputs or () if o.name not in names]
         if unknown:
             raise ClientError(f"outputs: unknown output {unknown[0]!r}; the model has {names}")
         datatypes = {o.name: o.datatype for o in mv.spec.io["model"].outputs}
-        rows = await mv.infer(seqs)
+        rows = await mv.infer(seqs, tag=tag)
         if self.drift is not None:
             self.drift.observe(mv, seqs, rows)
         tensors = outputs_to_tensors(rows, names, steps, runtime.per_step["model"])

@@ -16,6 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..capture import open_capture
 from ..dataplane.dataplane import DataPlane
 from ..dataplane.metadata import server_version
 from ..errors import ServiceError
@@ -41,10 +42,11 @@ def create_app(settings: Settings, providers: ProviderChoice | None = None) -> F
     if providers is None:
         providers = select_providers(settings.providers, settings.device)
     executor = ThreadPoolExecutor(settings.inference_workers, thread_name_prefix="orthornn-run")
-    batching = Batching(settings, metrics, executor)  # attaches the batchers
+    capture = open_capture(settings, metrics)  # None: off
+    batching = Batching(settings, metrics, executor, capture)  # attaches the batchers
     registry = Registry(settings, metrics, providers.providers,
                         on_load=batching.attach, on_release=batching.close)
-    dataplane = DataPlane(settings, registry, metrics)
+    dataplane = DataPlane(settings, registry, metrics, capture)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -56,9 +58,9 @@ def create_app(settings: Settings, providers: ProviderChoice | None = None) -> F
         await dataplane.shadows.close()
         if dataplane.drift is not None:
             dataplane.drift.close()
-        if dataplane.capture is not None:  # what is queued written, every segment closed
+        await registry.close()  # the batchers' last batches, their records written
+        if dataplane.capture is not None:  # every segment closed
             dataplane.capture.close()
-        await registry.close()
         executor.shutdown(wait=True)
 
     app = FastAPI(title="orthornn inference service", version=server_version(),

@@ -30,6 +30,7 @@ class _Item:
     prepare: bool = False  # its rows go through the batcher's prepare step
     enqueued: float = field(default_factory=time.perf_counter)
     context: Any = None  # tracing on: the request's context (its span), for its spans
+    tag: Any = None  # capture samples it: its part in the batch's record (the recorder's)
 
 
 def groups(lengths: list[int], max_batch_size: int) -> list[list[int]]:
@@ -51,8 +52,13 @@ class Batcher:
                  workers: int, enabled: bool = True, metrics: Metrics | None = None,
                  model: str = "",
                  prepare: Callable[[list[dict]], None] | None = None,
-                 tracer: Tracer | None = None):
+                 tracer: Tracer | None = None,
+                 record: Callable[[list[tuple[Any, list, list[dict], float]]], None] | None
+                 = None):
         self.run = run
+        # capture on: the batch's tagged requests (tag, sequences, rows, compute seconds),
+        # written in the inference thread before their answers go back
+        self.record = record
         self.tracer = tracer  # None: tracing off
         self.prepare = prepare  # once per batch, on the rows of submit(prepare=True)
         self.executor = executor
@@ -82,13 +88,13 @@ class Batcher:
         #: inside submit()); a batch waits for more only while one of them is on its way
         self.holders: Callable[[], int] | None = None
 
-    async def submit(self, sequences: list[np.ndarray], *, prepare: bool = False
-                     ) -> list[dict]:
+    async def submit(self, sequences: list[np.ndarray], *, prepare: bool = False,
+                     tag: Any = None) -> list[dict]:
         """This request's output rows (one dict per sequence, in order). PREPARE: the
         batch's prepare step runs on them, once for the rows of all its requests that ask
-        for it."""
+        for it. TAG: the request is recorded with its batch (``record``)."""
         loop = asyncio.get_running_loop()
-        item = _Item(sequences, loop.create_future(), prepare)
+        item = _Item(sequences, loop.create_future(), prepare, tag=tag)
         if self.tracer is not None:
             item.context = self.tracer.context()
         with self._lock:
@@ -278,7 +284,22 @@ class Batcher:
             else:  # a request that did not fail has every row filled
                 outcomes.append((True, rows[offset:offset + n]))
             offset += n
+        if self.record is not None:
+            self._record(items, outcomes)
         return outcomes
+
+    def _record(self, items: list[_Item], outcomes: list[tuple[bool, Any]]) -> None:
+        """The batch's tagged requests that did not fail, to the recorder (which counts
+        its own failures; one here never fails the batch)."""
+        now = time.perf_counter()
+        captured = [(item.tag, item.sequences, value, now - item.enqueued)
+                    for item, (ok, value) in zip(items, outcomes, strict=True)
+                    if ok and item.tag is not None]
+        if captured:
+            try:
+                self.record(captured)  # type: ignore[misc]
+            except Exception:
+                log.exception("capture: the record of a batch of model %r failed", self.model)
 
     # -- back on the event loop -------------------------------------------------------
 

@@ -11,8 +11,10 @@ outputs) when the package has it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor
 from functools import partial
+from typing import Any, Protocol
 
 import numpy as np
 from orthornn.export.artifacts.scoring import log_softmax, softmax
@@ -45,11 +47,20 @@ def prepare_rows(spec: ModelSpec, rows: list[dict]) -> None:
             row[LOG_PROBABILITIES] = log_softmax(row[spec.output_name].astype(np.float64))
 
 
+class Recorder(Protocol):
+    """Capture, as the batchers see it (``service.capture.Capture``)."""
+
+    def recorder(self, spec: ModelSpec, model: str, version: int, graph: str, timed: bool
+                 ) -> Callable[[list[Any]], None]: ...
+
+
 class Batching:
-    def __init__(self, settings: Settings, metrics: Metrics, executor: Executor):
+    def __init__(self, settings: Settings, metrics: Metrics, executor: Executor,
+                 capture: Recorder | None = None):
         self.settings = settings
         self.metrics = metrics
         self.executor = executor  # the inference threads, shared by every model
+        self.capture = capture  # on: each batcher records its batches' sampled requests
         # tracing on: the queue and inference spans (ValueError when the extra is missing)
         self.tracer = open_tracing(settings.tracing)
 
@@ -64,7 +75,10 @@ class Batching:
                         max_queue_size=s.max_queue_size, workers=s.inference_workers,
                         enabled=s.batching, metrics=self.metrics, model=mv.name,
                         prepare=partial(prepare_rows, spec) if prepare else None,
-                        tracer=self.tracer)
+                        tracer=self.tracer,
+                        record=None if self.capture is None else self.capture.recorder(
+                            spec, mv.name, mv.version, graph,
+                            spec.output_name in runtime.per_step[graph]))
             b.holders = mv.on_the_way  # a batch waits only for requests on their way
             return b
         mv.batcher = batcher("model", prepare=True)

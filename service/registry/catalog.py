@@ -59,12 +59,13 @@ class ModelVersion:
                 if b is not None]
 
     async def infer(self, sequences: list, *, per_step: bool = False,
-                    probabilities: bool = False) -> list[dict]:
+                    probabilities: bool = False, tag: Any = None) -> list[dict]:
         """The output rows of SEQUENCES (arrays, or Chunks that continue from a state), one
         dict per sequence in order, batched with other requests'. PER_STEP: the "steps"
         graph (an output after every step); PROBABILITIES: the batch's prepare step adds
-        them (``batching.prepare_rows``). The compute time (queue and inference) is the
-        request's: a running rollout compares its versions' over the requests it placed."""
+        them (``batching.prepare_rows``); TAG: capture's, recorded with the batch. The
+        compute time (queue and inference) is the request's: a running rollout compares its
+        versions' over the requests it placed."""
         batcher = self.batcher
         if per_step:
             if self.steps_batcher is None:
@@ -72,7 +73,7 @@ class ModelVersion:
                                   f"no per-step graph; export it again")
             batcher = self.steps_batcher
         start = time.perf_counter()
-        rows = await batcher.submit(sequences, prepare=probabilities)
+        rows = await batcher.submit(sequences, prepare=probabilities, tag=tag)
         request.current().compute_s = time.perf_counter() - start
         return rows
 

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from orthornn.service.capture import array, read_records
+from orthornn.service.capture import read_records
 from orthornn.service.http.app import create_app
 from orthornn.service.settings import Settings
 
@@ -62,14 +62,21 @@ def test_a_record_holds_what_the_model_saw_and_what_the_client_got(repo, tmp_pat
     assert torn == 0 and set(by_id) == {"client-7", "oip-1", made.headers["X-Request-Id"]}
     rec = by_id["client-7"]
     assert (rec["model"], rec["version"], rec["route"]) == ("digits", 1, "/predict")
-    # the inputs as the model saw them (float32), the outputs as the client got them
+    # the inputs as the model saw them (float32), the outputs the client's answer was made
+    # from: the probabilities (its top-k is their order) and the most likely class
     (seen,) = rec["inputs"]  # exact: the float32 bytes, in base64
-    assert seen["dtype"] == "<f4" and np.array_equal(array(seen), np.float32(x))
-    assert rec["outputs"] == r.json()["outputs"]
+    assert seen.dtype == np.float32 and np.array_equal(seen, np.float32(x))
+    (answer,), (kept,) = r.json()["outputs"], rec["outputs"]
+    assert kept == {"index": answer["index"], "probabilities": answer["probabilities"]}
+    order = np.argsort(-np.array(kept["probabilities"]), kind="stable")[:2]
+    assert [t["index"] for t in answer["top_k"]] == order.tolist()
     assert rec["compute_ms"] > 0 and rec["session"] is None
-    logits = {o["name"]: o["data"] for o in oip.json()["outputs"]}["logits"]
-    assert np.array_equal(np.ravel(array(by_id["oip-1"]["outputs"]["logits"])),
-                          np.float32(logits))
+    # OIP: the logits the client got, as probabilities (numpy's softmax of them)
+    logits = np.float64({o["name"]: o["data"] for o in oip.json()["outputs"]}["logits"])
+    expected = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    (oip_kept,) = by_id["oip-1"]["outputs"]
+    assert by_id["oip-1"]["route"] == "infer"
+    np.testing.assert_allclose(oip_kept["probabilities"], expected, rtol=1e-6)  # JSON floats
     (chunk,) = read_records(tmp_path / "cap", "adding")[0]
     assert (chunk["id"], chunk["session"], chunk["position"]) == ("chunk-0", "s", 1)
     assert 'orthornn_capture_records_total{model="digits"} 3.0' in metrics

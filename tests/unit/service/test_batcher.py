@@ -364,3 +364,44 @@ def test_the_prepare_step_runs_once_per_batch_on_the_rows_that_ask_for_it():
         assert marks(await b.submit([seq(5)])) == [False]
         assert prepared == [[2.0, 4.0, 8.0]]  # a batch that does not ask: never called
     asyncio.run(main())
+
+
+def test_a_batchs_tagged_requests_are_recorded_once_before_any_answer_goes_back():
+    """Capture's hook: one call per batch with the tagged requests that did not fail (tag,
+    sequences, rows, compute time), in the inference thread, before the answers are
+    delivered; untagged requests and a failed length group's are not in it; a recorder
+    that raises fails no request."""
+    calls: list[tuple[list, bool, str]] = []
+    futures: list[asyncio.Future] = []
+
+    def run(seqs):
+        if any(s.shape[0] == 7 for s in seqs):
+            raise ValueError("bad group")
+        return [{"y": 2 * s} for s in seqs]
+
+    def record(captured):
+        answered = any(f.done() for f in futures)
+        calls.append(([(tag, own(rows), compute > 0) for tag, _, rows, compute in captured],
+                      answered, threading.current_thread().name))
+        if len(calls) == 2:
+            raise RuntimeError("a broken recorder")
+
+    async def main():
+        with ThreadPoolExecutor(1, thread_name_prefix="infer") as pool:
+            b = batcher(run, pool, record=record, max_queue_delay_ms=20_000)
+            b.holders = lambda: 4
+            tasks = [asyncio.ensure_future(b.submit(s, tag=t)) for s, t in (
+                ([seq(1), seq(2)], "a"), ([seq(3)], None),
+                ([np.ones((7, 1), np.float32)], "failed"), ([seq(4)], "d"))]
+            futures.extend(tasks)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            assert [own(r) for r in results if not isinstance(r, Exception)] == \
+                [[2.0, 4.0], [6.0], [8.0]] and isinstance(results[2], ValueError)
+            b.holders = lambda: 1
+            assert own(await b.submit([seq(5)], tag="e")) == [10.0]  # recorder raised
+            assert own(await b.submit([seq(6)])) == [12.0]  # nothing tagged: no call
+        assert calls[0][0] == [("a", [2.0, 4.0], True), ("d", [8.0], True)]
+        assert [c[0] for c in calls[1:]] == [[("e", [10.0], True)]]
+        assert calls[0][1] is False  # none of the first batch's requests answered yet
+        assert all(name.startswith("infer") for _, _, name in calls)
+    asyncio.run(main())

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import types
 
 import numpy as np
 import orjson
@@ -341,3 +342,124 @@ def test_a_folder_that_cannot_be_prepared_serves_on_and_counts_the_drops(tmp_pat
     keep_all(c, [record(i) for i in range(3)])
     assert dropped(metrics, "error") == 3
     c.close()
+
+
+# -- a batch's records, written in its inference thread ---------------------------------------
+
+def _b64(a: np.ndarray) -> dict:
+    a = np.ascontiguousarray(a)
+    return {"dtype": a.dtype.str, "shape": list(a.shape),
+            "b64": base64.b64encode(a.tobytes()).decode()}
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def test_a_batch_is_one_line_its_requests_read_back_one_record_each(tmp_path):
+    """A classifier's batch of three sampled requests (one of two sequences, one a Chunk
+    continuing a state): one line, against json/base64 built here; read back, each
+    request's record holds its own sequences and the softmax numpy computes of its rows."""
+    metrics = Metrics()
+    c = Capture(tmp_path, 1.0, metrics, replica="a", clock=lambda: T0)
+    spec = types.SimpleNamespace(task="classify", output_name="logits")
+    record = c.recorder(spec, "m", 2, "model", timed=False)
+    rng = np.random.default_rng(0)
+    def x(n):
+        return rng.normal(size=(n, 2)).astype(np.float32)
+    seqs = [[x(3)], [x(5), x(1)], [Chunk(x(2), np.zeros(4, np.float32))]]
+    logits = rng.normal(size=(4, 3)).astype(np.float32)
+    rows = [[{"logits": logits[0]}], [{"logits": logits[1]}, {"logits": logits[2]}],
+            [{"logits": logits[3]}]]
+    tags = [capture_module.Tag("p-1", "/predict"), capture_module.Tag("o-1", "infer"),
+            capture_module.Tag("s-1", "/predict")]
+    record([(t, s, r, 0.0021) for t, s, r in zip(tags, seqs, rows, strict=True)])
+    c.close()
+    (line,) = (tmp_path / "m" / "2" / "2026-09-21" / "a-1.jsonl").read_bytes().splitlines()
+    flat = [seqs[0][0], *seqs[1], seqs[2][0].data]
+    p = _softmax(logits.astype(np.float64))
+    assert orjson.loads(line) == {
+        "ids": ["p-1", "o-1", "s-1"], "routes": ["/predict", "infer", "/predict"],
+        "sequences": [1, 2, 1], "compute_ms": [2.1, 2.1, 2.1], "time": T0, "model": "m",
+        "version": 2, "lengths": [3, 5, 1, 2], "inputs": _b64(np.concatenate(flat)),
+        "outputs": {"kind": "classify", "name": "logits", "value": _b64(logits)}}
+    records, torn = read_records(tmp_path, "m")
+    assert torn == 0 and [r["id"] for r in records] == ["p-1", "o-1", "s-1"]
+    for i, (r, n) in enumerate(zip(records, [1, 2, 1], strict=True)):
+        first = sum([1, 2, 1][:i])
+        assert (r["route"], r["version"], r["time"], r["session"]) == \
+            (tags[i].route, 2, T0, None)
+        assert len(r["inputs"]) == n and all(
+            np.array_equal(a, b) for a, b in zip(r["inputs"], flat[first:first + n], strict=True))
+        for item, row in zip(r["outputs"], p[first:first + n], strict=True):
+            assert item == {"index": int(np.argmax(row)), "probabilities": row.tolist()}
+    assert metrics.registry.get_sample_value("orthornn_capture_records_total",
+                                             {"model": "m"}) == 3
+
+
+def test_a_language_models_batch_keeps_each_sequences_log_likelihood(tmp_path):
+    """LM rows: the log-likelihood of each sequence's tokens after its first, from the
+    prepare step's log-probabilities or, without them (OIP), from the logits: both against
+    numpy's log-softmax; per-step outputs of another graph go in a row per step."""
+    c = Capture(tmp_path, 1.0, replica="a", clock=lambda: T0)
+    rng = np.random.default_rng(1)
+    tokens = [np.array([1, 4, 2, 0], np.int64), np.array([3], np.int64)]
+    logits = [rng.normal(size=(n, 5)).astype(np.float32) for n in (4, 1)]
+
+    def logp(z):
+        z = z.astype(np.float64) - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+    rows = [{"logits": logits[0], "_log_probabilities": logp(logits[0])}, {"logits": logits[1]}]
+    lm = types.SimpleNamespace(task="lm", output_name="logits")
+    c.recorder(lm, "lm", 1, "model", timed=True)(
+        [(capture_module.Tag("a", "/predict"), [tokens[0]], [rows[0]], 0.001),
+         (capture_module.Tag("b", "infer"), [tokens[1]], [rows[1]], 0.001)])
+    steps = types.SimpleNamespace(task="classify", output_name="logits")
+    y = rng.normal(size=(3, 2)).astype(np.float32)
+    x = rng.normal(size=(3, 1)).astype(np.float32)
+    c.recorder(steps, "st", 1, "steps", timed=True)(
+        [(capture_module.Tag("c", "/predict"), [x], [{"logits": y}], 0.001)])
+    c.close()
+    a, b = read_records(tmp_path, "lm")[0]
+    expected = logp(logits[0])[np.arange(3), tokens[0][1:]].sum()
+    assert a["outputs"] == [{"log_likelihood": pytest.approx(expected, rel=1e-12)}]
+    assert b["outputs"] == [{"log_likelihood": 0.0}]  # one token: nothing scored
+    assert np.array_equal(a["inputs"][0], tokens[0]) and a["inputs"][0].dtype == np.int64
+    (st,), torn = read_records(tmp_path, "st")
+    assert torn == 0 and np.array_equal(st["outputs"][0]["logits"], y)
+
+
+def test_a_batch_that_cannot_be_written_counts_each_of_its_records(tmp_path, monkeypatch):
+    metrics = Metrics()
+    c = Capture(tmp_path, 1.0, metrics, replica="a", clock=lambda: T0)
+    spec = types.SimpleNamespace(task="classify", output_name="logits")
+    record = c.recorder(spec, "m", 1, "model", timed=False)
+
+    def refuse(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(c, "_segment", refuse)
+    x = np.zeros((2, 1), np.float32)
+    record([(capture_module.Tag(f"r{i}", "/predict"), [x], [{"logits": np.zeros(3)}], 0.0)
+            for i in range(4)])
+    assert dropped(metrics, "disk_full") == 4
+    with request.opened() as scope:  # for a second no request of it is tagged (nor encoded)
+        scope.id = "next"
+        assert c.tag("/predict", "m", 1) is None and c.tag("/predict", "other", 1) is not None
+    assert dropped(metrics, "disk_full") == 5
+
+
+def test_the_sample_decides_the_tag_on_the_event_loop(tmp_path):
+    c = Capture(tmp_path, 0.3, replica="a", clock=lambda: T0)
+    ids = [f"q{i}" for i in range(2_000)]
+    tagged = []
+    for rid in ids:
+        with request.opened() as scope:
+            scope.id = rid
+            tag = c.tag("infer", "m", 1)
+            if tag is not None:
+                assert tag == capture_module.Tag(rid, "infer")
+                tagged.append(rid)
+    assert tagged == [i for i in ids if sampled(i, 0.3)]
+    with request.opened():  # no id (capture was off when the request came)
+        assert c.tag("infer", "m", 1) is None
