@@ -39,10 +39,14 @@ from .test_sessions_cluster import metric
 
 pytestmark = pytest.mark.timeout(900)
 
+# a thread each: the fixture trains three at once, and runs that each take both cores
+# oversubscribe them (ten times slower in test_loop.py)
 DIGITS = ["--arch", "scornn", "--task", "digits", "--hidden", "16", "--batch-size", "32",
-          "--optimizer", "adam", "--lr", "0.01", "--no-progress", "--log-every", "100"]
+          "--optimizer", "adam", "--lr", "0.01", "--no-progress", "--log-every", "100",
+          "--threads", "1"]
 ADDING = ["--arch", "svdrnn", "--task", "adding", "--hidden", "8", "--batch-size", "16",
-          "--optimizer", "adam", "--lr", "0.02", "--no-progress", "--log-every", "100"]
+          "--optimizer", "adam", "--lr", "0.02", "--no-progress", "--log-every", "100",
+          "--threads", "1"]
 
 
 def orthornn(*args: object, code: int = 0) -> subprocess.CompletedProcess:
@@ -65,8 +69,8 @@ def models(tmp_path_factory) -> Models:
     def digits() -> None:  # versions 1 (promoted) and 2 (the good candidate)
         orthornn("train", *DIGITS, "--steps", "200", "--out", runs / "digits")
         orthornn("export", runs / "digits", "--repo", repo, "--name", "digits", "--no-progress")
-        orthornn("train", "--resume", "--out", runs / "digits", "--steps", "260", "--select",
-                 "last", "--no-progress")
+        orthornn("train", "--resume", "--threads", "1", "--out", runs / "digits", "--steps",
+                 "260", "--select", "last", "--no-progress")
         orthornn("export", runs / "digits", "--repo", repo, "--name", "digits", "--gate",
                  "--no-promote", "--no-progress")
 
