@@ -93,11 +93,11 @@ class Clients:
                 try:
                     r = client.post(self.urls[i % len(self.urls)] + "/predict", json=body,
                                     headers={"X-Request-Id": f"load-{k}-{i}"})
-                except httpx.HTTPError as error:
-                    self.failures.append(repr(error))
+                    i += self.threads
+                    self.answers.append((r.status_code, r.json().get("version")))
+                except Exception as error:  # any failure is the test's: kept
+                    self.failures.append(repr(error))  # a client thread never dies silently
                     continue
-                i += self.threads
-                self.answers.append((r.status_code, r.json().get("version")))
                 if r.status_code != 200:
                     self.failures.append(f"{r.status_code} {r.text[:200]}")
 
@@ -219,7 +219,8 @@ def test_the_loop_unattended(tmp_path):
         assert "orthornn retrain-trigger: fires: drift detected" in out, out[-3000:]
         assert not load.failures, load.failures[:5]
         assert len(load.answers) >= 40 and {s for s, _ in load.answers} == {200}
-        assert {v for _, v in load.answers} == {1, 2}  # the canary served both
+        # the canary served both
+        assert {v for _, v in load.answers} == {1, 2}, (len(load.answers), out[-3000:])
         manifest = json.loads((repo / "digits" / "2" / "manifest.json").read_text())
         with np.load(runs / "captured.npz") as f:
             learned, segments = len(f["y"]), sorted(str(s) for s in f["segments"])
