@@ -36,10 +36,11 @@ def add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--tolerance", default="0",
                         help="with --gate: how much worse than the promoted version the "
                              "candidate may be, in the metric's units (default 0)")
-    parser.add_argument("--gate-data", metavar="HOLDOUT.npz",
+    parser.add_argument("--gate-data", metavar="HOLDOUT",
                         help="with --gate: also judge the candidate and the promoted version on "
                              "this held-out captured slice (orthornn capture dataset's "
-                             "holdout), each through its own graph: refused if worse on it "
+                             "holdout: an .npz for classify, a text corpus for lm, scored as "
+                             "perplexity), each through its own graph: refused if worse on it "
                              "beyond --tolerance (default: the test split only)")
     parser.add_argument("--require-better-on-gate-data", action="store_true",
                         help="with --gate-data: also refused unless better than the promoted "

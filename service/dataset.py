@@ -1,10 +1,17 @@
 """A training data set from the captures (``orthornn capture dataset``, docs/capture.md):
 the labels (``captures.first_labels``) joined to the captured records by request id, within
 a late-label window, one record per id (a retry captured twice is kept once), split by
-time (the newest labelled share held out), written as the .npz that ``orthornn train
---task classify --data`` reads (x, lengths, y, labels) with provenance arrays training
-ignores (ids, times, segments, versions). Torch-free: numpy, orjson, and tqdm when it is
-installed."""
+time (the newest labelled share held out), and written as what ``orthornn train`` reads:
+
+- a classifier's: the .npz of ``--task classify --data`` (x, lengths, y, labels) with
+  provenance arrays training ignores (ids, times, segments, versions);
+- a language model's: the text corpus of ``--task lm --corpus``, a document (one line) per
+  labelled sequence, its input tokens then its labelled next tokens as words of the
+  vocabulary of the version that answered (``<unk>`` and ``<eos>`` as their markers,
+  ``export.artifacts.vocabulary.word_text``), and the provenance in a JSON sidecar
+  (``sidecar``: FILE.json; ids, times, versions, segments, and each document's token ids).
+
+Torch-free: numpy, orjson, and tqdm when it is installed."""
 
 from __future__ import annotations
 
@@ -18,12 +25,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 from orthornn.export.artifacts.captures import OPEN, array, first_labels, line_records
-from orthornn.export.artifacts.package import read_manifest
+from orthornn.export.artifacts.package import Manifest, read_manifest, read_vocabulary
 from orthornn.export.artifacts.records import atomic_write
 from orthornn.export.artifacts.repository import check_name
+from orthornn.export.artifacts.vocabulary import UNK, sidecar, word_text
 
 MIN_EXAMPLES = 10  # training's minimum (training/tasks/user.py load_npz)
+# an lm corpus: training splits each file by document (every 20th to validation, the next
+# to test: 12 documents at least) and reads at least 100 words (training/corpus.py)
+LM_MIN_EXAMPLES, LM_MIN_WORDS = 12, 100
+TASKS = ("classify", "lm")
+CORPUS_FORMAT = "orthornn-captured-corpus/1"
 DAY = 86_400.0
 
 
@@ -38,13 +52,17 @@ class Summary:
     classes: dict[str, int] = field(default_factory=dict)  # class name -> sequences
     train: int = 0  # sequences in FILE
     holdout: int = 0  # sequences in FILE2
+    task: str = "classify"  # or lm
+    tokens: int = 0  # lm: the tokens written (FILE and FILE2)
+    unmapped: int = 0  # lm: of them, ids the vocabulary has no word for (written as <unk>)
 
     def lines(self) -> list[str]:
         per_class = ", ".join(f"{name}: {n}" for name, n in self.classes.items())
         return [f"records {self.records}, labelled {self.labelled}, unlabelled "
                 f"{self.unlabelled}, late labels {self.late}, duplicates {self.duplicates}"
                 + (f", torn lines {self.torn}" if self.torn else ""),
-                f"per class: {per_class or '-'}",
+                f"tokens {self.tokens}, not in the vocabulary {self.unmapped} (written as "
+                f"{UNK})" if self.task == "lm" else f"per class: {per_class or '-'}",
                 f"train {self.train} sequences, holdout {self.holdout}"]
 
 
@@ -113,27 +131,129 @@ def _records(paths: list[Path], root: Path, summary: Summary, show: bool
 
 
 @dataclass
-class _Row:
+class _Labelled:
+    """A captured record joined to its label (as service.labels normalised it)."""
+
     id: str
     time: float
     version: int
     segment: str
-    x: np.ndarray  # [T, d] float32
-    y: int
+    inputs: list[np.ndarray]
+    label: Any
+    outputs: Any
 
 
-def _class_names(rows_versions: set[int], repo: Path | None, model: str,
+@dataclass
+class _Row:
+    """One labelled sequence."""
+
+    id: str
+    time: float
+    version: int
+    segment: str
+    x: np.ndarray  # classify: [T, d] float32; lm: the token ids, inputs then next tokens
+    y: int = -1  # classify: the class index
+
+
+def _join(root: Path, model: str, since: str | None, window_days: float, summary: Summary,
+          progress: bool) -> list[_Labelled]:
+    """MODEL's captured records with a label in the window, each id once, counted."""
+    labels, summary.duplicates = first_labels(root, model)
+    seen: set[str] = set()
+    joined: list[_Labelled] = []
+    for segment, record in _records(segments(root, model, since), root, summary, progress):
+        summary.records += 1
+        rid = record["id"]
+        if rid in seen:  # the same request captured twice (a retry): the first kept
+            summary.duplicates += 1
+            continue
+        seen.add(rid)
+        label = labels.get(rid)
+        if label is None:
+            summary.unlabelled += 1
+            continue
+        when = float(record.get("time") or 0.0)
+        if float(label.get("time") or 0.0) - when > window_days * DAY:
+            summary.late += 1
+            continue
+        summary.labelled += 1
+        joined.append(_Labelled(rid, when, int(record["version"]), segment,
+                                [array(v) for v in record.get("inputs") or []],
+                                label["label"], record.get("outputs")))
+    return joined
+
+
+def _manifests(repo: Path | None, model: str, versions: set[int]) -> dict[int, Manifest]:
+    """The manifests of the versions that answered (none without --repo)."""
+    if repo is None:
+        return {}
+    return {v: read_manifest(Path(repo) / model / str(v)) for v in sorted(versions)}
+
+
+def _is_tokens(x: np.ndarray) -> bool:
+    return x.ndim == 1 and x.dtype.kind in "iu"
+
+
+def _task(joined: list[_Labelled], manifests: dict[int, Manifest], model: str) -> str:
+    """classify or lm: the manifests' task (--repo), else what the records hold (token ids:
+    lm). ValueError for another task, versions of two tasks, or lm without --repo."""
+    for v, manifest in manifests.items():
+        if manifest.task not in TASKS:
+            raise ValueError(f"model {model!r} version {v} is a {manifest.task} model; the "
+                             f"data set is for {' and '.join(TASKS)} models")
+    tasks = {m.task for m in manifests.values()}
+    if len(tasks) > 1:
+        raise ValueError(f"versions of {model!r} differ in their task ({', '.join(sorted(tasks))}"
+                         f"); use --since to take one version's captures")
+    if tasks:
+        return tasks.pop()
+    if joined and all(_is_tokens(x) for j in joined for x in j.inputs):
+        raise ValueError(f"--repo: the captures of {model!r} are a language model's (token "
+                         f"ids); the corpus is written in words, by the vocabulary of the "
+                         f"version that answered: pass --repo REPO")
+    return "classify"
+
+
+def _classify_rows(joined: list[_Labelled], model: str) -> list[_Row]:
+    """A row per sequence: its float inputs [T, d] and its class index."""
+    rows: list[_Row] = []
+    for j in joined:
+        ys = j.label if isinstance(j.label, list) else [j.label]
+        if len(ys) != len(j.inputs) or not all(isinstance(y, int) for y in ys) or \
+                any(x.ndim != 2 or x.dtype.kind != "f" for x in j.inputs):
+            raise ValueError(f"record {j.id!r} of model {model!r} is not a classifier's "
+                             f"(float inputs [T, d], one class index per sequence)")
+        rows.extend(_Row(j.id, j.time, j.version, j.segment, x.astype(np.float32), int(y))
+                    for x, y in zip(j.inputs, ys, strict=True))
+    return rows
+
+
+def _lm_rows(joined: list[_Labelled], model: str) -> list[_Row]:
+    """A row per sequence: its input tokens, then its labelled next tokens."""
+    rows: list[_Row] = []
+    for j in joined:
+        label = j.label
+        nexts = [label] if isinstance(label, list) and all(
+            isinstance(t, int) for t in label) else label
+        if not isinstance(nexts, list) or len(nexts) != len(j.inputs) or not all(
+                isinstance(n, list) and all(isinstance(t, int) for t in n) for n in nexts) \
+                or not all(_is_tokens(x) for x in j.inputs):
+            raise ValueError(f"record {j.id!r} of model {model!r} is not a language model's "
+                             f"(token-id inputs [T], a list of next token ids per sequence)")
+        rows.extend(_Row(j.id, j.time, j.version, j.segment,
+                         np.concatenate([x.astype(np.int64), np.asarray(n, np.int64)]))
+                    for x, n in zip(j.inputs, nexts, strict=True))
+    return rows
+
+
+def _class_names(rows_versions: set[int], manifests: dict[int, Manifest], model: str,
                  outputs: dict[int, dict[int, str]], sizes: dict[int, int]) -> list[str]:
-    """The class names: from the manifests of the versions that answered (REPO), or from
+    """The class names: from the manifests of the versions that answered (--repo), or from
     what the records' outputs named (``label``/``index`` pairs) without one."""
-    if repo is not None:
+    if manifests:
         names: list[str] | None = None
         for v in sorted(rows_versions):
-            manifest = read_manifest(Path(repo) / model / str(v))
-            if manifest.task != "classify":
-                raise ValueError(f"model {model!r} version {v} is a "
-                                 f"{manifest.task} model; the data set is for classify "
-                                 f"models (the lm task trains on a text --corpus)")
+            manifest = manifests[v]
             found = [str(n) for n in manifest.labels or range(manifest.output_spec.size)]
             if names is not None and found != names:
                 raise ValueError(f"versions of {model!r} differ in their "
@@ -168,11 +288,66 @@ def _output_classes(outputs: Any) -> tuple[int, dict[int, str]]:
     return size, names
 
 
+def _classes(joined: list[_Labelled], rows: list[_Row], manifests: dict[int, Manifest],
+             model: str) -> list[str]:
+    """The class names of a classifier's rows, every class index checked against them."""
+    outputs: dict[int, dict[int, str]] = {}
+    sizes: dict[int, int] = {}
+    for j in joined:
+        size, names = _output_classes(j.outputs)
+        sizes[j.version] = max(sizes.get(j.version, 0), size)
+        outputs.setdefault(j.version, {}).update(names)
+    classes = _class_names({r.version for r in rows}, manifests, model, outputs, sizes)
+    if rows and max(r.y for r in rows) >= len(classes):
+        raise ValueError(f"class index {max(r.y for r in rows)} outside the "
+                         f"{len(classes)} classes of {model!r} (pass --repo to read them from "
+                         f"the manifests)")
+    widths = {r.x.shape[1] for r in rows}
+    if len(widths) > 1:
+        raise ValueError(f"the records of {model!r} differ in their feature "
+                         f"size {sorted(widths)}; use --since to take one version's captures")
+    return classes
+
+
+def _by_time(rows: list[_Row], share: float) -> tuple[list[_Row], list[_Row]]:
+    """(older, newest SHARE of the records), each in time order; a record's sequences stay
+    together."""
+    order = sorted({(r.time, r.id) for r in rows})
+    held = round(len(order) * share)
+    newest = set(order[len(order) - held:]) if held else set()
+    train = sorted((r for r in rows if (r.time, r.id) not in newest), key=lambda r: r.time)
+    holdout = sorted((r for r in rows if (r.time, r.id) in newest), key=lambda r: r.time)
+    return train, holdout
+
+
+def _too_few(task: str, train: list[_Row], holdout: list[_Row], share: float, model: str,
+             summary: Summary) -> None:
+    """ValueError when a part has fewer sequences (and, lm, words) than training needs."""
+    parts = [train, holdout] if share > 0 else [train]
+    least, words = (LM_MIN_EXAMPLES, LM_MIN_WORDS) if task == "lm" else (MIN_EXAMPLES, 0)
+    if all(len(p) >= least and _words(p) >= words for p in parts):
+        return
+    need = f"{least} sequences and {words} words" if words else f"{least}"
+    counted = f"words {_words(train)} and {_words(holdout)}; " if words else ""
+    raise ValueError(f"too few labelled sequences of {model!r}: "
+                     f"{len(train)} to train on and {len(holdout)} held out (training "
+                     f"needs at least {need} in each; {counted}labelled records "
+                     f"{summary.labelled}, unlabelled {summary.unlabelled}, late labels "
+                     f"{summary.late})")
+
+
+def _words(rows: list[_Row]) -> int:
+    """The tokens training reads of an lm part: each document's, and its closing <eos>."""
+    return sum(len(r.x) + 1 for r in rows)
+
+
 def build(root: Path, model: str, *, since: str | None = None, window_days: float = 7.0,
           holdout_share: float = 0.2, repo: Path | None = None, progress: bool = True
-          ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], Summary]:
-    """The train and holdout arrays of MODEL's labelled captures under ROOT, and the
-    counts. ValueError naming the flag for a bad argument or too few labelled records."""
+          ) -> tuple[dict[str, Any], dict[str, Any], Summary]:
+    """The train and holdout parts of MODEL's labelled captures under ROOT, and the counts:
+    a classifier's arrays (``_arrays``), a language model's corpus (``_corpus``; needs
+    REPO, whose vocabularies map the token ids to words). ValueError naming the flag for a
+    bad argument or too few labelled records."""
     root = Path(root)
     check_name(model)
     since = check_since(since)
@@ -183,68 +358,26 @@ def build(root: Path, model: str, *, since: str | None = None, window_days: floa
     if not (root / model).is_dir():
         raise ValueError(f"--capture: no captures of model {model!r} in {str(root)!r}")
     summary = Summary()
-    labels, summary.duplicates = first_labels(root, model)
-    seen: set[str] = set()
-    rows: list[_Row] = []
-    outputs: dict[int, dict[int, str]] = {}
-    sizes: dict[int, int] = {}
-    for segment, record in _records(segments(root, model, since), root, summary, progress):
-        summary.records += 1
-        rid = record["id"]
-        if rid in seen:  # the same request captured twice (a retry): the first kept
-            summary.duplicates += 1
-            continue
-        seen.add(rid)
-        label = labels.get(rid)
-        if label is None:
-            summary.unlabelled += 1
-            continue
-        when = float(record.get("time") or 0.0)
-        if float(label.get("time") or 0.0) - when > window_days * DAY:
-            summary.late += 1
-            continue
-        version = int(record["version"])
-        size, names = _output_classes(record.get("outputs"))
-        sizes[version] = max(sizes.get(version, 0), size)
-        outputs.setdefault(version, {}).update(names)
-        inputs = [array(v) for v in record.get("inputs") or []]
-        ys = label["label"] if isinstance(label["label"], list) else [label["label"]]
-        if len(ys) != len(inputs) or not all(isinstance(y, int) for y in ys) or \
-                any(x.ndim != 2 or x.dtype.kind != "f" for x in inputs):
-            raise ValueError(f"record {rid!r} of model {model!r} is not a "
-                             f"classifier's (float inputs [T, d], one class index per "
-                             f"sequence); the data set is for classify models (the lm "
-                             f"task trains on a text --corpus)")
-        summary.labelled += 1
-        rows.extend(_Row(rid, when, version, segment, x.astype(np.float32), int(y))
-                    for x, y in zip(inputs, ys, strict=True))
-    classes = _class_names({r.version for r in rows}, repo, model, outputs, sizes)
-    if rows and max(r.y for r in rows) >= len(classes):
-        raise ValueError(f"class index {max(r.y for r in rows)} outside the "
-                         f"{len(classes)} classes of {model!r} (pass --repo to read them from "
-                         f"the manifests)")
-    # by time: the newest labelled records held out (a record's sequences stay together)
-    order = sorted({(r.time, r.id) for r in rows})
-    held = round(len(order) * holdout_share)
-    newest = set(order[len(order) - held:]) if held else set()
-    train = [r for r in rows if (r.time, r.id) not in newest]
-    holdout = [r for r in rows if (r.time, r.id) in newest]
-    train.sort(key=lambda r: r.time)
-    holdout.sort(key=lambda r: r.time)
+    joined = _join(root, model, since, window_days, summary, progress)
+    manifests = _manifests(repo, model, {j.version for j in joined})
+    summary.task = _task(joined, manifests, model)
+    if summary.task == "lm":
+        rows = _lm_rows(joined, model)
+    else:
+        rows = _classify_rows(joined, model)
+        classes = _classes(joined, rows, manifests, model)
+        counts = Counter(r.y for r in rows)
+        summary.classes = {classes[i]: counts[i] for i in sorted(counts)}
+    train, holdout = _by_time(rows, holdout_share)
     summary.train, summary.holdout = len(train), len(holdout)
-    counts = Counter(r.y for r in rows)
-    summary.classes = {classes[i]: counts[i] for i in sorted(counts)}
-    if len(train) < MIN_EXAMPLES or (holdout_share > 0 and len(holdout) < MIN_EXAMPLES):
-        raise ValueError(f"too few labelled sequences of {model!r}: "
-                         f"{len(train)} to train on and {len(holdout)} held out (training "
-                         f"needs at least {MIN_EXAMPLES} in each; labelled records "
-                         f"{summary.labelled}, unlabelled {summary.unlabelled}, late labels "
-                         f"{summary.late})")
-    widths = {x.shape[1] for r in rows for x in [r.x]}
-    if len(widths) > 1:
-        raise ValueError(f"the records of {model!r} differ in their feature "
-                         f"size {sorted(widths)}; use --since to take one version's captures")
-    return _arrays(train, classes), _arrays(holdout, classes), summary
+    _too_few(summary.task, train, holdout, holdout_share, model, summary)
+    if summary.task == "classify":
+        return _arrays(train, classes), _arrays(holdout, classes), summary
+    assert repo is not None  # _task asked for it
+    vocabularies = {v: read_vocabulary(Path(repo) / model / str(v), m) or []
+                    for v, m in manifests.items()}
+    return (_corpus(train, model, vocabularies, summary),
+            _corpus(holdout, model, vocabularies, summary), summary)
 
 
 def _arrays(rows: list[_Row], names: list[str]) -> dict[str, np.ndarray]:
@@ -262,6 +395,27 @@ def _arrays(rows: list[_Row], names: list[str]) -> dict[str, np.ndarray]:
             "versions": np.array([r.version for r in rows], np.int64)}
 
 
+def _corpus(rows: list[_Row], model: str, vocabularies: dict[int, list[str]],
+            summary: Summary) -> dict[str, Any]:
+    """A language model's part: ``text``, a document a sequence (one line: its tokens as
+    words of the vocabulary of the version that answered, ``<unk>`` for a token it does
+    not map), and the provenance of the sidecar (``provenance``)."""
+    texts = {v: [word_text(w) for w in words] for v, words in vocabularies.items()}
+    documents = []
+    for r in rows:
+        known = texts[r.version]
+        found = [known[t] if 0 <= t < len(known) else None for t in r.x.tolist()]
+        summary.unmapped += sum(w is None for w in found)
+        summary.tokens += len(found)
+        documents.append(" ".join(UNK if w is None else w for w in found))
+    return {"text": "".join(f"{d}\n\n" for d in documents),
+            "provenance": {"format": CORPUS_FORMAT, "model": model,
+                           "ids": [r.id for r in rows], "times": [r.time for r in rows],
+                           "versions": [r.version for r in rows],
+                           "segments": sorted({r.segment for r in rows}),
+                           "tokens": [r.x.tolist() for r in rows]}}
+
+
 def write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """ARRAYS as an .npz at PATH, atomically (a reader sees the old file or the new one)."""
     buffer = io.BytesIO()
@@ -269,9 +423,19 @@ def write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
     atomic_write(path, lambda tmp: tmp.write_bytes(buffer.getvalue()))
 
 
-def holdout_path(out: Path) -> Path:
-    """FILE2's default: ``<FILE stem>-holdout.npz`` beside FILE."""
-    return out.with_name(f"{out.stem}-holdout.npz")
+def write_corpus(path: Path, part: dict[str, Any]) -> None:
+    """A language model's part: the text at PATH and its provenance at ``sidecar(PATH)``,
+    each atomically (the sidecar first: a corpus is never newer than its provenance)."""
+    provenance = orjson.dumps(part["provenance"])
+    atomic_write(sidecar(path), lambda tmp: tmp.write_bytes(provenance))
+    atomic_write(path, lambda tmp: tmp.write_text(part["text"], encoding="utf-8"))
+
+
+def holdout_path(out: Path, task: str = "classify") -> Path:
+    """FILE2's default: ``<FILE stem>-holdout.npz`` beside FILE (a language model's:
+    ``<FILE stem>-holdout<FILE's suffix, or .txt>``)."""
+    suffix = (out.suffix or ".txt") if task == "lm" else ".npz"
+    return out.with_name(f"{out.stem}-holdout{suffix}")
 
 
 def write_dataset(root: Path, model: str, out: Path, holdout: Path | None = None, *,
@@ -279,13 +443,14 @@ def write_dataset(root: Path, model: str, out: Path, holdout: Path | None = None
                   holdout_share: float = 0.2, repo: Path | None = None,
                   progress: bool = True) -> Summary:
     """``build`` written to OUT and HOLDOUT (default ``holdout_path(OUT)``; none when the
-    share is 0)."""
+    share is 0): a classifier's as .npz files, a language model's as text corpora."""
     out = Path(out)
     if not out.parent.is_dir():
         raise ValueError(f"--out: the folder {str(out.parent)!r} does not exist")
     train, held, summary = build(root, model, since=since, window_days=window_days,
                                  holdout_share=holdout_share, repo=repo, progress=progress)
-    write_npz(out, train)
+    write = write_corpus if summary.task == "lm" else write_npz
+    write(out, train)
     if holdout_share > 0:
-        write_npz(Path(holdout) if holdout is not None else holdout_path(out), held)
+        write(Path(holdout) if holdout is not None else holdout_path(out, summary.task), held)
     return summary

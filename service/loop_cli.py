@@ -46,13 +46,16 @@ def add_loop_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser],
     actions = capture.add_subparsers(dest="action", metavar="ACTION", required=True)
     data = actions.add_parser(
         "dataset", help="labelled captures -> an .npz for orthornn train --task classify "
-                        "--data",
+                        "--data, or a text corpus for --task lm --corpus",
         description="Joins the labels to the captured records by id (a label later than "
                     "--window days after its record is not used; an id captured twice is "
                     "kept once), splits by time (the newest --holdout-share of the "
                     "labelled records is held out) and writes FILE and FILE2 in the format "
                     "orthornn train --task classify --data reads, with the provenance "
-                    "arrays ids, times, segments and versions.")
+                    "arrays ids, times, segments and versions; a language model's as the "
+                    "text corpus --task lm --corpus reads (a line per sequence: its input "
+                    "tokens, then its labelled next tokens, as words of the vocabulary of "
+                    "the version that answered; needs --repo), the provenance in FILE.json.")
     data.add_argument("--capture", metavar="DIR", required=True, help="the capture folder")
     data.add_argument("--name", required=True, help="the model's name")
     data.add_argument("--since", metavar="DATE",
@@ -63,13 +66,15 @@ def add_loop_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser],
     data.add_argument("--holdout-share", metavar="F", default="0.2",
                       help="the newest share of the labelled records held out (0 <= F < 1, "
                            "default 0.2; 0: no FILE2)")
-    data.add_argument("--out", metavar="FILE", required=True, help="the training part (.npz)")
+    data.add_argument("--out", metavar="FILE", required=True,
+                      help="the training part (.npz; a language model's: a text corpus)")
     data.add_argument("--holdout", metavar="FILE2",
-                      help="the held-out part (default: <FILE stem>-holdout.npz beside FILE)")
+                      help="the held-out part (default: <FILE stem>-holdout.npz beside FILE; "
+                           "a language model's: <FILE stem>-holdout<FILE's suffix or .txt>)")
     data.add_argument("--repo", metavar="REPO",
-                      help="the model repository: the class names from the manifests of "
-                           "the versions that answered (default: as the records' answers "
-                           "name them)")
+                      help="the model repository: the class names (or a language model's "
+                           "vocabulary, required then) from the manifests of the versions "
+                           "that answered (default: as the records' answers name them)")
     add_progress_flag(data)
     data.set_defaults(run=run_dataset)
 
@@ -94,7 +99,7 @@ def run_dataset(args: argparse.Namespace) -> int:
     for line in summary.lines():
         print(f"{args.name}: {line}")
     held = "" if share == 0 else \
-        f", {args.holdout or holdout_path(Path(args.out))} ({summary.holdout})"
+        f", {args.holdout or holdout_path(Path(args.out), summary.task)} ({summary.holdout})"
     print(f"wrote {args.out} ({summary.train}){held}")
     return 0
 

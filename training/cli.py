@@ -30,7 +30,9 @@ HELP = {
     "copy_symbols": "copy task: number of data symbols (alphabet: these, blank, marker)",
     "dataset": "UCR/UEA set bundled with sktime (task ucr)",
     "point_by_point": "feed UCR series one point per step (task ucr)",
-    "corpus": "a text file to model instead of the bundled corpus (task lm)",
+    "corpus": "a text file to model instead of the bundled corpus (task lm); repeat it to "
+              "train on several (each split on its own, the splits concatenated; the "
+              "vocabulary is the first file's)",
     "vocab_size": "vocabulary size incl. <unk> and <eos> (task lm)",
     "bptt": "steps per truncated-backprop window (task lm)",
     "data": ".npz file with x [N, T, d] (+ lengths) and y [N] (task classify); repeat it to "
@@ -57,6 +59,11 @@ HELP = {
     "plot": "write RUN_DIR/curves.png at the end",
 }
 
+
+#: options a flag gives several times (``--data A --data B``, ``--corpus A --corpus B``): the
+#: original data, then the captured; one value stays a path, so its config (and hash) is as
+#: it always was
+REPEATABLE = ("data", "corpus")
 
 # what an unset (None) option means (tests/integration/test_cli.py checks these against the tasks'
 # and the trainer's defaults); the other defaults are TrainConfig's own values
@@ -141,7 +148,7 @@ def add_train_parser(sub) -> None:
             parser.add_argument(*flag, dest=f.name, action="store_true", help=text)
             continue
         conv = int if kind.startswith("int") else float if kind.startswith("float") else str
-        if f.name == "data":  # repeatable: the original data set, then the captured ones
+        if f.name in REPEATABLE:  # the original data set, then the captured ones
             parser.add_argument(*flag, dest=f.name, action="append", metavar="FILE", help=text)
             continue
         parser.add_argument(*flag, dest=f.name, type=conv, help=text)
@@ -237,7 +244,7 @@ def resolve_args(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, Prove
             value = given[f.name]
             if f.name == "arch_options":
                 value = {**values.get("arch_options", {}), **dict(value)}
-            if f.name == "data" and isinstance(value, list) and len(value) == 1:
+            if f.name in REPEATABLE and isinstance(value, list) and len(value) == 1:
                 value = value[0]  # one file stays a path: the config (and its hash) as before
             values[f.name] = value
             origin[f.name] = FLAG

@@ -36,7 +36,7 @@ class TrainConfig:
     copy_symbols: int | None = None
     dataset: str | None = None
     point_by_point: bool | None = None
-    corpus: str | None = None
+    corpus: str | list[str] | None = None  # one text file, or several (each split on its own)
     vocab_size: int | None = None
     bptt: int | None = None
     data: str | list[str] | None = None  # one .npz, or several (their splits concatenated)
@@ -107,14 +107,19 @@ def read_config_file(path: str | Path) -> dict:
 MAX_DATA_FILES = 16
 
 
+def check_paths(name: str, value: object) -> None:
+    """data or corpus: one path, or a list of 1 to MAX_DATA_FILES paths."""
+    if value is not None and not isinstance(value, str) and (
+            not isinstance(value, list | tuple) or not value or len(value) > MAX_DATA_FILES
+            or not all(isinstance(p, str) and p for p in value)):
+        raise ValueError(f"{name} must be a path or a list of 1 to {MAX_DATA_FILES} paths "
+                         f"(--{name} FILE, repeated); got {value!r}")
+
+
 def check_data(data: object, data_mix: object) -> None:
     """data: one path, or a list of 1 to MAX_DATA_FILES paths; data_mix in (0, 1), only with
     two or more files (it is the share of each batch drawn from the files after the first)."""
-    if data is not None and not isinstance(data, str) and (
-            not isinstance(data, list | tuple) or not data or len(data) > MAX_DATA_FILES
-            or not all(isinstance(p, str) and p for p in data)):
-        raise ValueError(f"data must be a path or a list of 1 to {MAX_DATA_FILES} paths "
-                             f"(--data FILE, repeated); got {data!r}")
+    check_paths("data", data)
     if data_mix is not None:
         files = 0 if data is None else 1 if isinstance(data, str) else len(data)  # type: ignore[arg-type]
         if files < 2:
@@ -148,6 +153,7 @@ def validate(config: TrainConfig) -> TrainConfig:
         raise ValueError(f"arch_options: {', '.join(own)} are settings of their own ({flags}), "
                          f"not architecture options")
     check_data(config.data, config.data_mix)
+    check_paths("corpus", config.corpus)
     if config.steps is not None and config.epochs is not None:
         raise ValueError("give steps or epochs, not both")
     if config.steps is not None:

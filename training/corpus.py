@@ -6,8 +6,9 @@ words, wiki markup stripped with gensim's own ``filter_wiki``) and the Lee news
 corpus beside it (~60k words). A user's plain-text file works too (``--corpus``).
 
 Tokens: lowercased words (with inner apostrophes), numbers mapped to ``N`` as in the
-Penn Treebank; each paragraph ends with ``<eos>``. The vocabulary keeps the most
-frequent training words; everything else is ``<unk>``.
+Penn Treebank; each paragraph ends with ``<eos>``; the literal markers ``<unk>`` and
+``<eos>`` in a file are those tokens (a corpus ``orthornn capture dataset`` wrote from token
+ids). The vocabulary keeps the most frequent training words; everything else is ``<unk>``.
 """
 
 from __future__ import annotations
@@ -17,15 +18,15 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from orthornn.export.artifacts.vocabulary import EOS, UNK, words
+from orthornn.export.artifacts.vocabulary import EOS, UNK, corpus_words
 
 BUNDLED = "gensim-wiki-news"
 
 
 def tokenize(paragraph: str) -> list[str]:
-    """A paragraph's words (export.artifacts.vocabulary.words, shared with the service)
-    and <eos>."""
-    found = words(paragraph)
+    """A paragraph's words (export.artifacts.vocabulary.words, shared with the service;
+    the markers <unk> and <eos> kept) and <eos>."""
+    found = corpus_words(paragraph)
     return [*found, EOS] if found else []
 
 
@@ -85,6 +86,11 @@ def split_documents(docs: list[list[str]]) -> dict[str, list[str]]:
             raise ValueError(f"corpus too small: its {name} split has no text "
                              f"(give at least 12 documents or paragraphs)")
     return parts
+
+
+def all_tokens(docs: list[list[str]]) -> list[str]:
+    """Every paragraph's tokens, in order (a held-out corpus scored whole)."""
+    return [t for doc in docs for paragraph in doc for t in tokenize(paragraph)]
 
 
 def build_vocabulary(tokens: list[str], size: int) -> list[str]:

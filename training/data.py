@@ -125,6 +125,7 @@ class TokenStream:
         if length < 2:
             raise ValueError(f"the token stream ({tokens.numel()} tokens) is too short for "
                              f"{columns} columns")
+        self.tokens = tokens  # all of them (the streams drop the last few that do not fit)
         self.data = tokens[: columns * length + 1]
         self.rows = slice(rank * columns // world, (rank + 1) * columns // world)
         self.inputs = self.data[:-1].view(columns, length)[self.rows]

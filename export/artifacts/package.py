@@ -49,8 +49,8 @@ __all__ = ["DATATYPES", "FORMAT", "INITIAL_LOGITS", "INITIAL_STATE", "INPUT_KIND
            "ONNX_DATATYPES", "TASKS", "TOLERANCE", "Datatype", "GraphIO", "InputSpec",
            "Manifest", "OutputSpec", "PackageError", "TensorSpec", "check_hashes",
            "check_preprocessing", "golden_check", "output_name", "package_file",
-           "plain_file_name", "read_manifest", "session", "session_from_bytes", "sha256",
-           "verify_package"]
+           "plain_file_name", "read_manifest", "read_vocabulary", "session",
+           "session_from_bytes", "sha256", "verify_package"]
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -95,6 +95,18 @@ def read_manifest(package: str | Path) -> Manifest:
         return Manifest.from_dict(data)
     except PackageError as error:
         raise PackageError(f"{str(path)!r}: {error}") from None
+
+
+def read_vocabulary(package: str | Path, manifest: Manifest) -> list[str] | None:
+    """A language model's vocabulary (``vocab.txt``: token id -> word, one a line), or None
+    for a package without one."""
+    if manifest.vocabulary_file is None:
+        return None
+    path = package_file(package, "vocabulary_file", manifest.vocabulary_file)
+    names = path.read_text(encoding="utf-8").split("\n")
+    if names and names[-1] == "":
+        names.pop()
+    return names
 
 
 def check_hashes(package: str | Path, manifest: Manifest) -> None:

@@ -8,10 +8,11 @@ task), perplexity with the state carried across windows (lm).
 
 Also the lineage's fingerprints: a hash of the run's resolved config and of its data.
 
-A run on several data files (``--data ORIGINAL --data CAPTURED``) is scored on the first
-file's test split (``original``): the split every earlier version was judged on, so the
-gate compares like with like; ``gate_data`` scores the held-out captured slice the same
-way (``orthornn export --gate --gate-data``).
+A run on several data files (``--data ORIGINAL --data CAPTURED``, or ``--corpus`` for lm)
+is scored on the first file's test split (``original``): the split every earlier version
+was judged on, so the gate compares like with like; ``gate_data`` scores the held-out
+captured slice the same way (``orthornn export --gate --gate-data``: an .npz, or for lm a
+text corpus scored as perplexity).
 """
 
 from __future__ import annotations
@@ -61,24 +62,46 @@ def original(task: Task) -> Task:
     import dataclasses
 
     import torch
+    from orthornn.training.data import TokenStream
+    from orthornn.training.tasks.language import token_stream
 
-    split = task.test.take(torch.arange(task.test_parts[0]))
+    if isinstance(task.test, TokenStream):  # lm: the first corpus's test tokens
+        split: Split | TokenStream = token_stream(task.test.tokens[: task.test_parts[0]],
+                                                  task.max_length)
+    else:
+        split = task.test.take(torch.arange(task.test_parts[0]))
     return dataclasses.replace(task, test=split)
 
 
 def gate_data(task: Task, path: str | Path) -> Task:
-    """``task`` with the held-out slice in ``path`` (an .npz in the format ``train --data``
-    reads) as its test split; ValueError when it does not fit the run (another feature size,
-    other class names, a task that is not classify)."""
+    """``task`` with the held-out slice in ``path`` as its test split: for a classify run an
+    .npz in the format ``train --data`` reads, for an lm run a text corpus in the format
+    ``train --corpus`` reads (scored whole, by the run's vocabulary). ValueError when it does
+    not fit the run (another feature size, other class names, a task that is neither)."""
     import dataclasses
 
     from orthornn.training.data import Split
     from orthornn.training.tasks import load_npz
+    from orthornn.training.tasks.language import held_out
 
+    if task.kind == "lm":
+        if Path(path).suffix == ".npz":
+            raise ValueError(f"--gate-data {str(path)!r}: an lm run takes a held-out text "
+                             f"corpus (orthornn capture dataset on a language model's "
+                             f"captures), not an .npz")
+        try:
+            stream = held_out(task, path)
+        except ValueError as error:
+            raise ValueError(f"--gate-data {str(path)!r}: {error}") from None
+        return dataclasses.replace(task, test=stream, test_parts=None)
     if task.kind != "classify" or task.labels is None:
-        raise ValueError(f"--gate-data takes a classification run's held-out .npz; this run's "
-                         f"task is {task.kind}")
-    x, y, lengths, labels = load_npz(path)
+        raise ValueError(f"--gate-data takes a classify run's held-out .npz or an lm run's "
+                         f"held-out text corpus; this run's task is {task.kind}")
+    try:
+        x, y, lengths, labels = load_npz(path)
+    except ValueError as error:
+        raise ValueError(f"--gate-data {str(path)!r}: a classify run takes a held-out .npz "
+                         f"(orthornn capture dataset): {error}") from None
     if x.shape[2] != task.input_size:
         raise ValueError(f"--gate-data {str(path)!r}: feature size d = {x.shape[2]}; the "
                          f"run's is {task.input_size}")
@@ -152,6 +175,11 @@ def score(package_dir: str | Path, task: Task) -> float:
     if manifest.input_spec.feature_size != task.input_size:
         raise ValueError(f"{package_dir} takes inputs of size {manifest.input_spec.feature_size}; "
                          f"the test split's are {task.input_size}")
+    if task.vocabulary is not None and package.read_vocabulary(package_dir, manifest) not in (
+            None, task.vocabulary):  # the same token ids must name the same words
+        raise ValueError(f"{package_dir}'s vocabulary differs from the run's: its token ids "
+                         f"name other words (train the candidate with the same first --corpus "
+                         f"and --vocab-size)")
     return score_session(package.session(package_dir / manifest.graphs["model"]), task)
 
 

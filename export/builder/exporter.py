@@ -164,10 +164,11 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
     published version becomes the promoted one, unless ``promote`` is False (a rollout
     takes it live, or a person does).
 
-    gate_data: a held-out .npz (``orthornn capture dataset``'s newest labelled slice): the
-    candidate is also judged on it against the promoted version, both through their own
-    graphs (no worse beyond ``tolerance``; with ``require_better``, better by at least
-    ``gate_margin``), and the evaluation records both splits ("splits")."""
+    gate_data: a held-out slice (``orthornn capture dataset``'s newest labelled one: an
+    .npz, or a text corpus for lm): the candidate is also judged on it against the promoted
+    version, both through their own graphs (no worse beyond ``tolerance``; with
+    ``require_better``, better by at least ``gate_margin``), and the evaluation records both
+    splits ("splits")."""
     repository.check_name(name)
     _number("min_metric", min_metric)
     _number("tolerance", tolerance, 0.0)
@@ -177,7 +178,7 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
     if not gated and (gate_data is not None or require_better):
         raise ValueError("--gate-data and --require-better-on-gate-data apply only with --gate")
     if require_better and gate_data is None:
-        raise ValueError("--require-better-on-gate-data needs --gate-data HOLDOUT.npz (the "
+        raise ValueError("--require-better-on-gate-data needs --gate-data HOLDOUT (the "
                          "captured slice the candidate must be better on)")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -378,12 +379,11 @@ def _gate_on_held(record: dict, held: Task, model_dir: Path, parent: int | None,
 
 def _learned(config: dict) -> dict | None:
     """The lineage's captures: the segments and labelled records of the run's data files
-    that came from ``orthornn capture dataset`` (None when none did, or the task takes no
-    data files)."""
+    (classify's --data, lm's --corpus) that came from ``orthornn capture dataset`` (None
+    when none did, or the task takes no data files)."""
     from orthornn.training.tasks.user import provenance
 
-    data = (config.get("data") or {}).get("data") if isinstance(config.get("data"), dict) \
-        else None
-    if config.get("task") != "classify" or not data:
-        return None
-    return provenance(data)
+    option = {"classify": "data", "lm": "corpus"}.get(str(config.get("task")))
+    options = config.get("data")
+    files = options.get(option) if option and isinstance(options, dict) else None
+    return provenance(files) if files else None

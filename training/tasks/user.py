@@ -7,10 +7,12 @@ agree on the feature size d and the class names. Provenance arrays a file may ca
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import torch
+from orthornn.export.artifacts.vocabulary import sidecar
 
 from ..data import Split
 from .task import Task, classification, split_fixed
@@ -131,23 +133,35 @@ def user_task(data: str | list[str] | None = None, data_mix: float | None = None
     return task
 
 
-def provenance(data: str | list[str] | None) -> dict | None:
+def provenance(files: str | list[str] | None) -> dict | None:
     """What a run learned from labelled captures, for the lineage: the capture segments
-    (``orthornn capture dataset``'s ``segments`` array, paths relative to the capture
-    folder) of every data file that has them, and how many labelled records those files
-    hold. None when no file has segments."""
+    (paths relative to the capture folder) of every data file that ``orthornn capture
+    dataset`` wrote (an .npz's ``segments`` array, a text corpus's sidecar FILE.json), and
+    how many labelled sequences those files hold. None when no file has segments."""
     segments: set[str] = set()
     labelled, found = 0, False
-    for path in data_files(data):
-        try:
-            with np.load(path, allow_pickle=False) as f:
-                if "segments" not in f.files:
-                    continue
-                segments.update(str(s) for s in f["segments"])
-                labelled += len(f["y"])
-                found = True
-        except (OSError, ValueError, KeyError):
-            continue  # the data itself is checked where it is loaded
+    for path in data_files(files):
+        captured = _captured(path)
+        if captured is not None:
+            segments.update(captured[0])
+            labelled += captured[1]
+            found = True
     if not found:
         return None
     return {"segments": sorted(segments), "labels": labelled}
+
+
+def _captured(path: str) -> tuple[list[str], int] | None:
+    """(segments, labelled sequences) of a file from captures; None for another file (the
+    data itself is checked where it is loaded)."""
+    side = sidecar(path)
+    try:
+        if side.is_file():  # a text corpus's provenance
+            value = json.loads(side.read_text())
+            return [str(s) for s in value["segments"]], len(value["ids"])
+        with np.load(path, allow_pickle=False) as f:
+            if "segments" not in f.files:
+                return None
+            return [str(s) for s in f["segments"]], len(f["y"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

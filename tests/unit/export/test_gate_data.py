@@ -152,7 +152,7 @@ def test_gate_data_bad_input_is_one_line(runs, tmp_path):
     export_run(runs / "original", repo, "m")
     cases = [
         (["--gate-data", runs / "holdout.npz"], "apply only with --gate"),
-        (["--gate", "--require-better-on-gate-data"], "needs --gate-data HOLDOUT.npz"),
+        (["--gate", "--require-better-on-gate-data"], "needs --gate-data HOLDOUT"),
         (["--gate", "--gate-data", runs / "holdout.npz", "--gate-margin", "0.1"],
          "--gate-margin applies only with --require-better-on-gate-data"),
         (["--gate", "--gate-data", tmp_path / "nope.npz"], "must be an existing .npz"),

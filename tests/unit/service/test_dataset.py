@@ -41,16 +41,17 @@ def captured_record(rid: str, t: float, xs: list[np.ndarray], version: int = 1) 
             "position": None, "compute_ms": 0.1}
 
 
-def write_segment(root, replica: str, records: list[dict], suffix: str = ".jsonl") -> None:
+def write_segment(root, replica: str, records: list[dict], suffix: str = ".jsonl",
+                  model: str = "m") -> None:
     for r in records:
-        folder = root / "m" / str(r["version"]) / day_of(r["time"])
+        folder = root / model / str(r["version"]) / day_of(r["time"])
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / f"{replica}-1{suffix}", "ab") as f:
             f.write(orjson.dumps(r) + b"\n")
 
 
-def write_labels(root, lines: list[dict]) -> None:
-    folder = root / "m" / "labels" / day_of(T0)
+def write_labels(root, lines: list[dict], model: str = "m") -> None:
+    folder = root / model / "labels" / day_of(T0)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "r-1.jsonl", "ab") as f:
         f.write(b"".join(orjson.dumps({**v, "source": "api"}) + b"\n" for v in lines))
@@ -240,15 +241,127 @@ def test_with_repo_the_class_names_come_from_the_manifests(captures, tmp_path):
     other = tmp_path / "other"
     manifest_only(other, 1, "regress", [])
     with pytest.raises(ValueError, match="version 1 is a regress model; the data set is for "
-                                         "classify models"):
+                                         "classify and lm models"):
         build(root, "m", repo=other, progress=False)
 
 
-def test_a_language_models_captures_are_refused_by_name(tmp_path):
-    root = tmp_path / "cap"
-    tokens = np.array([3, 5, 7], np.int64)
-    write_segment(root, "a", [captured_record("t0", T0, [tokens])])
-    write_labels(root, [{"id": "t0", "label": [2, 4], "time": T0 + 1}])
-    with pytest.raises(ValueError, match=r"record 't0' of model 'm' is not a classifier's .*"
-                                         r"the lm task trains on a text --corpus"):
-        build(root, "m", progress=False)
+# -- a language model's captures: a text corpus ------------------------------------------
+
+@pytest.fixture
+def word_captures(service_packages, tmp_path):
+    """The words language model in a repository and 80 captured records of it over four
+    days: token-id inputs of 4..8 tokens drawn from its whole vocabulary (<unk>, <eos> and
+    the number token N among them), r9 of two sequences, labelled with 2..3 next tokens
+    (r3's holding id 99, which the vocabulary has no word for); a retry of r4, r70's label
+    eight days late, r75..r79 unlabelled."""
+    repo = make_repo(service_packages, tmp_path / "repo", {"words": [1]})
+    vocab = (repo / "words" / "1" / "vocab.txt").read_text().splitlines()
+    rng = np.random.default_rng(1)
+    root, tokens, records, labels = tmp_path / "cap", {}, [], {}
+    for i in range(80):
+        rid = f"r{i}"
+        tokens[rid] = [rng.integers(0, len(vocab), 4 + i % 5).astype(np.int64)
+                       for _ in range(2 if i == 9 else 1)]
+        record = captured_record(rid, T0 + i * 0.05 * DAY, tokens[rid])
+        record.update(model="words", outputs=[{"log_likelihood": -3.0}] * len(tokens[rid]))
+        records.append(record)
+        nexts = [[int(t) for t in rng.integers(0, len(vocab), 2 + i % 2)]
+                 for _ in tokens[rid]]
+        if i == 3:
+            nexts[0][-1] = 99
+        labels[rid] = nexts if i == 9 else nexts[0]  # as service.labels normalises them
+    retry = {**records[4], "time": records[4]["time"] + 1.0,
+             "inputs": [encoded(np.zeros(3, np.int64))]}
+    write_segment(root, "a", records, model="words")
+    write_segment(root, "b", [retry], model="words")
+    write_labels(root, [{"id": rid, "label": y,
+                         "time": records[int(rid[1:])]["time"] + (8 * DAY if rid == "r70"
+                                                                  else 60.0)}
+                        for rid, y in labels.items() if int(rid[1:]) < 75], model="words")
+    return root, repo, vocab, tokens, labels, records
+
+
+def expected_words(vocab: list[str], ids) -> list[str]:
+    """What the corpus must hold for token IDS: the vocabulary's word, '0' for the number
+    token N (training reads a number as N), <unk> for an id outside the vocabulary."""
+    return ["<unk>" if t >= len(vocab) else "0" if vocab[t] == "N" else vocab[t] for t in ids]
+
+
+def test_a_language_models_captures_become_a_corpus_training_reads(word_captures, tmp_path):
+    from orthornn.training.corpus import encode, file_documents, tokenize
+
+    root, repo, vocab, tokens, labels, records = word_captures
+    assert {"<unk>", "<eos>", "N"} <= set(vocab)
+    out = tmp_path / "words.txt"
+    summary = write_dataset(root, "words", out, repo=repo, progress=False)
+    # the same join and counts as a classifier's: 81 read, r4 twice, r70 late, 5 unlabelled
+    assert (summary.records, summary.labelled, summary.unlabelled, summary.late,
+            summary.duplicates, summary.torn) == (81, 74, 5, 1, 1, 0)
+    kept = [f"r{i}" for i in range(70)] + [f"r{i}" for i in range(71, 75)]
+    held_ids = kept[-15:]  # the newest round(74 * 0.2) records
+    held_path = holdout_path(out, "lm")
+    assert held_path == tmp_path / "words-holdout.txt"
+    assert (summary.train, summary.holdout) == (74 - 15 + 1, 15)  # r9: two sequences
+    assert summary.task == "lm" and summary.classes == {}
+    assert summary.unmapped == 1  # r3's id 99
+    written = 0
+    for path, ids in ((out, kept[:-15]), (held_path, held_ids)):
+        side = orjson.loads((tmp_path / f"{path.name}.json").read_bytes())
+        rows = [(rid, k) for rid in ids for k in range(len(tokens[rid]))]
+        assert side["ids"] == [rid for rid, _ in rows]
+        assert side["times"] == [records[int(rid[1:])]["time"] for rid, _ in rows]
+        assert side["versions"] == [1] * len(rows) and side["model"] == "words"
+        assert side["segments"] == sorted({f"words/1/{day_of(records[int(rid[1:])]['time'])}"
+                                           f"/a-1.jsonl" for rid in ids})
+        docs = path.read_text().split("\n\n")
+        assert docs[-1] == "" and len(docs) - 1 == len(rows)
+        read_back = file_documents(path)  # training's reader: one document a sequence
+        assert len(read_back) == len(rows)
+        for n, (rid, k) in enumerate(rows):
+            nexts = labels[rid][k] if rid == "r9" else labels[rid]
+            want = [*tokens[rid][k].tolist(), *nexts]  # r4's first capture, not the retry's
+            assert side["tokens"][n] == want
+            assert docs[n].split(" ") == expected_words(vocab, want)  # word by word
+            (line,) = read_back[n]
+            got = tokenize(line)
+            assert got[-1] == "<eos>" and encode(got[:-1], vocab) == \
+                [t if t < len(vocab) else 0 for t in want]  # every id back, 99 as <unk>
+            written += len(want)
+    assert summary.tokens == written
+    assert max(orjson.loads((tmp_path / "words.txt.json").read_bytes())["times"]) < \
+        min(orjson.loads((tmp_path / "words-holdout.txt.json").read_bytes())["times"])
+
+
+def test_a_language_models_data_set_refusals_name_the_flag(word_captures):
+    root, repo = word_captures[:2]
+    with pytest.raises(ValueError, match=r"^--repo: the captures of 'words' are a language "
+                                         r"model's \(token ids\)"):
+        build(root, "words", progress=False)
+    # 67 older records (r9: two sequences) and the newest 7
+    with pytest.raises(ValueError, match=r"too few labelled sequences of 'words': 68 to "
+                                         r"train on and 7 held out \(training needs at "
+                                         r"least 12 sequences and 100 words in each; words "):
+        build(root, "words", repo=repo, holdout_share=0.1, progress=False)
+    record = captured_record("f0", T0, [np.ones((2, 3), np.float32)])
+    write_segment(root, "c", [{**record, "model": "words"}], model="words")
+    write_labels(root, [{"id": "f0", "label": 1, "time": T0 + 1}], model="words")
+    with pytest.raises(ValueError, match=r"record 'f0' of model 'words' is not a language "
+                                         r"model's \(token-id inputs \[T\]"):
+        build(root, "words", repo=repo, progress=False)
+
+
+def test_the_command_writes_a_language_models_corpus(word_captures, tmp_path):
+    root, repo = word_captures[:2]
+    out, held = tmp_path / "cap.txt", tmp_path / "cap-holdout.txt"
+    r = orthornn_here("capture", "dataset", "--capture", root, "--name", "words", "--repo",
+                      repo, "--out", out, "--no-progress", code=0)
+    tokens = sum(len(line.split()) for path in (out, held) for line in
+                 path.read_text().splitlines())
+    assert r.stdout.splitlines() == [
+        "words: records 81, labelled 74, unlabelled 5, late labels 1, duplicates 1",
+        f"words: tokens {tokens}, not in the vocabulary 1 (written as <unk>)",
+        "words: train 60 sequences, holdout 15",
+        f"wrote {out} (60), {held} (15)"]
+    r = orthornn_here("capture", "dataset", "--capture", root, "--name", "words", "--out",
+                      out, "--no-progress", code=2)
+    assert r.stderr.startswith("orthornn capture: error: --repo: the captures of 'words'")
