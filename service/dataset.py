@@ -311,8 +311,9 @@ def _classes(joined: list[_Labelled], rows: list[_Row], manifests: dict[int, Man
 
 def _by_time(rows: list[_Row], share: float) -> tuple[list[_Row], list[_Row]]:
     """(older, newest SHARE of the records), each in time order; a record's sequences stay
-    together."""
-    order = sorted({(r.time, r.id) for r in rows})
+    together. Records of one batch share its time: they keep the order they were read in
+    (the batch's, its requests' arrival), not their ids' order (a stable sort)."""
+    order = sorted(dict.fromkeys((r.time, r.id) for r in rows), key=lambda key: key[0])
     held = round(len(order) * share)
     newest = set(order[len(order) - held:]) if held else set()
     train = sorted((r for r in rows if (r.time, r.id) not in newest), key=lambda r: r.time)
