@@ -51,8 +51,13 @@ LIVE = ("retraining.enabled=true", *CAPTURE, "retraining.trigger.enabled=true",
         "retraining.fromCaptures.enabled=true", "retraining.fromCaptures.dataMix=0.3",
         "retraining.trainConfig.task=classify",
         "retraining.trainConfig.data=/models/data/original.npz")
+# the same for a language model: its captures become a text corpus (--corpus twice)
+LIVE_LM = ("retraining.enabled=true", *CAPTURE, "retraining.trigger.enabled=true",
+           "retraining.fromCaptures.enabled=true", "retraining.modelName=words",
+           "retraining.trainConfig.arch=lstm", "retraining.trainConfig.task=lm",
+           "retraining.trainConfig.corpus=/models/data/original.txt")
 VARIANTS = {"defaults": (), "full": tuple(FULL), "rollout": ROLLOUT, "capture": CAPTURE,
-            "distributed": DISTRIBUTED, "nccl": GPU, "live": LIVE}
+            "distributed": DISTRIBUTED, "nccl": GPU, "live": LIVE, "live-lm": LIVE_LM}
 # Each way of keeping server-side sessions (values "sessions.*"), and the Ingress with
 # session affinity: every combination is linted and validated like the defaults.
 SESSIONS = {
@@ -1209,10 +1214,10 @@ def test_capture_writes_to_the_volumes_captures_folder_with_the_repository_read_
 def _commands(script: str, env: dict) -> list[list[str]]:
     """The orthornn command lines of a retraining script, its variables filled in ($data and
     $gate_data as the script sets them on a drift trigger)."""
-    (data,) = re.findall(r'^ *data="(--data [^"]*)"$', script, re.M)
+    (data,) = re.findall(r'^ *data="(--(?:data|corpus) [^"]*)"$', script, re.M)
+    (gate_data,) = re.findall(r'^ *gate_data="(--gate-data [^"]*)"$', script, re.M)
     fills = {**env, "run": "/runs/x", "data": data,
-             "gate_data": "--gate-data /runs/captured-holdout.npz "
-                          "--require-better-on-gate-data"}
+             "gate_data": f"{gate_data} --require-better-on-gate-data"}
     for name, value in fills.items():
         script = script.replace(f'"${name}"', value).replace(f"${name}", value)
     return [shlex.split(line.strip()) for line in script.splitlines()
@@ -1255,6 +1260,50 @@ def test_live_retraining_runs_trigger_dataset_train_and_the_two_split_gate():
     assert line[line.index("--cooldown") + 1] == "0.5"
 
 
+def test_live_retraining_of_a_language_model_trains_on_both_corpora(tmp_path):
+    """trainConfig.task lm: the captures become text corpora, train takes --corpus twice
+    (the original first: its vocabulary), the gate judges on the held-out corpus; each
+    command parsed by orthornn's own parser, and the train command resolved against the
+    chart's train.yaml (the flags' corpora replace the file's one)."""
+    from orthornn.training.cli import resolve_args
+
+    docs = render(*LIVE_LM)
+    parser, _ = _subcommands()
+    scripts = _retraining_scripts(docs)
+    assert scripts["CronJob"] == scripts["Job"]
+    script, env = scripts["Job"]
+    commands = _commands(script, env)
+    assert [c[1] for c in commands] == ["retrain-trigger", "capture", "train", "export"]
+    trigger, dataset, train, export = (parser.parse_args(c[1:]) for c in commands)
+    assert (trigger.name, dataset.name, export.name) == ("words",) * 3
+    assert (dataset.capture, dataset.repo, dataset.out, dataset.holdout) == (
+        "/captures", "/models", "/runs/captured.txt", "/runs/captured-holdout.txt")
+    assert train.corpus == ["/models/data/original.txt", "/runs/captured.txt"]
+    assert "data" not in vars(train) and "data_mix" not in vars(train)
+    assert export.gate and export.gate_data == "/runs/captured-holdout.txt"
+    assert export.require_better_on_gate_data  # as the script sets it on drift
+    # one template for both tasks: the lm script is the classifier's with --corpus for
+    # --data and text files for the .npz ones
+    classify, _ = _retraining_scripts(render(
+        *LIVE_LM, "retraining.trainConfig.task=classify",
+        "retraining.trainConfig.data=/models/data/original.npz"))["Job"]
+    classify = classify.replace("--data ", "--corpus ").replace(".npz", ".txt")
+    assert classify == script
+    # the chart's train.yaml names the original corpus (a first version trains on it
+    # alone); the job's flags give both, and flags win over the file
+    path = tmp_path / "train.yaml"
+    path.write_text(one(docs, "ConfigMap", "-train")["data"]["train.yaml"])
+    train.config = str(path)
+    config, sources = resolve_args(train)
+    assert (config.task, config.corpus) == (
+        "lm", ["/models/data/original.txt", "/runs/captured.txt"])
+    assert sources["corpus"].kind.value == "flag"
+    (first,) = [c for c in _commands(script.replace(" $data", ""), env) if c[1] == "train"]
+    alone = parser.parse_args(first[1:])
+    alone.config = str(path)
+    assert resolve_args(alone)[0].corpus == "/models/data/original.txt"
+
+
 def test_live_retraining_off_leaves_the_job_exactly_as_before():
     """The new values set but both blocks off: the same pods as without them."""
     base = _pods(render("retraining.enabled=true"))
@@ -1272,12 +1321,34 @@ def test_live_retraining_off_leaves_the_job_exactly_as_before():
     ((*CAPTURE, "retraining.fromCaptures.enabled=true", "retraining.gate.enabled=false",
       "retraining.trainConfig.task=classify", "retraining.trainConfig.data=/d.npz"),
      "fromCaptures.enabled needs retraining.gate.enabled"),
-    ((*CAPTURE, "retraining.fromCaptures.enabled=true"),
-     "needs retraining.trainConfig.task=classify and retraining.trainConfig.data"),
+    ((*CAPTURE, "retraining.fromCaptures.enabled=true", "retraining.trainConfig.task=classify"),
+     "with retraining.trainConfig.task=classify needs retraining.trainConfig.data"),
     ((*CAPTURE, *DISTRIBUTED[1:], "retraining.trigger.enabled=true"),
      "set retraining.distributed.enabled=false"),
     ((*LIVE, "retraining.fromCaptures.dataMix=1"), "/retraining/fromCaptures/dataMix"),
-], ids=["no-capture", "no-gate", "no-data", "distributed", "mix"])
+    ((*CAPTURE, "retraining.fromCaptures.enabled=true"),  # the chart's default task: digits
+     "needs retraining.trainConfig.task classify (with retraining.trainConfig.data, the "
+     "original .npz) or lm (with retraining.trainConfig.corpus, the original text corpus)"
+     ': the tasks orthornn capture dataset writes data sets for; got task "digits"'),
+    ((*CAPTURE, "retraining.fromCaptures.enabled=true", "retraining.trainConfig.task=regress",
+      "retraining.trainConfig.data=/d.npz"), 'got task "regress"'),
+    ((*CAPTURE, "retraining.fromCaptures.enabled=true", "retraining.trainConfig.task=lm"),
+     "retraining.fromCaptures.enabled with retraining.trainConfig.task=lm needs "
+     "retraining.trainConfig.corpus (the original text corpus"),
+    ((*CAPTURE, "retraining.fromCaptures.enabled=true", "retraining.trainConfig.task=lm",
+      "retraining.trainConfig.data=/d.npz"), "task=lm needs retraining.trainConfig.corpus"),
+    ((*LIVE_LM, "retraining.fromCaptures.dataMix=0.3"),
+     "retraining.fromCaptures.dataMix applies only to retraining.trainConfig.task=classify "
+     "(train --data-mix); a language model reads its corpora as one stream: set it to null "
+     "(the default) for task lm; got 0.3"),
+    ((*LIVE_LM, "retraining.trainConfig.corpus={/a.txt,/b.txt}"),
+     "retraining.trainConfig.corpus must be one path"),
+    ((*LIVE_LM, "retraining.trainConfig.corpus=/my corpus.txt"),
+     "retraining.trainConfig.corpus must be one path, without spaces"),
+    ((*LIVE, "retraining.trainConfig.data=/d$(id).npz"), "retraining.trainConfig.data must "
+                                                         "be one path"),
+], ids=["no-capture", "no-gate", "no-data", "distributed", "mix", "other-task", "regress",
+        "lm-no-corpus", "lm-data", "lm-mix", "lm-list", "lm-space", "shell"])
 def test_live_retraining_refuses_what_cannot_run(sets, message):
     result = template("retraining.enabled=true", *sets)
     assert result.returncode != 0 and message in result.stderr, result.stderr
@@ -1346,3 +1417,35 @@ def test_live_retraining_script_follows_the_trigger(tmp_path, trigger, reason, d
                           "--data-mix 0.3")
     assert "--gate --gate-data /runs/captured-holdout.npz" in exported
     assert ("--require-better-on-gate-data" in exported) == (reason == "drift")
+
+
+@pytest.mark.parametrize("reason", ["drift", "labels", "first"])
+def test_live_retraining_script_of_a_language_model(tmp_path, reason):
+    """The lm script run by /bin/sh with the stand-in: the captured corpus beside the
+    original one and the held-out corpus at the gate (--require-better-on-gate-data on
+    drift); a first version trains on the chart's train.yaml (its corpus) alone."""
+    sh = shutil.which("sh")
+    if sh is None:
+        pytest.skip("no POSIX sh")
+    fake = _fake_orthornn(tmp_path)
+    script, env = _retraining_scripts(render(*LIVE_LM))["Job"]
+    record = tmp_path / "calls"
+    result = subprocess.run(
+        [sh, "-ec", script], capture_output=True, text=True, timeout=60,
+        env={**env, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}",
+             "CALLS": str(record), "REASON": reason, "TRIGGER_STATUS": "0",
+             "DATASET_STATUS": "0", "EXPORT_STATUS": "0"})
+    assert result.returncode == 0, result.stderr
+    made = record.read_text().splitlines()
+    train = next(c for c in made if c.startswith("train "))
+    exported = next(c for c in made if c.startswith("export "))
+    if reason == "first":
+        assert [c.split()[0] for c in made] == ["retrain-trigger", "train", "export"]
+        assert "--corpus" not in train and "--gate-data" not in exported
+        return
+    (dataset,) = [c for c in made if c.startswith("capture ")]
+    assert dataset.endswith("--out /runs/captured.txt --holdout /runs/captured-holdout.txt "
+                            "--no-progress")
+    assert train.endswith("--corpus /models/data/original.txt --corpus /runs/captured.txt")
+    assert exported.endswith("--gate --gate-data /runs/captured-holdout.txt"
+                             + (" --require-better-on-gate-data" if reason == "drift" else ""))

@@ -155,8 +155,24 @@ random one on a first install (so upgrades keep it); helm template needs one giv
 {{- if not $live.gate.enabled }}
 {{- fail "retraining.fromCaptures.enabled needs retraining.gate.enabled: the candidate is judged on the held-out captured slice (orthornn export --gate --gate-data)" }}
 {{- end }}
-{{- if or (ne (toString $live.trainConfig.task) "classify") (not $live.trainConfig.data) }}
-{{- fail "retraining.fromCaptures.enabled needs retraining.trainConfig.task=classify and retraining.trainConfig.data (the original .npz, trained on beside the captures)" }}
+{{- $task := toString $live.trainConfig.task }}
+{{- if not (has $task (list "classify" "lm")) }}
+{{- fail (printf "retraining.fromCaptures.enabled needs retraining.trainConfig.task classify (with retraining.trainConfig.data, the original .npz) or lm (with retraining.trainConfig.corpus, the original text corpus): the tasks orthornn capture dataset writes data sets for; got task %q" $task) }}
+{{- end }}
+{{- $key := ternary "corpus" "data" (eq $task "lm") }}
+{{- $original := index $live.trainConfig $key }}
+{{- if not $original }}
+{{- if eq $task "lm" }}
+{{- fail "retraining.fromCaptures.enabled with retraining.trainConfig.task=lm needs retraining.trainConfig.corpus (the original text corpus, e.g. on the models volume, trained on beside the captured one; its vocabulary is the model's)" }}
+{{- else }}
+{{- fail "retraining.fromCaptures.enabled with retraining.trainConfig.task=classify needs retraining.trainConfig.data (the original .npz, e.g. on the models volume, trained on beside the captures)" }}
+{{- end }}
+{{- end }}
+{{- if or (not (kindIs "string" $original)) (not (regexMatch "^[^\\s\"'`$\\\\*?[]+$" $original)) }}
+{{- fail (printf "retraining.trainConfig.%s must be one path, without spaces, quotes, $, backslashes or wildcards (*?[), with retraining.fromCaptures.enabled (the job's script adds the captured file after it); got %v" $key $original) }}
+{{- end }}
+{{- if and (eq $task "lm") (not (kindIs "invalid" $live.fromCaptures.dataMix)) }}
+{{- fail (printf "retraining.fromCaptures.dataMix applies only to retraining.trainConfig.task=classify (train --data-mix); a language model reads its corpora as one stream: set it to null (the default) for task lm; got %v" $live.fromCaptures.dataMix) }}
 {{- end }}
 {{- if not (kindIs "invalid" $live.fromCaptures.dataMix) }}
 {{- $mix := float64 $live.fromCaptures.dataMix }}
@@ -201,6 +217,11 @@ random one on a first install (so upgrades keep it); helm template needs one giv
 {{- $trigger := $r.trigger -}}
 {{- $captured := $r.fromCaptures -}}
 {{- $live := or $trigger.enabled $captured.enabled -}}
+{{- /* fromCaptures: a classifier's captures are an .npz (train --data), a language
+model's a text corpus (train --corpus) */ -}}
+{{- $lm := eq (toString $r.trainConfig.task) "lm" -}}
+{{- $flag := ternary "corpus" "data" $lm -}}
+{{- $ext := ternary "txt" "npz" $lm -}}
 metadata:
   labels:
     {{- include "orthornn.selectorLabels" . | nindent 4 }}
@@ -272,9 +293,9 @@ spec:
           gate_data=""
           if [ "$reason" != first ]; then
             # the labelled captures: the older part to train on, the newest slice held out
-            orthornn capture dataset --capture "$ORTHORNN_CAPTURES" --name "$ORTHORNN_MODEL_NAME" --repo "$ORTHORNN_REPO" --out /runs/captured.npz --holdout /runs/captured-holdout.npz --no-progress
-            data="--data {{ $r.trainConfig.data }} --data /runs/captured.npz{{ if not (kindIs "invalid" $captured.dataMix) }} --data-mix {{ $captured.dataMix }}{{ end }}"
-            gate_data="--gate-data /runs/captured-holdout.npz"
+            orthornn capture dataset --capture "$ORTHORNN_CAPTURES" --name "$ORTHORNN_MODEL_NAME" --repo "$ORTHORNN_REPO" --out /runs/captured.{{ $ext }} --holdout /runs/captured-holdout.{{ $ext }} --no-progress
+            data="--{{ $flag }} {{ index $r.trainConfig $flag }} --{{ $flag }} /runs/captured.{{ $ext }}{{ if not (kindIs "invalid" $captured.dataMix) }} --data-mix {{ $captured.dataMix }}{{ end }}"
+            gate_data="--gate-data /runs/captured-holdout.{{ $ext }}"
             if [ "$reason" = drift ]; then
               # drift was the trigger: the candidate must be better on the shifted inputs
               gate_data="$gate_data --require-better-on-gate-data"
