@@ -7,8 +7,11 @@ Every field can be set in the file; flags given on the command line override it.
 from __future__ import annotations
 
 import json
+import math
+import types
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 # This module stays torch-free (the console script builds its flags from it); the
 # checks import models lazily.
@@ -100,7 +103,38 @@ def read_config_file(path: str | Path) -> dict:
     if unknown:
         raise ValueError(f"config file {str(path)!r}: unknown option(s) {', '.join(unknown)}; "
                          f"allowed: {', '.join(field_names())}")
-    return values
+    return {name: typed_value(name, value, path) for name, value in values.items()}
+
+
+def typed_value(name: str, value: object, path: str | Path) -> object:
+    """A config file's value of option ``name`` as the option's type (TrainConfig's
+    annotation): a number written as a string (``lr: "0.02"``, what ``helm --set`` renders
+    for a decimal) is that number; a bool given as "true" or "false" is the bool. Anything
+    else not of the type is a ValueError naming the option, the file and what is allowed.
+    None, and the options of several types (paths, arch_options), are left to ``validate``."""
+    hint = get_type_hints(TrainConfig)[name]
+    kinds = [t for t in (get_args(hint) if isinstance(hint, types.UnionType) else (hint,))
+             if t is not type(None)]
+    kind = kinds[0] if len(kinds) == 1 else None
+    if value is None or kind not in (int, float, bool, str):
+        return value
+    allowed = {int: 'an integer (e.g. 40 or "40")', float: 'a number (e.g. 0.02 or "0.02")',
+               bool: "true or false", str: "a string"}[kind]
+    if isinstance(value, str) and kind is not str:
+        text = value.strip().lower()
+        if kind is bool and text in ("true", "false"):
+            return text == "true"
+        if kind in (int, float):
+            try:
+                number = kind(text)
+            except ValueError:  # "2.5" for an integer, "abc", ""
+                number = math.nan
+            if math.isfinite(number):
+                return number
+    elif (kind is bool or not isinstance(value, bool)) and (  # a bool is no number
+            isinstance(value, kind) or (kind is float and isinstance(value, int))):
+        return value
+    raise ValueError(f"config file {str(path)!r}: {name} must be {allowed}; got {value!r}")
 
 
 #: most data files one run reads (the original set, the captures, a few more)

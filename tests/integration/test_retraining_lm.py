@@ -28,7 +28,7 @@ from ..cluster import ROOT
 from ..system.test_deploy import CHART, RELEASE, SECRETS, _retraining_scripts, one, run, tool
 from ..unit.export.test_gate_data_lm import _capture, _sentence
 
-# the chart's values (a values file: `--set` would keep a float a string): a tiny LSTM
+# the chart's values (a values file): a tiny LSTM
 # language model (test_gate_data_lm's recipe) retrained on every scheduled run (no
 # trigger), judged with --tolerance 1 (perplexity) on the original test split and no worse
 # on the held-out captured corpus
