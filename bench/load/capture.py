@@ -3,10 +3,15 @@
 side by side on one package: capture off, off again (the noise floor), on for every
 request (--capture), on for 10% (--capture-sample 0.1), and, where this machine lets a
 tmpfs be mounted, on for every request into a full disk and into a read-only one (records
-dropped, counted). Rounds alternate the servers (their order rotates each round); each
-ratio is the median over the rounds of the per-round ratio to the first "off" server
-(throughput, and p99 latency); on a machine other work shares, over the rounds in which
-other processes took at most --quiet of the CPUs (all rounds if fewer than 3 did).
+dropped, counted). Each round pairs every other server with the first "off" server in
+turn: both loaded at once for --round-s, on the same CPU, so that whatever slows this
+machine in those seconds slows both (measured one after the other, on a shared VM, the
+same server's throughput moves by a third from round to round; paired, off against off
+again moves by about 4%). Who starts first alternates by round. Each ratio is the
+geometric mean over the rounds of the pair's ratio (throughput, and p99 latency), with its
+95% interval; on a machine other work shares, over the rounds in which other processes
+took at most --quiet of the CPUs (all rounds if fewer than 3 did). Throughputs are those
+of a server sharing its CPU with off.
 Afterwards each capturing server's records plus drops are checked against the requests it
 answered 200 (its /metrics), and each server's resident memory growth over the rounds and
 CPU time per request (its event loop's and the whole process's) are reported. Prints a
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -41,6 +47,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -154,7 +161,7 @@ class Wrk:
         self.script = work / "ids.lua"
         self.script.write_text("id = os.getenv('WRK_ID') or 'w'\n"
                                + WRK_SCRIPT % json.dumps(body.decode()))
-        self.concurrency, self.rounds = concurrency, 0
+        self.concurrency, self.ids = concurrency, itertools.count(1)  # a prefix a run
         self.cpu = (os.cpu_count() or 2) - 1
 
     def pin(self, pid: int) -> None:
@@ -163,12 +170,12 @@ class Wrk:
 
     def run(self, port: int, seconds: float) -> tuple[float, int, int, float, float]:
         """(seconds, requests, errors, p50 s, p99 s) of one round."""
-        self.rounds += 1
+        prefix = f"wrk{next(self.ids)}"  # next(): atomic, two threads run wrk at once
         out = subprocess.run(
             ["taskset", "-c", "0", "wrk", "-t1", f"-c{self.concurrency}",
              f"-d{max(1, round(seconds))}s", "-s", str(self.script),
              f"http://127.0.0.1:{port}/predict"], capture_output=True, text=True,
-            env={**os.environ, "WRK_ID": f"wrk{self.rounds}"}, check=True).stdout
+            env={**os.environ, "WRK_ID": prefix}, check=True).stdout
         us, n, errors, p50, p99 = map(int, out.rpartition("RESULT ")[2].split()[:5])
         return us / 1e6, n, errors, p50 / 1e6, p99 / 1e6
 
@@ -182,8 +189,18 @@ def _round(result: tuple) -> tuple[float, int, int, float, float]:
             float(np.percentile(latencies, 99)))
 
 
+def mean_ratio(ratios: list[float]) -> tuple[float, list[float]]:
+    """The geometric mean of the rounds' ratios and its 95% interval (normal, on the logs:
+    a pair's ratio is its rounds' noise times the cost, and the rounds are independent)."""
+    logs = np.log(np.asarray(ratios))
+    half = 1.96 * float(np.std(logs, ddof=1)) / np.sqrt(len(logs)) if len(logs) > 1 else 0.0
+    mean = float(np.mean(logs))
+    return round(float(np.exp(mean)), 3), [round(float(np.exp(mean - half)), 3),
+                                          round(float(np.exp(mean + half)), 3)]
+
+
 def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
-    """The alternated rounds; a row per server."""
+    """The paired rounds; a row per server ("off" is the reference of every pair)."""
     flags = {"off": [], "off again": [],
              "every request": ["--capture", str(work / "all")],
              "10% sampled": ["--capture", str(work / "tenth"), "--capture-sample", "0.1"]}
@@ -195,9 +212,12 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
         mounts.append(work / "ro")
         flags["every request, read-only"] = ["--capture", str(work / "ro")]
     servers = {name: Server(repo, True, extra) for name, extra in flags.items()}
-    runs: dict[str, list[tuple[float, int, int, float, float]]] = {n: [] for n in servers}
-    # CPU seconds of each round: the event loop's, the whole process's
-    spent: dict[str, list[tuple[float, float]]] = {name: [] for name in servers}
+    names = [n for n in servers if n != "off"]
+    # per compared server, per round: its measurement and off's, over the same seconds
+    runs: dict[str, list[tuple[tuple, tuple]]] = {n: [] for n in names}
+    # CPU seconds of each server over the pairs it was in: the event loop's, the process's
+    spent: dict[str, list[float]] = {name: [0.0, 0.0] for name in servers}
+    done: dict[str, int] = {name: 0 for name in servers}
     others: list[float] = []  # each round's CPU share taken by other processes
     rows = {}
     try:
@@ -208,27 +228,43 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
             for s in servers.values():
                 wrk.pin(s.proc.pid)
 
-            def measure(port: int, seconds: float) -> tuple:
-                return wrk.run(port, seconds)
+            def measure(ports: list[int], seconds: float) -> list[tuple]:
+                out: list[tuple] = [()] * len(ports)
+
+                def one(k: int) -> None:
+                    out[k] = wrk.run(ports[k], seconds)
+                threads = [threading.Thread(target=one, args=(k,)) for k in range(len(ports))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                return out
         else:
             requests = requests_with_ids(bodies_for(args), 100_000)
 
-            def measure(port: int, seconds: float) -> tuple:
-                return _round(asyncio.run(load(port, requests, args.concurrency, seconds,
-                                               10**9)))
+            def measure(ports: list[int], seconds: float) -> list[tuple]:
+                async def both() -> list:
+                    return await asyncio.gather(*[load(port, requests, args.concurrency,
+                                                       seconds, 10**9) for port in ports])
+                return [_round(r) for r in asyncio.run(both())]
         for s in servers.values():  # a first round each, not measured: every path warm
-            measure(s.port, 1)
+            measure([s.port], 1)
         memory_before = {n: rss_kib(s.proc.pid) for n, s in servers.items()}
-        names = list(servers)
         for r in range(args.rounds):
             wall, busy, own = time.perf_counter(), machine_busy_s(), time.process_time()
             ours = 0.0
             for name in names[r % len(names):] + names[:r % len(names)]:
-                pid = servers[name].proc.pid
-                loop, process = cpu_s(pid, True), cpu_s(pid, False)
-                runs[name].append(measure(servers[name].port, args.round_s))
-                spent[name].append((cpu_s(pid, True) - loop, cpu_s(pid, False) - process))
-                ours += spent[name][-1][1]
+                pair = ["off", name] if r % 2 == 0 else [name, "off"]  # who starts first
+                pids = [servers[n].proc.pid for n in pair]
+                before = [(cpu_s(pid, True), cpu_s(pid, False)) for pid in pids]
+                got = dict(zip(pair, measure([servers[n].port for n in pair], args.round_s),
+                               strict=True))
+                runs[name].append((got[name], got["off"]))
+                for n, pid, (loop, process) in zip(pair, pids, before, strict=True):
+                    spent[n][0] += cpu_s(pid, True) - loop
+                    spent[n][1] += cpu_s(pid, False) - process
+                    done[n] += got[n][1]
+                    ours += cpu_s(pid, False) - process
             ours += time.process_time() - own  # the load client (wrk: counted as others)
             others.append(max(0.0, machine_busy_s() - busy - ours)
                           / ((time.perf_counter() - wall) * (os.cpu_count() or 1)))
@@ -237,9 +273,10 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
         # the rounds the rest of the machine left alone, when there are 3 or more
         quiet = [r for r in range(args.rounds) if others[r] <= args.quiet]
         chosen = quiet if len(quiet) >= 3 else list(range(args.rounds))
-        base = [runs["off"][r] for r in chosen]
-        for name in names:
-            mine = [runs[name][r] for r in chosen]
+        for name in ["off", *names]:
+            pairs = [(b, b) for _, b in runs[names[0]]] if name == "off" else runs[name]
+            mine = [pairs[r][0] for r in chosen]
+            base = [pairs[r][1] for r in chosen]
             row = {"requests": sum(o[1] for o in mine), "errors": sum(o[2] for o in mine),
                    "throughput": round(float(np.median([o[1] / o[0] for o in mine])), 1),
                    "p50_ms": round(float(np.median([o[3] for o in mine])) * 1e3, 3),
@@ -247,15 +284,13 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
             ratios = [o[1] / o[0] / max(b[1] / b[0], 1e-9)
                       for b, o in zip(base, mine, strict=True)]
             p99s = [o[4] / max(b[4], 1e-9) for b, o in zip(base, mine, strict=True)]
-            row["ratio"] = round(float(np.median(ratios)), 3)
+            row["ratio"], row["ratio_95"] = mean_ratio(ratios)
             row["ratios"] = [round(x, 3) for x in ratios]
-            row["p99_ratio"] = round(float(np.median(p99s)), 3)
+            row["p99_ratio"], row["p99_ratio_95"] = mean_ratio(p99s)
             row["p99_ratios"] = [round(x, 3) for x in p99s]
-            # CPU per request: less moved than the throughput by what else runs here
-            done = sum(o[1] for o in mine)
-            row["loop_cpu_us"] = round(sum(spent[name][r][0] for r in chosen) / done * 1e6, 1)
-            row["process_cpu_us"] = round(sum(spent[name][r][1] for r in chosen) / done
-                                          * 1e6, 1)
+            # CPU per request, over every pair the server was in (all rounds)
+            row["loop_cpu_us"] = round(spent[name][0] / max(done[name], 1) * 1e6, 1)
+            row["process_cpu_us"] = round(spent[name][1] / max(done[name], 1) * 1e6, 1)
             text = metrics_text(servers[name].port)
             row["answered_200"] = answered(text)
             row["records"] = metric(text, "orthornn_capture_records_total")
@@ -377,13 +412,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if result["ok"] else 1
         rows = overhead(args, work, repo)
     rounds = rows.pop("_rounds")
-    lines = ["| server | req/s | ratio to off (rounds) | p50 ms | p99 ms | p99 ratio (rounds) "
+    lines = ["| server | req/s | ratio to off (95%) | p50 ms | p99 ms | p99 ratio (95%) "
              "| event loop CPU µs/request (to off) | process CPU µs/request | answered 200 | "
              "records | dropped | RSS growth KiB |", "| --- " * 12 + "|"]
     off_cpu = rows["off"]["loop_cpu_us"]
     for name, row in rows.items():
-        spread = f"{min(row['ratios']):.2f}-{max(row['ratios']):.2f}"
-        p99_spread = f"{min(row['p99_ratios']):.2f}-{max(row['p99_ratios']):.2f}"
+        spread = "{:.3f}-{:.3f}".format(*row["ratio_95"])
+        p99_spread = "{:.3f}-{:.3f}".format(*row["p99_ratio_95"])
         lines.append(f"| {name} | {row['throughput']:.0f} | {row['ratio']:.3f} ({spread}) | "
                      f"{row['p50_ms']:.2f} | {row['p99_ms']:.2f} | {row['p99_ratio']:.3f} "
                      f"({p99_spread}) | {row['loop_cpu_us']:.0f} "
