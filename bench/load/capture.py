@@ -3,15 +3,17 @@
 side by side on one package: capture off, off again (the noise floor), on for every
 request (--capture), on for 10% (--capture-sample 0.1), and, where this machine lets a
 tmpfs be mounted, on for every request into a full disk and into a read-only one (records
-dropped, counted). Each round pairs every other server with the first "off" server in
-turn: both loaded at once for --round-s, on the same CPU, so that whatever slows this
-machine in those seconds slows both (measured one after the other, on a shared VM, the
-same server's throughput moves by a third from round to round; paired, off against off
-again moves by about 4%). Who starts first alternates by round. Each ratio is the
-geometric mean over the rounds of the pair's ratio (throughput, and p99 latency), with its
-95% interval; on a machine other work shares, over the rounds in which other processes
-took at most --quiet of the CPUs (all rounds if fewer than 3 did). Throughputs are those
-of a server sharing its CPU with off.
+dropped, counted). Each round pairs every server in turn with a capture-off server of its
+own (the "off" row: all of them): both loaded at once for --round-s, on the same CPU, so
+that whatever slows this machine in those seconds slows both (one after the other, on a
+shared VM, a server's throughput moves by a third from round to round; paired, off against
+off again moves by about 4%), and both rest while the other pairs run (a reference in
+every pair, never resting, ran 2% slower than a server that rested). Who starts first
+alternates by round. Each ratio is the geometric mean over the rounds of the pair's ratio
+(throughput, and p99 latency), with its 95% interval; on a machine other work shares, over
+the rounds in which other processes took at most --quiet of the CPUs (all rounds if fewer
+than 3 did). Throughputs are those of a server sharing its CPU with its reference. Every
+--fresh rounds each server is a new process.
 Afterwards each capturing server's records plus drops are checked against the requests it
 answered 200 (its /metrics), and each server's resident memory growth over the rounds and
 CPU time per request (its event loop's and the whole process's) are reported. Prints a
@@ -28,8 +30,8 @@ folder, the rest of the ids sent to it; then every request answered 200 must be 
 exactly once (a torn last line at most, cut and counted at the restart). Writes
 bench/results/capture_nothing_lost.json.
 
-    python bench/load/capture.py [--round-s 2] [--rounds 8] [--concurrency 32] [--hidden 64]
-                                 [--client asyncio|wrk]
+    python bench/load/capture.py [--round-s 2] [--rounds 8] [--fresh 10] [--concurrency 32]
+                                 [--hidden 64] [--client asyncio|wrk]
     python bench/load/capture.py --nothing-lost 20000
 """
 
@@ -50,6 +52,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -200,7 +203,10 @@ def mean_ratio(ratios: list[float]) -> tuple[float, list[float]]:
 
 
 def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
-    """The paired rounds; a row per server ("off" is the reference of every pair)."""
+    """The paired rounds; a row per server. Each server has a capture-off server of its own
+    to be paired with (their rows together are "off"): both idle while the other pairs run,
+    as a reference shared by every pair would not (it ran up to 2% slower than a server
+    that rested). A fresh process of every server each --fresh rounds."""
     flags = {"off": [], "off again": [],
              "every request": ["--capture", str(work / "all")],
              "10% sampled": ["--capture", str(work / "tenth"), "--capture-sample", "0.1"]}
@@ -211,100 +217,132 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
     if tmpfs(work / "ro", "ro"):
         mounts.append(work / "ro")
         flags["every request, read-only"] = ["--capture", str(work / "ro")]
-    servers = {name: Server(repo, True, extra) for name, extra in flags.items()}
-    names = [n for n in servers if n != "off"]
+    names = [n for n in flags if n != "off"]
+    flags.update({_reference(n): [] for n in names})
+    del flags["off"]
     # per compared server, per round: its measurement and off's, over the same seconds
     runs: dict[str, list[tuple[tuple, tuple]]] = {n: [] for n in names}
-    # CPU seconds of each server over the pairs it was in: the event loop's, the process's
-    spent: dict[str, list[float]] = {name: [0.0, 0.0] for name in servers}
-    done: dict[str, int] = {name: 0 for name in servers}
+    # per server, over its processes: CPU seconds (the event loop's, the process's) in the
+    # pairs it was in, requests done in them, and /metrics' counts and memory growth
+    spent: dict[str, list[float]] = {name: [0.0, 0.0] for name in flags}
+    done: dict[str, int] = {name: 0 for name in flags}  # requests answered in the pairs
+    counts: dict[str, dict[str, float]] = {
+        name: {"answered_200": 0.0, "records": 0.0, "dropped": 0.0, "rss_growth_kib": 0.0}
+        for name in flags}
     others: list[float] = []  # each round's CPU share taken by other processes
-    rows = {}
+    wrk = Wrk(work, bodies_for(args)[0], args.concurrency) if args.client == "wrk" else None
+    requests = requests_with_ids(bodies_for(args), 100_000) if wrk is None else []
+
+    def measure(ports: list[int], seconds: float) -> list[tuple]:
+        """One measurement of each of PORTS, all at once."""
+        if wrk is None:
+            async def together() -> list:
+                return await asyncio.gather(*[load(port, requests, args.concurrency,
+                                                   seconds, 10**9) for port in ports])
+            return [_round(r) for r in asyncio.run(together())]
+        out: list[tuple] = [()] * len(ports)
+
+        def one(k: int) -> None:
+            out[k] = wrk.run(ports[k], seconds)
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(len(ports))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
     try:
-        for s in servers.values():
-            s.wait_ready()
-        if args.client == "wrk":
-            wrk = Wrk(work, bodies_for(args)[0], args.concurrency)
-            for s in servers.values():
-                wrk.pin(s.proc.pid)
-
-            def measure(ports: list[int], seconds: float) -> list[tuple]:
-                out: list[tuple] = [()] * len(ports)
-
-                def one(k: int) -> None:
-                    out[k] = wrk.run(ports[k], seconds)
-                threads = [threading.Thread(target=one, args=(k,)) for k in range(len(ports))]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                return out
-        else:
-            requests = requests_with_ids(bodies_for(args), 100_000)
-
-            def measure(ports: list[int], seconds: float) -> list[tuple]:
-                async def both() -> list:
-                    return await asyncio.gather(*[load(port, requests, args.concurrency,
-                                                       seconds, 10**9) for port in ports])
-                return [_round(r) for r in asyncio.run(both())]
-        for s in servers.values():  # a first round each, not measured: every path warm
-            measure([s.port], 1)
-        memory_before = {n: rss_kib(s.proc.pid) for n, s in servers.items()}
-        for r in range(args.rounds):
-            wall, busy, own = time.perf_counter(), machine_busy_s(), time.process_time()
-            ours = 0.0
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                pair = ["off", name] if r % 2 == 0 else [name, "off"]  # who starts first
-                pids = [servers[n].proc.pid for n in pair]
-                before = [(cpu_s(pid, True), cpu_s(pid, False)) for pid in pids]
-                got = dict(zip(pair, measure([servers[n].port for n in pair], args.round_s),
-                               strict=True))
-                runs[name].append((got[name], got["off"]))
-                for n, pid, (loop, process) in zip(pair, pids, before, strict=True):
-                    spent[n][0] += cpu_s(pid, True) - loop
-                    spent[n][1] += cpu_s(pid, False) - process
-                    done[n] += got[n][1]
-                    ours += cpu_s(pid, False) - process
-            ours += time.process_time() - own  # the load client (wrk: counted as others)
-            others.append(max(0.0, machine_busy_s() - busy - ours)
-                          / ((time.perf_counter() - wall) * (os.cpu_count() or 1)))
-            print(f"round {r + 1}/{args.rounds}: other processes took "
-                  f"{others[-1]:.0%} of the CPUs", flush=True)
-        # the rounds the rest of the machine left alone, when there are 3 or more
-        quiet = [r for r in range(args.rounds) if others[r] <= args.quiet]
-        chosen = quiet if len(quiet) >= 3 else list(range(args.rounds))
-        for name in ["off", *names]:
-            pairs = [(b, b) for _, b in runs[names[0]]] if name == "off" else runs[name]
-            mine = [pairs[r][0] for r in chosen]
-            base = [pairs[r][1] for r in chosen]
-            row = {"requests": sum(o[1] for o in mine), "errors": sum(o[2] for o in mine),
-                   "throughput": round(float(np.median([o[1] / o[0] for o in mine])), 1),
-                   "p50_ms": round(float(np.median([o[3] for o in mine])) * 1e3, 3),
-                   "p99_ms": round(float(np.median([o[4] for o in mine])) * 1e3, 3)}
-            ratios = [o[1] / o[0] / max(b[1] / b[0], 1e-9)
-                      for b, o in zip(base, mine, strict=True)]
-            p99s = [o[4] / max(b[4], 1e-9) for b, o in zip(base, mine, strict=True)]
-            row["ratio"], row["ratio_95"] = mean_ratio(ratios)
-            row["ratios"] = [round(x, 3) for x in ratios]
-            row["p99_ratio"], row["p99_ratio_95"] = mean_ratio(p99s)
-            row["p99_ratios"] = [round(x, 3) for x in p99s]
-            # CPU per request, over every pair the server was in (all rounds)
-            row["loop_cpu_us"] = round(spent[name][0] / max(done[name], 1) * 1e6, 1)
-            row["process_cpu_us"] = round(spent[name][1] / max(done[name], 1) * 1e6, 1)
-            text = metrics_text(servers[name].port)
-            row["answered_200"] = answered(text)
-            row["records"] = metric(text, "orthornn_capture_records_total")
-            row["dropped"] = metric(text, "orthornn_capture_dropped_total")
-            row["rss_growth_kib"] = rss_kib(servers[name].proc.pid) - memory_before[name]
-            rows[name] = row
-        rows["_rounds"] = {"others_cpu_share": [round(x, 3) for x in others],
-                           "quiet": quiet, "used": chosen}
+        for first in range(0, args.rounds, args.fresh):
+            servers = {name: Server(repo, True, extra) for name, extra in flags.items()}
+            try:
+                for s in servers.values():
+                    s.wait_ready()
+                    if wrk is not None:
+                        wrk.pin(s.proc.pid)
+                for s in servers.values():  # a first round each, not measured: paths warm
+                    measure([s.port], 1)
+                memory_before = {n: rss_kib(s.proc.pid) for n, s in servers.items()}
+                for r in range(first, min(first + args.fresh, args.rounds)):
+                    others.append(_paired_round(r, servers, names, measure, args, runs,
+                                                spent, done))
+                    print(f"round {r + 1}/{args.rounds}: other processes took "
+                          f"{others[-1]:.0%} of the CPUs", flush=True)
+                for name, s in servers.items():
+                    text = metrics_text(s.port)
+                    got = counts[name]
+                    got["answered_200"] += answered(text)
+                    got["records"] += metric(text, "orthornn_capture_records_total")
+                    got["dropped"] += metric(text, "orthornn_capture_dropped_total")
+                    got["rss_growth_kib"] = max(got["rss_growth_kib"],
+                                                rss_kib(s.proc.pid) - memory_before[name])
+            finally:
+                for s in servers.values():
+                    s.stop()
     finally:
-        for s in servers.values():
-            s.stop()
         for folder in mounts:
             subprocess.run(["umount", str(folder)], capture_output=True)
+    # the rounds the rest of the machine left alone, when there are 3 or more
+    quiet = [r for r in range(args.rounds) if others[r] <= args.quiet]
+    chosen = quiet if len(quiet) >= 3 else list(range(args.rounds))
+    rows: dict = {}
+    references = [_reference(n) for n in names]
+    for name in ["off", *names]:
+        if name == "off":  # every pair's reference
+            mine = base = [runs[n][r][1] for n in names for r in chosen]
+            keys = references
+        else:
+            mine, base = [runs[name][r][0] for r in chosen], [runs[name][r][1] for r in chosen]
+            keys = [name]
+        row = {"requests": sum(o[1] for o in mine), "errors": sum(o[2] for o in mine),
+               "throughput": round(float(np.median([o[1] / o[0] for o in mine])), 1),
+               "p50_ms": round(float(np.median([o[3] for o in mine])) * 1e3, 3),
+               "p99_ms": round(float(np.median([o[4] for o in mine])) * 1e3, 3)}
+        ratios = [o[1] / o[0] / max(b[1] / b[0], 1e-9) for b, o in zip(base, mine, strict=True)]
+        p99s = [o[4] / max(b[4], 1e-9) for b, o in zip(base, mine, strict=True)]
+        row["ratio"], row["ratio_95"] = mean_ratio(ratios)
+        row["ratios"] = [round(x, 3) for x in ratios]
+        row["p99_ratio"], row["p99_ratio_95"] = mean_ratio(p99s)
+        row["p99_ratios"] = [round(x, 3) for x in p99s]
+        # CPU per request, over every pair the server was in (all rounds)
+        requests = max(sum(done[k] for k in keys), 1)
+        row["loop_cpu_us"] = round(sum(spent[k][0] for k in keys) / requests * 1e6, 1)
+        row["process_cpu_us"] = round(sum(spent[k][1] for k in keys) / requests * 1e6, 1)
+        for field in ("answered_200", "records", "dropped"):
+            row[field] = sum(counts[k][field] for k in keys)
+        row["rss_growth_kib"] = int(max(counts[k]["rss_growth_kib"] for k in keys))
+        rows[name] = row
+    rows["_rounds"] = {"others_cpu_share": [round(x, 3) for x in others], "quiet": quiet,
+                       "used": chosen, "fresh_processes_every": args.fresh}
     return rows
+
+
+def _reference(name: str) -> str:
+    """The capture-off server NAME is paired with."""
+    return f"off, paired with {name}"
+
+
+def _paired_round(r: int, servers: dict[str, Server], names: list[str], measure: Callable,
+                  args: argparse.Namespace, runs: dict, spent: dict, done: dict) -> float:
+    """Round R: each of NAMES (in an order rotating by round) loaded at the same time as
+    its capture-off reference, who starts first alternating by round; the share of the
+    CPUs other processes took meanwhile."""
+    wall, busy, own = time.perf_counter(), machine_busy_s(), time.process_time()
+    ours = 0.0
+    for name in names[r % len(names):] + names[:r % len(names)]:
+        pair = [_reference(name), name] if r % 2 == 0 else [name, _reference(name)]
+        pids = [servers[n].proc.pid for n in pair]
+        before = [(cpu_s(pid, True), cpu_s(pid, False)) for pid in pids]
+        got = dict(zip(pair, measure([servers[n].port for n in pair], args.round_s),
+                       strict=True))
+        runs[name].append((got[name], got[_reference(name)]))
+        for n, pid, (loop, process) in zip(pair, pids, before, strict=True):
+            spent[n][0] += cpu_s(pid, True) - loop
+            spent[n][1] += cpu_s(pid, False) - process
+            done[n] += got[n][1]
+            ours += cpu_s(pid, False) - process
+    ours += time.process_time() - own  # the load client (wrk: counted as others)
+    return max(0.0, machine_busy_s() - busy - ours) / ((time.perf_counter() - wall)
+                                                       * (os.cpu_count() or 1))
 
 
 async def _send(port: int, bodies: list[bytes], ids: list[str], concurrency: int,
@@ -384,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--round-s", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--fresh", type=int, default=10, metavar="K",
+                        help="a fresh process of every server each K rounds")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
@@ -398,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                              "servers use, or wrk and the servers pinned to CPUs of their own")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.rounds < 1 or args.fresh < 1:
+        parser.error(f"--rounds and --fresh: at least 1; got {args.rounds} and {args.fresh}")
     if args.nothing_lost < 0:
         parser.error(f"--nothing-lost: 0 (off) or a number of requests; got "
                      f"{args.nothing_lost}")
