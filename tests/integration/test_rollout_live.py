@@ -106,8 +106,13 @@ class Cluster:
 def cluster_(models, tmp_path_factory) -> Iterator[Cluster]:
     work = tmp_path_factory.mktemp("rollout-cluster")
     with RedisServer(work / "redis") as redis:
+        # a replica stopped by SIGTERM answers readiness 503 for a second before it closes
+        # its connections, as the chart's do: haproxy (checks every 0.1 s) has stopped
+        # sending to it by then. Without it a request haproxy sent on a kept-alive
+        # connection as the replica closed it was lost (haproxy closes the client's
+        # connection unanswered, for the client to retry)
         args = ["--session-store", redis.url, "--poll-interval-s", "0.2",
-                "--rollout-controller", "off"]
+                "--rollout-controller", "off", "--shutdown-delay-s", "1"]
         made = [Replica(models.repo, args=args) for _ in range(2)]
         try:
             for replica in made:
