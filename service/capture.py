@@ -5,7 +5,8 @@ of an answered request.
 
 Stateless requests (/predict and OIP) are written once per batch, in the inference thread
 that ran the batch, before it hands the answers back: the event loop only decides the
-sample (``Capture.tag``), and the batch's sampled requests become one line whose arrays are
+sample (``request_id``: a request not in it gets no id and costs nothing more) and tags
+the request (``Capture.tag``), and the batch's sampled requests become one line whose arrays are
 columns (every sequence's inputs in one array, the outputs in another), so a record costs
 a share of one encoding and one ``write`` instead of its own (docs/design.md, "Capture").
 A session's chunk is written on the event loop once the session applied it (its position
@@ -29,6 +30,7 @@ import errno
 import fcntl
 import logging
 import os
+import random
 import re
 import shutil
 import socket
@@ -60,14 +62,25 @@ _ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 _REPLICA = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
-def request_id(header: str | None, oip_id: str | None = None) -> str:
-    """The request's id: the client's X-Request-Id (400 unless 1-128 printable ASCII
-    characters), else the OIP request's ``id``, else a new one."""
+def request_id(header: str | None, oip_id: str | None = None, share: float = 1.0
+               ) -> str | None:
+    """The id the request is captured under at SHARE, None when it is not in the sample:
+    the client's X-Request-Id (400 unless 1-128 printable ASCII characters), else the OIP
+    request's ``id``, sampled by their hash (``sampled``); else, with chance SHARE, a new
+    one. (A new id is random, so its hash falls in the sample with chance SHARE too: the
+    ids of requests not kept are never made.) A request not in the sample costs nothing
+    more: no tag, no record, no id in its answer."""
     if header is not None:
         if not _ID.fullmatch(header):
             raise ClientError("X-Request-Id: 1 to 128 printable ASCII characters, no spaces")
-        return header
-    return oip_id if oip_id else os.urandom(16).hex()  # a fifth of uuid4's cost
+        given: str | None = header
+    else:
+        given = oip_id or None
+    if given is None:
+        if share < 1.0 and random.random() >= share:
+            return None
+        return os.urandom(16).hex()  # a fifth of uuid4's cost
+    return given if share >= 1.0 or sampled(given, share) else None
 
 
 def _check_replica(name: str) -> str:
@@ -171,10 +184,10 @@ class Capture:
 
     def tag(self, route: str, model: str, version: int) -> Tag | None:
         """(Event loop.) The current request's tag when its record is to be written with
-        its batch's: capture samples its id and MODEL VERSION's records are not being
-        dropped; else None (nothing more is done for it)."""
+        its batch's: it is in the sample (it has an id, ``request_id``) and MODEL VERSION's
+        records are not being dropped; else None (nothing more is done for it)."""
         rid = request.current().id
-        if rid is None or (self.share < 1.0 and not sampled(rid, self.share)):
+        if rid is None:
             return None
         return Tag(rid, route) if self.admits(model, version, self.clock()) else None
 
@@ -383,7 +396,7 @@ def open_capture(settings: Any, metrics: Metrics | None) -> Capture | None:
 def keep_answer(capture: Capture | None, route: str, model: str, version: int,
                 inputs: list, outputs: Any, session: str | None = None,
                 position: int | None = None) -> None:
-    """The record of one answered request, when capture is on and samples its id: the
+    """The record of one answered request, when capture is on and it is in the sample: the
     inputs as the model saw them (arrays, token ids), the outputs the client gets, the
     session's id and position after a chunk, the compute time (the request's scope).
     Nothing is encoded for a request not sampled, nor while the disk refuses."""
@@ -391,7 +404,7 @@ def keep_answer(capture: Capture | None, route: str, model: str, version: int,
         return
     scope = request.current()
     rid = scope.id
-    if rid is None or (capture.share < 1.0 and not sampled(rid, capture.share)):
+    if rid is None:  # not in the sample
         return
     now = capture.clock()
     if not capture.admits(model, version, now):

@@ -81,7 +81,7 @@ def _headers(served: Served, position: int | None = None,
     """The headers of an answer: the input warning, the session's position and (answering
     its start) its secret, where there are some."""
     headers = {} if served.warning is None else {WARNING_HEADER: served.warning}
-    rid = request.current().id  # capture on: the id its record is kept under
+    rid = request.current().id  # in capture's sample: the id its record is kept under
     if rid is not None:
         headers[REQUEST_ID_HEADER] = rid
     if position is not None:
@@ -134,7 +134,8 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         req = decode_predict(call.body)
         _names(req.model)
         if dataplane.capture is not None:
-            request.current().id = request_id(header(call.scope, b"x-request-id"))
+            request.current().id = request_id(header(call.scope, b"x-request-id"),
+                                              share=dataplane.capture.share)
         result = await dataplane.predict(req, routing_key(call),
                                          session_secret(call))
         return Response(encode_predict(result), media_type="application/json",
@@ -153,7 +154,8 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         req = decode_infer(call.body, header(call.scope, b"inference-header-content-length"),
                            name, version)
         if dataplane.capture is not None:
-            request.current().id = request_id(header(call.scope, b"x-request-id"), req.id)
+            request.current().id = request_id(header(call.scope, b"x-request-id"), req.id,
+                                              dataplane.capture.share)
         result = await dataplane.infer(req, name, version, routing_key(call),
                                        session_secret(call))
         head, blobs = encode_infer(req, result)

@@ -85,19 +85,33 @@ def test_a_record_holds_what_the_model_saw_and_what_the_client_got(repo, tmp_pat
 
 
 def test_the_sample_is_the_ids_hash_alike_on_two_replicas(repo, tmp_path):
+    """A given id is kept when its hash is in the sample, on every replica alike, and only
+    the answers of requests kept carry their id; a request without one is kept with the
+    sample's chance, under the id its answer carries."""
     ids = [f"id-{i}" for i in range(60)]
+    echoed: dict[str, list] = {}
+    made: dict[str, list] = {}
     for replica in ("a", "b"):
         app = create_app(Settings(repo=repo, poll_interval_s=0, capture=tmp_path / replica,
                                   capture_sample=0.5))
         with TestClient(app) as c:
             app.state.registry.scanned.wait(60)
-            for i in ids:
-                assert c.post("/predict", json={"model": "digits", "inputs": [[0.1, 0.2]]},
-                              headers={"X-Request-Id": i}).status_code == 200
+            answers = [c.post("/predict", json={"model": "digits", "inputs": [[0.1, 0.2]]},
+                              headers={"X-Request-Id": i}) for i in ids]
+            assert {r.status_code for r in answers} == {200}
+            echoed[replica] = [r.headers.get("X-Request-Id") for r in answers]
+            unnamed = [c.post("/predict", json={"model": "digits", "inputs": [[0.3, 0.4]]})
+                       for _ in range(60)]
+            assert {r.status_code for r in unnamed} == {200}
+            made[replica] = [r.headers["X-Request-Id"] for r in unnamed
+                             if "X-Request-Id" in r.headers]
     expected = {i for i in ids if binascii.crc32(i.encode()) % 10_000 < 5_000}
     assert 15 < len(expected) < 45
     for replica in ("a", "b"):
-        assert {r["id"] for r in read_records(tmp_path / replica, "digits")[0]} == expected
+        assert echoed[replica] == [i if i in expected else None for i in ids]
+        assert 10 < len(made[replica]) < 50  # binomial(60, 0.5): 5.5 sd either side
+        assert {r["id"] for r in read_records(tmp_path / replica, "digits")[0]} == \
+            expected | set(made[replica])
 
 
 def _serve(repo, captured, port):

@@ -62,6 +62,28 @@ def test_the_sample_follows_the_ids_crc32_alike_everywhere():
     for bad in ("", "has space", "x" * 129, "é"):
         with pytest.raises(ClientError, match="X-Request-Id"):
             request_id(bad)
+        with pytest.raises(ClientError, match="X-Request-Id"):  # whatever the sample
+            request_id(bad, share=0.1)
+
+
+def test_only_a_request_in_the_sample_gets_an_id():
+    """A given id (the header's, else OIP's) is kept under itself when its hash is in the
+    sample, else the request has none; one without an id gets a new one with chance SHARE
+    (10,000 draws at 0.1: 1,000 expected, sd 30)."""
+    ids = [f"request-{i}" for i in range(2_000)]
+    for share in (0.1, 0.5):
+        assert [request_id(i, share=share) for i in ids] == \
+            [i if binascii.crc32(i.encode()) % 10_000 < share * 10_000 else None for i in ids]
+        assert [request_id(None, i, share) for i in ids] == \
+            [i if sampled(i, share) else None for i in ids]
+        # the header wins over OIP's id, in the sample or not
+        assert [request_id(i, "oip", share) for i in ids] == \
+            [request_id(i, share=share) for i in ids]
+    made = [request_id(None, None, 0.1) for _ in range(10_000)]
+    kept = [m for m in made if m is not None]
+    assert 850 < len(kept) < 1150 and len(set(kept)) == len(kept)
+    assert all(len(m) == 32 and int(m, 16) >= 0 for m in kept)
+    assert all(request_id(None, "", 1.0) is not None for _ in range(10))  # empty: none given
 
 
 def test_records_are_written_per_model_version_and_day_and_closed_by_rename(tmp_path):
@@ -455,7 +477,7 @@ def test_the_sample_decides_the_tag_on_the_event_loop(tmp_path):
     tagged = []
     for rid in ids:
         with request.opened() as scope:
-            scope.id = rid
+            scope.id = request_id(rid, share=c.share)  # as the HTTP layer sets it
             tag = c.tag("infer", "m", 1)
             if tag is not None:
                 assert tag == capture_module.Tag(rid, "infer")
