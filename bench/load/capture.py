@@ -10,10 +10,12 @@ shared VM, a server's throughput moves by a third from round to round; paired, o
 off again moves by about 4%), and both rest while the other pairs run (a reference in
 every pair, never resting, ran 2% slower than a server that rested). Who starts first
 alternates by round. Each ratio is the geometric mean over the rounds of the pair's ratio
-(throughput, and p99 latency), with its 95% interval; on a machine other work shares, over
-the rounds in which other processes took at most --quiet of the CPUs (all rounds if fewer
-than 3 did). Throughputs are those of a server sharing its CPU with its reference. Every
---fresh rounds each server is a new process.
+(throughput, and p99 latency); on a machine other work shares, over the rounds in which
+other processes took at most --quiet of the CPUs (all rounds if fewer than 3 did).
+Throughputs are those of a server sharing its CPU with its reference. Every --fresh rounds
+each server is a new process; a process is noise of its own (the same code, started
+again, ran up to 3% faster or slower for all its rounds), so the 95% interval is over the
+processes' means when there are 3 or more: many processes (a small --fresh) narrow it.
 Afterwards each capturing server's records plus drops are checked against the requests it
 answered 200 (its /metrics), and each server's resident memory growth over the rounds and
 CPU time per request (its event loop's and the whole process's) are reported. Prints a
@@ -192,14 +194,32 @@ def _round(result: tuple) -> tuple[float, int, int, float, float]:
             float(np.percentile(latencies, 99)))
 
 
-def mean_ratio(ratios: list[float]) -> tuple[float, list[float]]:
-    """The geometric mean of the rounds' ratios and its 95% interval (normal, on the logs:
-    a pair's ratio is its rounds' noise times the cost, and the rounds are independent)."""
+def mean_ratio(ratios: list[float], processes: list[int] | None = None
+               ) -> tuple[float, list[float]]:
+    """The geometric mean of the rounds' ratios and its 95% interval, on the logs (a pair's
+    ratio is its round's noise times the cost). PROCESSES: which processes of the pair
+    each round ran on. A process is noise of its own, that its rounds share: the same
+    server code, started again, ran up to 3% faster or slower against its reference for
+    all its rounds (its address space, its hash seed). So with 3 or more processes the
+    interval is over the processes' means (Student's t), not over rounds taken as
+    independent (which was 3 times narrower than the processes' spread)."""
     logs = np.log(np.asarray(ratios))
-    half = 1.96 * float(np.std(logs, ddof=1)) / np.sqrt(len(logs)) if len(logs) > 1 else 0.0
     mean = float(np.mean(logs))
+    groups = sorted(set(processes)) if processes is not None else []
+    if len(groups) >= 3:
+        assert processes is not None
+        means = np.array([logs[[p == g for p in processes]].mean() for g in groups])
+        half = float(student_t(len(means) - 1) * np.std(means, ddof=1) / np.sqrt(len(means)))
+    else:
+        half = 1.96 * float(np.std(logs, ddof=1)) / np.sqrt(len(logs)) if len(logs) > 1 else 0.0
     return round(float(np.exp(mean)), 3), [round(float(np.exp(mean - half)), 3),
                                           round(float(np.exp(mean + half)), 3)]
+
+
+def student_t(df: int) -> float:
+    """The two-sided 95% quantile of Student's t with DF degrees of freedom."""
+    from scipy.stats import t
+    return float(t.ppf(0.975, df))
 
 
 def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
@@ -299,9 +319,12 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
                "p99_ms": round(float(np.median([o[4] for o in mine])) * 1e3, 3)}
         ratios = [o[1] / o[0] / max(b[1] / b[0], 1e-9) for b, o in zip(base, mine, strict=True)]
         p99s = [o[4] / max(b[4], 1e-9) for b, o in zip(base, mine, strict=True)]
-        row["ratio"], row["ratio_95"] = mean_ratio(ratios)
+        # the process each round's pair ran on (the references of "off": each its own)
+        processes = [r // args.fresh for r in chosen] if name != "off" else \
+            [k * args.rounds + r // args.fresh for k in range(len(names)) for r in chosen]
+        row["ratio"], row["ratio_95"] = mean_ratio(ratios, processes)
         row["ratios"] = [round(x, 3) for x in ratios]
-        row["p99_ratio"], row["p99_ratio_95"] = mean_ratio(p99s)
+        row["p99_ratio"], row["p99_ratio_95"] = mean_ratio(p99s, processes)
         row["p99_ratios"] = [round(x, 3) for x in p99s]
         # CPU per request, over every pair the server was in (all rounds)
         requests = max(sum(done[k] for k in keys), 1)
