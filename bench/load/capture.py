@@ -205,10 +205,9 @@ def mean_ratio(ratios: list[float], processes: list[int] | None = None
     independent (which was 3 times narrower than the processes' spread)."""
     logs = np.log(np.asarray(ratios))
     mean = float(np.mean(logs))
-    groups = sorted(set(processes)) if processes is not None else []
-    if len(groups) >= 3:
-        assert processes is not None
-        means = np.array([logs[[p == g for p in processes]].mean() for g in groups])
+    if processes is not None and len(set(processes)) >= 3:
+        means = np.array([logs[[p == g for p in processes]].mean()
+                          for g in sorted(set(processes))])
         half = float(student_t(len(means) - 1) * np.std(means, ddof=1) / np.sqrt(len(means)))
     else:
         half = 1.96 * float(np.std(logs, ddof=1)) / np.sqrt(len(logs)) if len(logs) > 1 else 0.0
@@ -319,9 +318,8 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
                "p99_ms": round(float(np.median([o[4] for o in mine])) * 1e3, 3)}
         ratios = [o[1] / o[0] / max(b[1] / b[0], 1e-9) for b, o in zip(base, mine, strict=True)]
         p99s = [o[4] / max(b[4], 1e-9) for b, o in zip(base, mine, strict=True)]
-        # the process each round's pair ran on (the references of "off": each its own)
-        processes = [r // args.fresh for r in chosen] if name != "off" else \
-            [k * args.rounds + r // args.fresh for k in range(len(names)) for r in chosen]
+        # the process each round's pair ran on ("off" against itself: every ratio 1)
+        processes = [r // args.fresh for r in chosen] if name != "off" else None
         row["ratio"], row["ratio_95"] = mean_ratio(ratios, processes)
         row["ratios"] = [round(x, 3) for x in ratios]
         row["p99_ratio"], row["p99_ratio_95"] = mean_ratio(p99s, processes)
