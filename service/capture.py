@@ -143,8 +143,6 @@ class Capture:
         self.retention_days, self.clock = retention_days, clock
         self._closed = False
         self._day, self._day_ends = "", 0.0  # the day being written (UTC), when it ends
-        self._records: dict[str, Any] = {}  # orthornn_capture_records_total's children
-        self._drops: dict[str, Any] = {}  # orthornn_capture_dropped_total's children
         #: models whose write failed (a full or read-only disk): until when their records
         #: are dropped, unencoded, and why
         self._failed: dict[tuple[str, int], tuple[float, str]] = {}
@@ -259,11 +257,8 @@ class Capture:
         segment.size = end
         if end >= self.segment_bytes:
             self._close(key)
-        counter = self._records.get(model)
-        if counter is None and self.metrics is not None:  # the label child, looked up once
-            counter = self._records[model] = self.metrics.capture_records.labels(model)
-        if counter is not None:
-            counter.inc(count)
+        if self.metrics is not None:
+            self.metrics.capture_records.inc(model, count)
 
     def _new_day(self, now: float) -> None:
         """Close yesterday's segments, expire old days; the day's folder name and end."""
@@ -327,11 +322,8 @@ class Capture:
             log.warning("%s (the next such warning in a minute at the soonest)", message)
 
     def _dropped(self, reason: str, count: int = 1) -> None:
-        counter = self._drops.get(reason)
-        if counter is None and self.metrics is not None:  # the label child, looked up once
-            counter = self._drops[reason] = self.metrics.capture_dropped.labels(reason)
-        if counter is not None:
-            counter.inc(count)
+        if self.metrics is not None:
+            self.metrics.capture_dropped.inc(reason, count)
 
     # -- start and end ---------------------------------------------------------------------
 
