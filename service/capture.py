@@ -183,11 +183,15 @@ class Capture:
     def tag(self, route: str, model: str, version: int) -> Tag | None:
         """(Event loop.) The current request's tag when its record is to be written with
         its batch's: it is in the sample (it has an id, ``request_id``) and MODEL VERSION's
-        records are not being dropped; else None (nothing more is done for it)."""
-        rid = request.current().id
-        if rid is None:
+        records are not being dropped; else None (nothing more is done for it, and a
+        dropped one's answer carries no id: none is kept under it)."""
+        scope = request.current()
+        if scope.id is None:
             return None
-        return Tag(rid, route) if self.admits(model, version, self.clock()) else None
+        if self.admits(model, version, self.clock()):
+            return Tag(scope.id, route)
+        scope.id = None
+        return None
 
     def recorder(self, spec: ModelSpec, model: str, version: int, graph: str, timed: bool
                  ) -> Callable[[list[Captured]], None]:
@@ -400,6 +404,7 @@ def keep_answer(capture: Capture | None, route: str, model: str, version: int,
         return
     now = capture.clock()
     if not capture.admits(model, version, now):
+        scope.id = None  # dropped: its answer carries no id
         return
     try:
         line = _line(rid, now, route, model, version, inputs, outputs, session, position,

@@ -84,6 +84,26 @@ def test_a_record_holds_what_the_model_saw_and_what_the_client_got(repo, tmp_pat
     assert not list((tmp_path / "cap").glob("*/*/*/*.open"))
 
 
+def test_an_answer_whose_record_is_dropped_carries_no_id(repo, tmp_path):
+    """A disk that refuses the records: the request whose batch's write failed was answered
+    under its id (the write came after its tag), then for the second of drops every answer
+    carries no X-Request-Id (no record is kept under it), and each drop is counted."""
+    captured = tmp_path / "cap"
+    with serving(repo, captured) as c:
+        c.app.state.registry.scanned.wait(60)
+        c.app.state.dataplane.capture.clock = lambda: 1_790_000_000.0  # the second never ends
+        (captured / "digits").write_text("")  # a file where the model's folder would go
+        x = {"model": "digits", "inputs": [[[0.1], [0.5]]]}
+        first = c.post("/predict", json=x, headers={"X-Request-Id": "first"})
+        later = [c.post("/predict", json=x, headers={"X-Request-Id": f"later-{i}"})
+                 for i in range(3)]
+        metrics = c.get("/metrics").text
+    assert first.status_code == 200 and first.headers["X-Request-Id"] == "first"
+    assert [(r.status_code, r.headers.get("X-Request-Id")) for r in later] == [(200, None)] * 3
+    assert 'orthornn_capture_dropped_total{reason="error"} 4.0' in metrics
+    assert "orthornn_capture_records_total{" not in metrics  # nothing written
+
+
 def test_the_sample_is_the_ids_hash_alike_on_two_replicas(repo, tmp_path):
     """A given id is kept when its hash is in the sample, on every replica alike, and only
     the answers of requests kept carry their id; a request without one is kept with the

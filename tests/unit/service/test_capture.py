@@ -467,7 +467,12 @@ def test_a_batch_that_cannot_be_written_counts_each_of_its_records(tmp_path, mon
     assert dropped(metrics, "disk_full") == 4
     with request.opened() as scope:  # for a second no request of it is tagged (nor encoded)
         scope.id = "next"
-        assert c.tag("/predict", "m", 1) is None and c.tag("/predict", "other", 1) is not None
+        assert c.tag("/predict", "m", 1) is None
+        assert scope.id is None  # its answer carries no X-Request-Id: nothing is kept under it
+    with request.opened() as scope:  # another model's records are written meanwhile
+        scope.id = "other"
+        assert c.tag("/predict", "other", 1) == capture_module.Tag("other", "/predict")
+        assert scope.id == "other"
     assert dropped(metrics, "disk_full") == 5
 
 
