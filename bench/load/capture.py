@@ -16,6 +16,8 @@ Throughputs are those of a server sharing its CPU with its reference. Every --fr
 each server is a new process; a process is noise of its own (the same code, started
 again, ran up to 3% faster or slower for all its rounds), so the 95% interval is over the
 processes' means when there are 3 or more: many processes (a small --fresh) narrow it.
+The servers of one generation share a PYTHONHASHSEED (a new one each generation), so that
+a pair's two processes lay out their dictionaries alike.
 Afterwards each capturing server's records plus drops are checked against the requests it
 answered 200 (its /metrics), and each server's resident memory growth over the rounds and
 CPU time per request (its event loop's and the whole process's) are reported. Prints a
@@ -272,7 +274,10 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
 
     try:
         for first in range(0, args.rounds, args.fresh):
-            servers = {name: Server(repo, True, extra) for name, extra in flags.items()}
+            # every server of a generation hashes with the same seed, a new one each
+            # generation: a pair differs in its code, not in its dictionaries' layout
+            seed = {"PYTHONHASHSEED": str(first // args.fresh + 1)}
+            servers = {name: Server(repo, True, extra, seed) for name, extra in flags.items()}
             try:
                 for s in servers.values():
                     s.wait_ready()

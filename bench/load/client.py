@@ -7,6 +7,7 @@ another load test (tests/unit/test_bench_listing.py checks).
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -45,13 +46,15 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, repo: Path, batching: bool, extra: list[str]):
+    def __init__(self, repo: Path, batching: bool, extra: list[str],
+                 env: dict[str, str] | None = None):
+        """ENV: variables set for the server on top of this process's."""
         self.port = free_port()
         cmd = [sys.executable, "-m", "orthornn", "serve", "--repo", str(repo),
                "--port", str(self.port), "--log-level", "warning",
                "--batching" if batching else "--no-batching", *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE)
+                                     stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float = 120) -> None:
         import urllib.request
