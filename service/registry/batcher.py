@@ -290,11 +290,14 @@ class Batcher:
 
     def _record(self, items: list[_Item], outcomes: list[tuple[bool, Any]]) -> None:
         """The batch's tagged requests that did not fail, to the recorder (which counts
-        its own failures; one here never fails the batch)."""
+        its own failures; one here never fails the batch). A request cancelled meanwhile
+        (its client went away) is left out: it will not be answered. (Its future's state,
+        read from this thread, can change just after: such a record precedes an answer
+        never sent, as one does when the server is killed between the two.)"""
         now = time.perf_counter()
         captured = [(item.tag, item.sequences, value, now - item.enqueued)
                     for item, (ok, value) in zip(items, outcomes, strict=True)
-                    if ok and item.tag is not None]
+                    if ok and item.tag is not None and not item.future.done()]
         if captured:
             try:
                 self.record(captured)  # type: ignore[misc]

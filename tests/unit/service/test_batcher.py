@@ -405,3 +405,31 @@ def test_a_batchs_tagged_requests_are_recorded_once_before_any_answer_goes_back(
         assert calls[0][1] is False  # none of the first batch's requests answered yet
         assert all(name.startswith("infer") for _, _, name in calls)
     asyncio.run(main())
+
+
+def test_a_request_cancelled_while_its_batch_runs_is_not_recorded():
+    """A client that goes away while its batch runs: its request is cancelled, never
+    answered, and left out of the batch's record; the others of the batch are in it."""
+    started, release = threading.Event(), threading.Event()
+    calls: list[list] = []
+
+    def run(seqs):
+        started.set()
+        release.wait(10)
+        return [{"y": 2 * s} for s in seqs]
+
+    async def main():
+        with ThreadPoolExecutor(1, thread_name_prefix="infer") as pool:
+            b = batcher(run, pool, record=lambda c: calls.append([t for t, *_ in c]),
+                        max_queue_delay_ms=20_000)
+            b.holders = lambda: 2
+            kept = asyncio.ensure_future(b.submit([seq(1)], tag="kept"))
+            gone = asyncio.ensure_future(b.submit([seq(2)], tag="gone"))
+            await asyncio.to_thread(started.wait, 10)
+            gone.cancel()
+            await asyncio.sleep(0)
+            release.set()
+            assert own(await kept) == [2.0]
+            assert gone.cancelled()
+        assert calls == [["kept"]]
+    asyncio.run(main())
