@@ -96,6 +96,18 @@ def sampled(request: str, share: float) -> bool:
     return bucket(request.encode()) < share * 100
 
 
+#: the retention's check runs this long past each midnight (UTC), in a thread of its own
+RETENTION_CHECK_AFTER_S = 60.0
+
+
+def _until_next_check(now: float) -> float:
+    """Seconds from NOW to the next retention check (a minute past midnight, UTC)."""
+    start = dt.datetime.fromtimestamp(now, dt.UTC).replace(hour=0, minute=0, second=0,
+                                                           microsecond=0)
+    check = start.timestamp() + RETENTION_CHECK_AFTER_S  # today's
+    return (check if now < check else check + 86_400) - now  # a UTC day: 86,400 s
+
+
 RESERVE = 4 << 20  # disk space reserved ahead for an open segment (bytes)
 _KEEP_SIZE = 1  # FALLOC_FL_KEEP_SIZE: the blocks are reserved, the file's length stays
 _REASONS = {errno.ENOSPC: "disk_full", errno.EDQUOT: "disk_full", errno.EROFS: "read_only",
@@ -162,6 +174,12 @@ class Capture:
             self.replica, self._lock_fd = name, -1
             self._warn(f"capture: {self.root} cannot be prepared ({error}); its records "
                        f"are dropped until a write succeeds")
+        # old days deleted a minute past each midnight, off the request path (a day's
+        # folders can take a while to delete), whether or not anything is written
+        self._stopped = threading.Event()
+        self._retention = threading.Thread(target=self._expire_daily,
+                                           name="capture-retention", daemon=True)
+        self._retention.start()
 
     # -- the event loop ----------------------------------------------------------------------
 
@@ -265,14 +283,13 @@ class Capture:
             self.metrics.capture_records.inc(model, count)
 
     def _new_day(self, now: float) -> None:
-        """Close yesterday's segments, expire old days; the day's folder name and end."""
+        """Close yesterday's segments; the day's folder name and end."""
         start = dt.datetime.fromtimestamp(now, dt.UTC).replace(hour=0, minute=0, second=0,
                                                                microsecond=0)
         self._day = start.strftime("%Y-%m-%d")
         self._day_ends = (start + dt.timedelta(days=1)).timestamp()
         for key in list(self._segments):
             self._close(key)
-        self._expire()
 
     def _reserve(self, segment: _Segment, end: int) -> None:
         """Reserve SEGMENT's disk blocks up to END at least (RESERVE ahead, up to the
@@ -369,8 +386,17 @@ class Capture:
             if day.name < cutoff:
                 shutil.rmtree(day, ignore_errors=True)
 
+    def _expire_daily(self) -> None:
+        """(The retention thread.) ``_expire`` a minute past each midnight until the close."""
+        while not self._stopped.wait(_until_next_check(self.clock())):
+            try:
+                self._expire()
+            except OSError as error:  # the folder unreadable: tried again the next day
+                self._warn(f"capture: old days under {self.root} not deleted ({error})")
+
     def close(self) -> None:
         """Close every segment (the server's end)."""
+        self._stopped.set()
         with self._lock:
             self._closed = True
             for key in list(self._segments):

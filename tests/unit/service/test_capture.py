@@ -6,11 +6,14 @@ torn line, the retention, and one segment name per replica."""
 import base64
 import binascii
 import ctypes
+import datetime as dt
 import errno
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import types
 
 import numpy as np
@@ -307,6 +310,45 @@ def test_day_folders_past_the_retention_are_deleted(tmp_path):
     c.close()
     assert sorted(p.name for p in (tmp_path / "m" / "1").iterdir()) == \
         ["2026-09-01", "2026-09-20"]
+
+
+def test_old_days_are_deleted_past_each_midnight_off_the_request_path(tmp_path, monkeypatch):
+    """The retention thread deletes the days past the retention a minute after midnight,
+    with or without traffic; a new day's first record deletes nothing (its batch's
+    answers wait for it); the close stops the thread."""
+    armed, waits = threading.Event(), []
+
+    def until(now: float) -> float:  # the thread's wait: held until the test arms it
+        waits.append(now)
+        if len(waits) == 1:
+            assert armed.wait(10)
+            return 0.0
+        return 3600.0
+    monkeypatch.setattr(capture_module, "_until_next_check", until)
+    now = [T0]  # 2026-09-21
+    c = Capture(tmp_path, 1.0, replica="a", retention_days=30, clock=lambda: now[0])
+    old = tmp_path / "m" / "1" / "2026-08-25"  # within 30 days of 09-21, not of 09-26
+    old.mkdir(parents=True)
+    now[0] += 5 * DAY
+    keep_all(c, [record(1)])  # the new day's first record
+    assert old.is_dir() and (tmp_path / "m" / "1" / "2026-09-26").is_dir()
+    armed.set()
+    deadline = time.monotonic() + 10
+    while len(waits) < 2 and time.monotonic() < deadline:  # expired, then the next wait
+        time.sleep(0.01)
+    assert not old.exists() and waits[1] == now[0]
+    c.close()
+    c._retention.join(5)
+    assert not c._retention.is_alive()
+
+
+def test_the_retention_check_is_a_minute_past_the_next_midnight_utc():
+    midnight = 1_790_035_200.0  # 2026-09-22 00:00 UTC
+    assert dt.datetime.fromtimestamp(midnight, dt.UTC).strftime("%H:%M") == "00:00"
+    assert capture_module._until_next_check(midnight - 3600) == 3600 + 60
+    assert capture_module._until_next_check(midnight) == 60
+    assert capture_module._until_next_check(midnight + 60) == 86_400  # just checked
+    assert capture_module._until_next_check(midnight + 61) == 86_400 - 1
 
 
 def test_two_writers_of_one_name_never_share_a_segment(tmp_path):
