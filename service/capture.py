@@ -100,11 +100,15 @@ def sampled(request: str, share: float) -> bool:
 RETENTION_CHECK_AFTER_S = 60.0
 
 
+def _day_start(now: float) -> dt.datetime:
+    """Midnight (UTC) that began NOW's day: the day folders' and the retention's day."""
+    return dt.datetime.fromtimestamp(now, dt.UTC).replace(hour=0, minute=0, second=0,
+                                                          microsecond=0)
+
+
 def _until_next_check(now: float) -> float:
     """Seconds from NOW to the next retention check (a minute past midnight, UTC)."""
-    start = dt.datetime.fromtimestamp(now, dt.UTC).replace(hour=0, minute=0, second=0,
-                                                           microsecond=0)
-    check = start.timestamp() + RETENTION_CHECK_AFTER_S  # today's
+    check = _day_start(now).timestamp() + RETENTION_CHECK_AFTER_S  # today's
     return (check if now < check else check + 86_400) - now  # a UTC day: 86,400 s
 
 
@@ -284,8 +288,7 @@ class Capture:
 
     def _new_day(self, now: float) -> None:
         """Close yesterday's segments; the day's folder name and end."""
-        start = dt.datetime.fromtimestamp(now, dt.UTC).replace(hour=0, minute=0, second=0,
-                                                               microsecond=0)
+        start = _day_start(now)
         self._day = start.strftime("%Y-%m-%d")
         self._day_ends = (start + dt.timedelta(days=1)).timestamp()
         for key in list(self._segments):
