@@ -375,7 +375,8 @@ def test_a_candidate_failing_at_run_time_is_rolled_back_at_its_canary_step(clust
     assert final["breach"]["rule"] == "max_error_rate"
     assert final["stages"][final["stage"]] == 10
     errors = [v for status, v in before if status != 200]
-    assert errors and all(status in (200, 400) for status, _ in load.answers)
+    assert errors and all(status in (200, 400) for status, _ in load.answers), \
+        load.failures[:5]
     assert len(errors) / len(before) <= 0.10, (len(errors), len(before))  # the step's weight
     assert len(after) >= 20, len(after)
     assert all(status == 200 and v == 1 for status, v in after), after
