@@ -69,11 +69,12 @@ def _version_or_none(version: str | None) -> int | None:
         return None
 
 
-def _names(model: str, version: int | None = None) -> None:
+def _names(model: str, version: int | None = None) -> request.Scope:
     """The model (and version) the request names: it is counted under them until a version
-    is leased for it (then under that one), a failed request too."""
+    is leased for it (then under that one), a failed request too. Returns its scope."""
     scope = request.current()
     scope.named, scope.named_version = model, version
+    return scope
 
 
 def _headers(served: Served, position: int | None = None,
@@ -132,10 +133,9 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
 
     async def predict(call: Call) -> Response:
         req = decode_predict(call.body)
-        _names(req.model)
+        scope = _names(req.model)
         if dataplane.capture is not None:
-            request.current().id = request_id(header(call.scope, b"x-request-id"),
-                                              share=dataplane.capture.share)
+            scope.id = request_id(call.scope["headers"], None, dataplane.capture.share)
         result = await dataplane.predict(req, routing_key(call),
                                          session_secret(call))
         return Response(encode_predict(result), media_type="application/json",
@@ -150,12 +150,11 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
 
     async def infer(call: Call) -> Response:
         name, version = call.params["name"], call.params.get("version")
-        _names(name)  # counted under the model from the start
+        scope = _names(name)  # counted under the model from the start
         req = decode_infer(call.body, header(call.scope, b"inference-header-content-length"),
                            name, version)
         if dataplane.capture is not None:
-            request.current().id = request_id(header(call.scope, b"x-request-id"), req.id,
-                                              dataplane.capture.share)
+            scope.id = request_id(call.scope["headers"], req.id, dataplane.capture.share)
         result = await dataplane.infer(req, name, version, routing_key(call),
                                        session_secret(call))
         head, blobs = encode_infer(req, result)
