@@ -213,9 +213,16 @@ def test_the_loop_unattended(tmp_path):
                            headers={"Authorization": f"Bearer {TOKEN}"})
             assert r.status_code == 200 and r.json()["accepted"] == 100, r.text
 
-        # 3. the job, while the clients keep sending inverted digits to both replicas
+        # 3. the job, while the clients keep sending inverted digits to both replicas, run
+        # as the CronJob's schedule runs it: a run whose candidate the gate refuses leaves
+        # version 1 serving, and the next run trains again (a retrain's accuracy on the
+        # original digits moves by up to two points with the order its captured rows
+        # arrived in, past the gate's one-point tolerance: docs/retraining.md); at most 3
         with Clients(urls, 1.0 - x[train_idx[400:600]]) as load:
-            out = job()
+            for _ in range(3):
+                out = job()
+                if (repo / "digits" / "2").is_dir():
+                    break
         assert "orthornn retrain-trigger: fires: drift detected" in out, out[-3000:]
         assert not load.failures, load.failures[:5]
         assert len(load.answers) >= 40 and {s for s, _ in load.answers} == {200}
@@ -247,6 +254,7 @@ def test_the_loop_unattended(tmp_path):
         assert v2[0] >= v1[0] - 0.01, (v1, v2)  # and kept the original ones
 
         # 5. a candidate that learned nothing from the captures: refused on the captured slice
+        rejected = set((repo / "digits" / "rejected").glob("*/manifest.json"))  # step 3's
         refused = orthornn("export", tmp_path / "blind", "--repo", repo, "--name", "digits",
                            "--gate", "--gate-data", runs / "captured-holdout.npz",
                            "--require-better-on-gate-data", "--tolerance", "0.01",
@@ -254,7 +262,7 @@ def test_the_loop_unattended(tmp_path):
         assert "refused by the gate" in refused.stderr, refused.stderr
         # whichever split it names (version 2 may also beat it on the original one), on
         # the captured slice it is no better than version 1 was: refused against either
-        (kept,) = (repo / "digits" / "rejected").glob("*/manifest.json")
+        (kept,) = set((repo / "digits" / "rejected").glob("*/manifest.json")) - rejected
         blind = json.loads(kept.read_text())["evaluation"]["splits"]["gate_data"]["value"]
         assert blind < gate["gate_data"]["incumbent"] + gate["gate_data"]["margin"], blind
         assert json.loads((repo / "digits" / "promotion.json").read_text())["version"] == 2
