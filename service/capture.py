@@ -36,7 +36,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -58,31 +58,29 @@ from .registry.spec import ModelSpec
 log = logging.getLogger("orthornn.service")
 
 _DUMP = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
-_ID = re.compile(rb"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
+_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 _REPLICA = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
-def request_id(headers: Iterable[tuple[bytes, bytes]], oip_id: str | None = None,
-               share: float = 1.0) -> str | None:
+def request_id(header: str | None, oip_id: str | None = None, share: float = 1.0
+               ) -> str | None:
     """The id the request is captured under at SHARE, None when it is not in the sample:
-    the X-Request-Id among the request's HEADERS (the ASGI scope's, names in lower case;
-    400 unless 1-128 printable ASCII characters), else the OIP request's ``id``, sampled by
-    their hash (``sampled``); else, with chance SHARE, a new one. (A new id is random, so
-    its hash falls in the sample with chance SHARE too: the ids of requests not kept are
-    never made.) A request not in the sample costs nothing more: no tag, no record, no id
-    in its answer. One function, the header's bytes checked and hashed as they came: it
-    runs on every request (docs/capture.md, "What it costs")."""
-    for name, value in headers:
-        if name == b"x-request-id":
-            if _ID.fullmatch(value) is None:
-                raise ClientError("X-Request-Id: 1 to 128 printable ASCII characters, "
-                                  "no spaces")
-            return value.decode("ascii") if share >= 1.0 or sampled(value, share) else None
-    if oip_id:
-        return oip_id if share >= 1.0 or sampled(oip_id.encode(), share) else None
-    if share < 1.0 and random.random() >= share:
-        return None
-    return os.urandom(16).hex()  # a fifth of uuid4's cost
+    the client's X-Request-Id (400 unless 1-128 printable ASCII characters), else the OIP
+    request's ``id``, sampled by their hash (``sampled``); else, with chance SHARE, a new
+    one. (A new id is random, so its hash falls in the sample with chance SHARE too: the
+    ids of requests not kept are never made.) A request not in the sample costs nothing
+    more: no tag, no record, no id in its answer."""
+    if header is not None:
+        if not _ID.fullmatch(header):
+            raise ClientError("X-Request-Id: 1 to 128 printable ASCII characters, no spaces")
+        given: str | None = header
+    else:
+        given = oip_id or None
+    if given is None:
+        if share < 1.0 and random.random() >= share:
+            return None
+        return os.urandom(16).hex()  # a fifth of uuid4's cost
+    return given if share >= 1.0 or sampled(given, share) else None
 
 
 def _check_replica(name: str) -> str:
@@ -92,11 +90,10 @@ def _check_replica(name: str) -> str:
     return name
 
 
-def sampled(request: bytes, share: float) -> bool:
-    """Whether the request with id REQUEST (its bytes) is captured at SHARE (0 < share <= 1):
-    decided by the id's hash (the rollout's ``bucket``), so a retry and every replica decide
-    alike."""
-    return bucket(request) < share * 100
+def sampled(request: str, share: float) -> bool:
+    """Whether the request with id REQUEST is captured at SHARE (0 < share <= 1): decided by
+    the id's hash (the rollout's ``bucket``), so a retry and every replica decide alike."""
+    return bucket(request.encode()) < share * 100
 
 
 #: the retention's check runs this long past each midnight (UTC), in a thread of its own

@@ -135,7 +135,8 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         req = decode_predict(call.body)
         scope = _names(req.model)
         if dataplane.capture is not None:
-            scope.id = request_id(call.scope["headers"], None, dataplane.capture.share)
+            scope.id = request_id(header(call.scope, b"x-request-id"), None,
+                                  dataplane.capture.share)
         result = await dataplane.predict(req, routing_key(call),
                                          session_secret(call))
         return Response(encode_predict(result), media_type="application/json",
@@ -154,7 +155,8 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         req = decode_infer(call.body, header(call.scope, b"inference-header-content-length"),
                            name, version)
         if dataplane.capture is not None:
-            scope.id = request_id(call.scope["headers"], req.id, dataplane.capture.share)
+            scope.id = request_id(header(call.scope, b"x-request-id"), req.id,
+                                  dataplane.capture.share)
         result = await dataplane.infer(req, name, version, routing_key(call),
                                        session_secret(call))
         head, blobs = encode_infer(req, result)
