@@ -44,8 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
-import json
 import os
 import platform
 import re
@@ -53,10 +51,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +61,17 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import write_result  # noqa: E402
-from bench.load.client import Server, build_package, load  # noqa: E402
+from bench.load.client import (  # noqa: E402
+    Server,
+    Wrk,
+    bodies_for,
+    build_package,
+    load,
+    mean_ratio,
+    paired_round,
+    reference_of,
+    round_options,
+)
 
 MEMORY_LIMIT_KIB = 16 << 10  # the issue's bound on a failing disk's memory growth
 
@@ -103,23 +109,6 @@ def rss_kib(pid: int) -> int:
     return int(found.group(1)) if found else 0
 
 
-def cpu_s(pid: int, thread: bool) -> float:
-    """CPU seconds (user + system) of process PID, or of its main thread (the event
-    loop's) with THREAD."""
-    path = f"/proc/{pid}/task/{pid}/stat" if thread else f"/proc/{pid}/stat"
-    with open(path) as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy_s() -> float:
-    """CPU seconds this machine has spent busy, all processes (/proc/stat)."""
-    with open("/proc/stat") as f:
-        user, nice, system, _idle, _iowait, irq, softirq, steal = map(
-            int, f.readline().split()[1:9])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
 def tmpfs(folder: Path, options: str) -> bool:
     """Mount a 64 KiB tmpfs on FOLDER with OPTIONS (False: this machine does not allow
     it)."""
@@ -137,56 +126,6 @@ def full_disk(folder: Path) -> bool:
     return True
 
 
-def bodies_for(args: argparse.Namespace) -> list[bytes]:
-    rng = np.random.default_rng(1)
-    return [json.dumps({"model": "bench", "inputs": [
-        rng.normal(size=(args.steps, args.features)).round(4).tolist()]}).encode()
-        for _ in range(64)]
-
-
-WRK_SCRIPT = """
-local n, body = 0, %s
-request = function()
-  n = n + 1
-  return wrk.format("POST", "/predict", {["Content-Type"] = "application/json",
-                    ["X-Request-Id"] = string.format("%%s-%%d", id, n)}, body)
-end
-done = function(summary, latency)
-  local errors = summary.errors.status + summary.errors.connect + summary.errors.read
-                 + summary.errors.write + summary.errors.timeout
-  io.write(string.format("RESULT %%d %%d %%d %%d %%d\\n", summary.duration,
-           summary.requests, errors, latency:percentile(50), latency:percentile(99)))
-end
-"""
-
-
-class Wrk:
-    """c=CONCURRENCY load from wrk on CPU 0, the body of /predict BODY, every request an id
-    of its own (a prefix per round); servers pinned to the last CPU (``pin``)."""
-
-    def __init__(self, work: Path, body: bytes, concurrency: int):
-        self.script = work / "ids.lua"
-        self.script.write_text("id = os.getenv('WRK_ID') or 'w'\n"
-                               + WRK_SCRIPT % json.dumps(body.decode()))
-        self.concurrency, self.ids = concurrency, itertools.count(1)  # a prefix a run
-        self.cpu = (os.cpu_count() or 2) - 1
-
-    def pin(self, pid: int) -> None:
-        subprocess.run(["taskset", "-a", "-c", "-p", str(self.cpu), str(pid)], check=True,
-                       capture_output=True)
-
-    def run(self, port: int, seconds: float) -> tuple[float, int, int, float, float]:
-        """(seconds, requests, errors, p50 s, p99 s) of one round."""
-        prefix = f"wrk{next(self.ids)}"  # next(): atomic, two threads run wrk at once
-        out = subprocess.run(
-            ["taskset", "-c", "0", "wrk", "-t1", f"-c{self.concurrency}",
-             f"-d{max(1, round(seconds))}s", "-s", str(self.script),
-             f"http://127.0.0.1:{port}/predict"], capture_output=True, text=True,
-            env={**os.environ, "WRK_ID": prefix}, check=True).stdout
-        us, n, errors, p50, p99 = map(int, out.rpartition("RESULT ")[2].split()[:5])
-        return us / 1e6, n, errors, p50 / 1e6, p99 / 1e6
-
-
 def _round(result: tuple) -> tuple[float, int, int, float, float]:
     """One round as (seconds, requests, errors, p50 s, p99 s), from either client."""
     if len(result) == 5:
@@ -194,33 +133,6 @@ def _round(result: tuple) -> tuple[float, int, int, float, float]:
     seconds, latencies, errors = result
     return (seconds, len(latencies), len(errors), float(np.percentile(latencies, 50)),
             float(np.percentile(latencies, 99)))
-
-
-def mean_ratio(ratios: list[float], processes: list[int] | None = None
-               ) -> tuple[float, list[float]]:
-    """The geometric mean of the rounds' ratios and its 95% interval, on the logs (a pair's
-    ratio is its round's noise times the cost). PROCESSES: which processes of the pair
-    each round ran on. A process is noise of its own, that its rounds share: the same
-    server code, started again, ran up to 3% faster or slower against its reference for
-    all its rounds (its address space, its hash seed). So with 3 or more processes the
-    interval is over the processes' means (Student's t), not over rounds taken as
-    independent (which was 3 times narrower than the processes' spread)."""
-    logs = np.log(np.asarray(ratios))
-    mean = float(np.mean(logs))
-    if processes is not None and len(set(processes)) >= 3:
-        means = np.array([logs[[p == g for p in processes]].mean()
-                          for g in sorted(set(processes))])
-        half = float(student_t(len(means) - 1) * np.std(means, ddof=1) / np.sqrt(len(means)))
-    else:
-        half = 1.96 * float(np.std(logs, ddof=1)) / np.sqrt(len(logs)) if len(logs) > 1 else 0.0
-    return round(float(np.exp(mean)), 3), [round(float(np.exp(mean - half)), 3),
-                                          round(float(np.exp(mean + half)), 3)]
-
-
-def student_t(df: int) -> float:
-    """The two-sided 95% quantile of Student's t with DF degrees of freedom."""
-    from scipy.stats import t
-    return float(t.ppf(0.975, df))
 
 
 def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
@@ -239,7 +151,7 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
         mounts.append(work / "ro")
         flags["every request, read-only"] = ["--capture", str(work / "ro")]
     names = [n for n in flags if n != "off"]
-    flags.update({_reference(n): [] for n in names})
+    flags.update({reference_of(n): [] for n in names})
     del flags["off"]
     # per compared server, per round: its measurement and off's, over the same seconds
     runs: dict[str, list[tuple[tuple, tuple]]] = {n: [] for n in names}
@@ -261,16 +173,7 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
                 return await asyncio.gather(*[load(port, requests, args.concurrency,
                                                    seconds, 10**9) for port in ports])
             return [_round(r) for r in asyncio.run(together())]
-        out: list[tuple] = [()] * len(ports)
-
-        def one(k: int) -> None:
-            out[k] = wrk.run(ports[k], seconds)
-        threads = [threading.Thread(target=one, args=(k,)) for k in range(len(ports))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return out
+        return wrk.together(ports, seconds)
 
     try:
         for first in range(0, args.rounds, args.fresh):
@@ -287,7 +190,7 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
                     measure([s.port], 1)
                 memory_before = {n: rss_kib(s.proc.pid) for n, s in servers.items()}
                 for r in range(first, min(first + args.fresh, args.rounds)):
-                    others.append(_paired_round(r, servers, names, measure, args, runs,
+                    others.append(paired_round(r, servers, names, measure, args, runs,
                                                 spent, done))
                     print(f"round {r + 1}/{args.rounds}: other processes took "
                           f"{others[-1]:.0%} of the CPUs", flush=True)
@@ -309,7 +212,7 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
     quiet = [r for r in range(args.rounds) if others[r] <= args.quiet]
     chosen = quiet if len(quiet) >= 3 else list(range(args.rounds))
     rows: dict = {}
-    references = [_reference(n) for n in names]
+    references = [reference_of(n) for n in names]
     for name in ["off", *names]:
         if name == "off":  # every pair's reference
             mine = base = [runs[n][r][1] for n in names for r in chosen]
@@ -340,35 +243,6 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
     rows["_rounds"] = {"others_cpu_share": [round(x, 3) for x in others], "quiet": quiet,
                        "used": chosen, "fresh_processes_every": args.fresh}
     return rows
-
-
-def _reference(name: str) -> str:
-    """The capture-off server NAME is paired with."""
-    return f"off, paired with {name}"
-
-
-def _paired_round(r: int, servers: dict[str, Server], names: list[str], measure: Callable,
-                  args: argparse.Namespace, runs: dict, spent: dict, done: dict) -> float:
-    """Round R: each of NAMES (in an order rotating by round) loaded at the same time as
-    its capture-off reference, who starts first alternating by round; the share of the
-    CPUs other processes took meanwhile."""
-    wall, busy, own = time.perf_counter(), machine_busy_s(), time.process_time()
-    ours = 0.0
-    for name in names[r % len(names):] + names[:r % len(names)]:
-        pair = [_reference(name), name] if r % 2 == 0 else [name, _reference(name)]
-        pids = [servers[n].proc.pid for n in pair]
-        before = [(cpu_s(pid, True), cpu_s(pid, False)) for pid in pids]
-        got = dict(zip(pair, measure([servers[n].port for n in pair], args.round_s),
-                       strict=True))
-        runs[name].append((got[name], got[_reference(name)]))
-        for n, pid, (loop, process) in zip(pair, pids, before, strict=True):
-            spent[n][0] += cpu_s(pid, True) - loop
-            spent[n][1] += cpu_s(pid, False) - process
-            done[n] += got[n][1]
-            ours += cpu_s(pid, False) - process
-    ours += time.process_time() - own  # the load client (wrk: counted as others)
-    return max(0.0, machine_busy_s() - busy - ours) / ((time.perf_counter() - wall)
-                                                       * (os.cpu_count() or 1))
 
 
 async def _send(port: int, bodies: list[bytes], ids: list[str], concurrency: int,
@@ -446,14 +320,7 @@ def nothing_lost(args: argparse.Namespace, work: Path, repo: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--round-s", type=float, default=2.0)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--fresh", type=int, default=10, metavar="K",
-                        help="a fresh process of every server each K rounds")
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--features", type=int, default=9)
+    round_options(parser, rounds=8, fresh=10)
     parser.add_argument("--nothing-lost", type=int, default=0, metavar="N",
                         help="the SIGKILL check with N requests instead of the rounds")
     parser.add_argument("--quiet", type=float, default=0.15, metavar="SHARE",

@@ -1,16 +1,23 @@
 """What the load tests share: a small classifier package, an `orthornn serve` process of
 this checkout (``Server``), the raw HTTP/1.1 request bytes, the asyncio keep-alive load
-loop and the summary of its rounds. A load test takes these from here, never from
-another load test (tests/unit/test_bench_listing.py checks).
+loop and the summary of its rounds; and for paired rounds (two servers loaded at once on one
+CPU: bench/load/capture.py, collector.py), wrk on a CPU of its own, the round itself, the
+ratio's interval and the options. A load test takes these from here, never from another
+load test (tests/unit/test_bench_listing.py checks).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import itertools
+import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -137,3 +144,153 @@ def summary(runs: list[tuple[float, list[float], list[str]]], digits: int = 2,
     return {**out, "throughput": round(float(np.median([len(r[1]) / r[0] for r in runs])), 1),
             "p50_ms": round(float(np.percentile(lat, 50)), digits),
             "p99_ms": round(float(np.percentile(lat, 99)), digits)}
+
+
+def cpu_s(pid: int, thread: bool) -> float:
+    """CPU seconds (user + system) of process PID, or of its main thread (the event
+    loop's) with THREAD."""
+    path = f"/proc/{pid}/task/{pid}/stat" if thread else f"/proc/{pid}/stat"
+    with open(path) as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> float:
+    """CPU seconds this machine has spent busy, all processes (/proc/stat)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+            int, f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def bodies_for(args: argparse.Namespace) -> list[bytes]:
+    rng = np.random.default_rng(1)
+    return [json.dumps({"model": "bench", "inputs": [
+        rng.normal(size=(args.steps, args.features)).round(4).tolist()]}).encode()
+        for _ in range(64)]
+
+
+WRK_SCRIPT = """
+local n, body = 0, %s
+request = function()
+  n = n + 1
+  return wrk.format("POST", "/predict", {["Content-Type"] = "application/json",
+                    ["X-Request-Id"] = string.format("%%s-%%d", id, n)}, body)
+end
+done = function(summary, latency)
+  local errors = summary.errors.status + summary.errors.connect + summary.errors.read
+                 + summary.errors.write + summary.errors.timeout
+  io.write(string.format("RESULT %%d %%d %%d %%d %%d\\n", summary.duration,
+           summary.requests, errors, latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+
+class Wrk:
+    """c=CONCURRENCY load from wrk on CPU 0, the body of /predict BODY, every request an id
+    of its own (a prefix per round); servers pinned to the last CPU (``pin``)."""
+
+    def __init__(self, work: Path, body: bytes, concurrency: int):
+        self.script = work / "ids.lua"
+        self.script.write_text("id = os.getenv('WRK_ID') or 'w'\n"
+                               + WRK_SCRIPT % json.dumps(body.decode()))
+        self.concurrency, self.ids = concurrency, itertools.count(1)  # a prefix a run
+        self.cpu = (os.cpu_count() or 2) - 1
+
+    def pin(self, pid: int) -> None:
+        subprocess.run(["taskset", "-a", "-c", "-p", str(self.cpu), str(pid)], check=True,
+                       capture_output=True)
+
+    def run(self, port: int, seconds: float) -> tuple[float, int, int, float, float]:
+        """(seconds, requests, errors, p50 s, p99 s) of one round."""
+        prefix = f"wrk{next(self.ids)}"  # next(): atomic, two threads run wrk at once
+        out = subprocess.run(
+            ["taskset", "-c", "0", "wrk", "-t1", f"-c{self.concurrency}",
+             f"-d{max(1, round(seconds))}s", "-s", str(self.script),
+             f"http://127.0.0.1:{port}/predict"], capture_output=True, text=True,
+            env={**os.environ, "WRK_ID": prefix}, check=True).stdout
+        us, n, errors, p50, p99 = map(int, out.rpartition("RESULT ")[2].split()[:5])
+        return us / 1e6, n, errors, p50 / 1e6, p99 / 1e6
+
+    def together(self, ports: list[int], seconds: float) -> list[tuple]:
+        """One round of each of PORTS, all loaded at once (a wrk each)."""
+        out: list[tuple] = [()] * len(ports)
+
+        def one(k: int) -> None:
+            out[k] = self.run(ports[k], seconds)
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(len(ports))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+
+def mean_ratio(ratios: list[float], processes: list[int] | None = None
+               ) -> tuple[float, list[float]]:
+    """The geometric mean of the rounds' ratios and its 95% interval, on the logs (a pair's
+    ratio is its round's noise times the cost). PROCESSES: which processes of the pair
+    each round ran on. A process is noise of its own, that its rounds share: the same
+    server code, started again, ran up to 3% faster or slower against its reference for
+    all its rounds (its address space, its hash seed). So with 3 or more processes the
+    interval is over the processes' means (Student's t), not over rounds taken as
+    independent (which was 3 times narrower than the processes' spread)."""
+    logs = np.log(np.asarray(ratios))
+    mean = float(np.mean(logs))
+    if processes is not None and len(set(processes)) >= 3:
+        means = np.array([logs[[p == g for p in processes]].mean()
+                          for g in sorted(set(processes))])
+        half = float(student_t(len(means) - 1) * np.std(means, ddof=1) / np.sqrt(len(means)))
+    else:
+        half = 1.96 * float(np.std(logs, ddof=1)) / np.sqrt(len(logs)) if len(logs) > 1 else 0.0
+    return round(float(np.exp(mean)), 3), [round(float(np.exp(mean - half)), 3),
+                                          round(float(np.exp(mean + half)), 3)]
+
+
+def student_t(df: int) -> float:
+    """The two-sided 95% quantile of Student's t with DF degrees of freedom."""
+    from scipy.stats import t
+    return float(t.ppf(0.975, df))
+
+
+def reference_of(name: str) -> str:
+    """The capture-off server NAME is paired with."""
+    return f"off, paired with {name}"
+
+
+def paired_round(r: int, servers: dict[str, Server], names: list[str], measure: Callable,
+                  args: argparse.Namespace, runs: dict, spent: dict, done: dict) -> float:
+    """Round R: each of NAMES (in an order rotating by round) loaded at the same time as
+    its capture-off reference, who starts first alternating by round; the share of the
+    CPUs other processes took meanwhile."""
+    wall, busy, own = time.perf_counter(), machine_busy_s(), time.process_time()
+    ours = 0.0
+    for name in names[r % len(names):] + names[:r % len(names)]:
+        pair = [reference_of(name), name] if r % 2 == 0 else [name, reference_of(name)]
+        pids = [servers[n].proc.pid for n in pair]
+        before = [(cpu_s(pid, True), cpu_s(pid, False)) for pid in pids]
+        got = dict(zip(pair, measure([servers[n].port for n in pair], args.round_s),
+                       strict=True))
+        runs[name].append((got[name], got[reference_of(name)]))
+        for n, pid, (loop, process) in zip(pair, pids, before, strict=True):
+            spent[n][0] += cpu_s(pid, True) - loop
+            spent[n][1] += cpu_s(pid, False) - process
+            done[n] += got[n][1]
+            ours += cpu_s(pid, False) - process
+    ours += time.process_time() - own  # the load client (wrk: counted as others)
+    return max(0.0, machine_busy_s() - busy - ours) / ((time.perf_counter() - wall)
+                                                       * (os.cpu_count() or 1))
+
+
+def round_options(parser: argparse.ArgumentParser, rounds: int, fresh: int | None) -> None:
+    """The load benches' options: the rounds (and how often the servers are fresh
+    processes), the load's concurrency, the bench package's shape."""
+    parser.add_argument("--round-s", type=float, default=2.0)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    if fresh is not None:
+        parser.add_argument("--fresh", type=int, default=fresh, metavar="K",
+                            help="a fresh process of every server each K rounds")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--features", type=int, default=9)

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import write_result  # noqa: E402
-from bench.load.client import Server, load, request, summary  # noqa: E402
+from bench.load.client import Server, load, request, round_options, summary  # noqa: E402
 
 
 def build_package(work: Path, hidden: int, steps: int, features: int) -> Path:
@@ -67,12 +67,7 @@ def drift_lines(port: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--round-s", type=float, default=2.0)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--features", type=int, default=9)
+    round_options(parser, rounds=8, fresh=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rng = np.random.default_rng(1)

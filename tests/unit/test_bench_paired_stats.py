@@ -1,6 +1,7 @@
-"""bench/load/capture.py's ratio and interval: the geometric mean of the rounds' ratios,
-and a 95% interval over the processes' means (Student's t) when there are 3 or more,
-else over the rounds (normal), checked against scipy's own t interval."""
+"""The paired load benches' ratio and interval (bench/load/client.py, ``mean_ratio``): the
+geometric mean of the rounds' ratios, and a 95% interval over the processes' means
+(Student's t) when there are 3 or more, else over the rounds (normal), checked against
+scipy's own t interval."""
 
 import importlib.util
 from pathlib import Path
@@ -10,8 +11,8 @@ import pytest
 from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[2]
-_SPEC = importlib.util.spec_from_file_location("bench_capture",
-                                               ROOT / "bench" / "load" / "capture.py")
+_SPEC = importlib.util.spec_from_file_location("bench_client",
+                                               ROOT / "bench" / "load" / "client.py")
 bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
 
