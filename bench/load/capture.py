@@ -160,7 +160,8 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
     spent: dict[str, list[float]] = {name: [0.0, 0.0] for name in flags}
     done: dict[str, int] = {name: 0 for name in flags}  # requests answered in the pairs
     counts: dict[str, dict[str, float]] = {
-        name: {"answered_200": 0.0, "records": 0.0, "dropped": 0.0, "rss_growth_kib": 0.0}
+        name: {"answered_200": 0.0, "records": 0.0, "dropped": 0.0, "rss_growth_kib": 0.0,
+               "batches": 0.0, "sequences": 0.0}
         for name in flags}
     others: list[float] = []  # each round's CPU share taken by other processes
     wrk = Wrk(work, bodies_for(args)[0], args.concurrency) if args.client == "wrk" else None
@@ -200,6 +201,8 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
                     got["answered_200"] += answered(text)
                     got["records"] += metric(text, "orthornn_capture_records_total")
                     got["dropped"] += metric(text, "orthornn_capture_dropped_total")
+                    got["batches"] += metric(text, "orthornn_batch_size_count")
+                    got["sequences"] += metric(text, "orthornn_batch_size_sum")
                     got["rss_growth_kib"] = max(got["rss_growth_kib"],
                                                 rss_kib(s.proc.pid) - memory_before[name])
             finally:
@@ -239,6 +242,10 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
         for field in ("answered_200", "records", "dropped"):
             row[field] = sum(counts[k][field] for k in keys)
         row["rss_growth_kib"] = int(max(counts[k]["rss_growth_kib"] for k in keys))
+        # sequences per onnxruntime run (the warm-up rounds too): capture must not make
+        # the batches smaller
+        row["mean_batch"] = round(sum(counts[k]["sequences"] for k in keys)
+                                  / max(sum(counts[k]["batches"] for k in keys), 1), 2)
         rows[name] = row
     rows["_rounds"] = {"others_cpu_share": [round(x, 3) for x in others], "quiet": quiet,
                        "used": chosen, "fresh_processes_every": args.fresh}
@@ -349,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = rows.pop("_rounds")
     lines = ["| server | req/s | ratio to off (95%) | p50 ms | p99 ms | p99 ratio (95%) "
              "| event loop CPU µs/request (to off) | process CPU µs/request | answered 200 | "
-             "records | dropped | RSS growth KiB |", "| --- " * 12 + "|"]
+             "records | dropped | RSS growth KiB | mean batch |", "| --- " * 13 + "|"]
     off_cpu = rows["off"]["loop_cpu_us"]
     for name, row in rows.items():
         spread = "{:.3f}-{:.3f}".format(*row["ratio_95"])
@@ -360,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"({off_cpu / max(row['loop_cpu_us'], 1e-9):.3f}) | "
                      f"{row['process_cpu_us']:.0f} | {row['answered_200']:.0f} | "
                      f"{row['records']:.0f} | "
-                     f"{row['dropped']:.0f} | {row['rss_growth_kib']} |")
+                     f"{row['dropped']:.0f} | {row['rss_growth_kib']} | "
+                     f"{row['mean_batch']:.1f} |")
     print("\n".join(lines))
     used = ("the quiet rounds" if rounds["used"] == rounds["quiet"] else
             f"all rounds: under 3 were quiet (other processes <= {args.quiet:.0%} of the CPUs)")
