@@ -19,7 +19,7 @@ import platform
 import shutil
 import sys
 import tempfile
-import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +33,6 @@ from bench.load.client import (  # noqa: E402
     Wrk,
     bodies_for,
     build_package,
-    cpu_s,
     mean_ratio,
     paired_round,
     reference_of,
@@ -95,15 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     spent = {n: [0.0, 0.0] for n in (TUNED, DEFAULTS)}
     done = {n: 0 for n in (TUNED, DEFAULTS)}
     gc_s = {n: {g: [0.0, 0.0] for g in "012"} for n in (TUNED, DEFAULTS)}
-    cpu_total = {n: 0.0 for n in (TUNED, DEFAULTS)}  # from each warm start to its end
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         repo = build_package(work, args.hidden, args.steps, args.features)
         (work / "probe").mkdir()
         (work / "probe" / "sitecustomize.py").write_text(PROBE)
         wrk = Wrk(work, bodies_for(args)[0], args.concurrency)
-        args.quiet = 1.0  # _paired_round's bookkeeping; every round is used here
-
+        args.quiet = 1.0  # paired_round's bookkeeping; every round is used here
         measure = wrk.together
         for first in range(0, args.rounds, args.fresh):
             env = {"PYTHONHASHSEED": str(first // args.fresh + 1),
@@ -120,17 +117,15 @@ def main(argv: list[str] | None = None) -> int:
                 for s in servers.values():  # a first round each, not measured
                     measure([s.port], 1)
                 before = {n: collections(outs[n]) for n in servers}
-                cpu_before = {n: cpu_s(s.proc.pid, False) for n, s in servers.items()}
                 for r in range(first, min(first + args.fresh, args.rounds)):
                     paired_round(r, servers, names, measure, args, runs, spent, done)
                     print(f"round {r + 1}/{args.rounds}", flush=True)
-                threading.Event().wait(0.6)  # the probes' next totals
-                for n, s in servers.items():
+                time.sleep(0.6)  # the probes' next totals
+                for n in servers:
                     after = collections(outs[n])
                     for g in "012":
                         gc_s[n][g][0] += after[g][0] - before[n][g][0]
                         gc_s[n][g][1] += after[g][1] - before[n][g][1]
-                    cpu_total[n] += cpu_s(s.proc.pid, False) - cpu_before[n]
             finally:
                 for s in servers.values():
                     s.stop()
@@ -142,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p99, p99_95 = mean_ratio([m[4] / b[4] for m, b in runs[TUNED]], processes)
     rows = {}
     for name, got in ((DEFAULTS, base), (TUNED, mine)):
-        cpu = cpu_total[name]
+        cpu = spent[name][1]  # the process's CPU in its pairs (paired_round)
         rows[name] = {
             "throughput": round(float(np.median([o[1] / o[0] for o in got])), 1),
             "p99_ms": round(float(np.median([o[4] for o in got])) * 1e3, 2),
@@ -156,13 +151,13 @@ def main(argv: list[str] | None = None) -> int:
              "| --- " * 8 + "|"]
     for name, row in rows.items():
         share = row["collecting_share"]
-        shown = ("1", "") if name == DEFAULTS else (
+        shown = ("1", "1") if name == DEFAULTS else (
             "{:.3f} ({:.3f}-{:.3f})".format(ratio, *ratio_95),
             "{:.3f} ({:.3f}-{:.3f})".format(p99, *p99_95))
         label = "Python's defaults" if name == DEFAULTS else TUNED
         lines.append(
             f"| {label} | {row['throughput']:.0f} | {shown[0]} | {row['p99_ms']:.1f} | "
-            f"{shown[1] or 1} | {row['process_cpu_us']:.0f} | "
+            f"{shown[1]} | {row['process_cpu_us']:.0f} | "
             f"{sum(share.values()):.1%} ({share['0']:.1%} / {share['1']:.1%} / "
             f"{share['2']:.1%}) | " + " / ".join(str(row["collections"][g]) for g in "012")
             + " |")
