@@ -36,12 +36,22 @@ tools: $(VENV)/.installed
 images: $(VENV)/.installed-serve
 	bash scripts/images.sh
 
-# The unit tests on two workers (they run so in make check every day), then the rest in
-# one process: the servers, load tests and images measure throughput, which a second
-# process beside them would disturb.
+# The tests that time nothing a second process could disturb (the unit tests, and the
+# integration and system tests that train, build, fuzz or render; their bounds are
+# minutes) run on two workers. The Triton compilation stays out: each worker would compile
+# it. The rest run in one process after them: the servers, load tests and images measure
+# throughput, which a second process beside them would disturb.
+BESIDE = tests/unit tests/integration/test_distributed.py \
+	tests/integration/test_reproducibility.py tests/integration/test_openapi_fuzz.py \
+	tests/integration/test_fuzz.py tests/integration/test_retraining_lm.py \
+	tests/integration/test_cli.py tests/integration/test_drift.py \
+	tests/integration/test_promotion_writers.py tests/system/test_wheel.py \
+	tests/system/test_wheelhouse.py tests/system/test_new_user.py \
+	tests/system/test_deploy.py tests/system/test_ci.py
+
 test: $(VENV)/.installed tools lint docs
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal tests/unit
-	$(BIN)/python -m pytest -q --ignore=tests/unit
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal $(BESIDE)
+	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(BESIDE))
 
 # Day-to-day work: the lint and the unit tests (tests/unit/: no servers, no images, no
 # Debian tools) on every core, under two minutes on 2 cores. make test runs the whole suite.
