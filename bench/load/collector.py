@@ -100,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
         (work / "probe").mkdir()
         (work / "probe" / "sitecustomize.py").write_text(PROBE)
         wrk = Wrk(work, bodies_for(args)[0], args.concurrency)
-        args.quiet = 1.0  # paired_round's bookkeeping; every round is used here
         measure = wrk.together
         for first in range(0, args.rounds, args.fresh):
             env = {"PYTHONHASHSEED": str(first // args.fresh + 1),
@@ -141,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         rows[name] = {
             "throughput": round(float(np.median([o[1] / o[0] for o in got])), 1),
             "p99_ms": round(float(np.median([o[4] for o in got])) * 1e3, 2),
-            "process_cpu_us": round(spent[name][1] / max(done[name], 1) * 1e6, 1),
+            "process_cpu_us": round(cpu / max(done[name], 1) * 1e6, 1),
             "collections": {g: int(gc_s[name][g][0]) for g in "012"},
             "collecting_share": {g: round(gc_s[name][g][1] / max(cpu, 1e-9), 4)
                                  for g in "012"}}
