@@ -35,7 +35,7 @@ exactly once (a torn last line at most, cut and counted at the restart). Writes
 bench/results/capture_nothing_lost.json.
 
     python bench/load/capture.py [--round-s 2] [--rounds 8] [--fresh 10] [--concurrency 32]
-                                 [--hidden 64] [--client asyncio|wrk]
+                                 [--hidden 64] [--client asyncio|wrk] [--sample P ...]
     python bench/load/capture.py --nothing-lost 20000
 """
 
@@ -71,6 +71,7 @@ from bench.load.client import (  # noqa: E402
     paired_round,
     reference_of,
     round_options,
+    wrk_missing,
 )
 
 MEMORY_LIMIT_KIB = 16 << 10  # the issue's bound on a failing disk's memory growth
@@ -143,6 +144,9 @@ def overhead(args: argparse.Namespace, work: Path, repo: Path) -> dict:
     flags = {"off": [], "off again": [],
              "every request": ["--capture", str(work / "all")],
              "10% sampled": ["--capture", str(work / "tenth"), "--capture-sample", "0.1"]}
+    for k, share in enumerate(args.sample):  # --sample: rows of other shares
+        flags[f"{share:.2%} sampled"] = ["--capture", str(work / f"sample-{k}"),
+                                         "--capture-sample", str(share)]
     mounts = []
     if full_disk(work / "full"):
         mounts.append(work / "full")
@@ -336,10 +340,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client", choices=("asyncio", "wrk"), default="asyncio",
                         help="the load client: this script's asyncio one on the CPUs the "
                              "servers use, or wrk and the servers pinned to CPUs of their own")
+    parser.add_argument("--sample", type=float, action="append", default=[], metavar="P",
+                        help="also a server capturing this share of the requests (0 < P <= "
+                             "1; repeatable): 0.0001 costs what deciding the sample costs")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.fresh < 1:
         parser.error(f"--rounds and --fresh: at least 1; got {args.rounds} and {args.fresh}")
+    if bad := [p for p in args.sample if not 0 < p <= 1]:
+        parser.error(f"--sample: a share in (0, 1]; got {bad[0]}")
+    if args.client == "wrk" and (missing := wrk_missing()) is not None:
+        parser.error(f"--client wrk: {missing}")
     if args.nothing_lost < 0:
         parser.error(f"--nothing-lost: 0 (off) or a number of requests; got "
                      f"{args.nothing_lost}")

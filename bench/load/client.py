@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -184,6 +185,13 @@ done = function(summary, latency)
            summary.requests, errors, latency:percentile(50), latency:percentile(99)))
 end
 """
+
+
+def wrk_missing() -> str | None:
+    """Why ``Wrk`` cannot run here (its commands not installed), None when it can."""
+    missing = [c for c in ("wrk", "taskset") if shutil.which(c) is None]
+    return None if not missing else (f"{' and '.join(missing)} not installed (Debian's wrk "
+                                      f"and util-linux packages)")
 
 
 class Wrk:

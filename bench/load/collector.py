@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shutil
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ from bench.load.client import (  # noqa: E402
     paired_round,
     reference_of,
     round_options,
+    wrk_missing,
 )
 
 TUNED = "as shipped"
@@ -86,9 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.fresh < 1:
         parser.error(f"--rounds and --fresh: at least 1; got {args.rounds} and {args.fresh}")
-    if shutil.which("wrk") is None or shutil.which("taskset") is None:
-        print("collector: needs wrk and taskset (make tools)", file=sys.stderr)
-        return 2
+    if (missing := wrk_missing()) is not None:
+        parser.error(f"the load comes from wrk: {missing}")
     names = [TUNED]
     runs: dict[str, list] = {TUNED: []}
     spent = {n: [0.0, 0.0] for n in (TUNED, DEFAULTS)}
