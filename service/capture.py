@@ -4,11 +4,12 @@ the page cache, no fsync) before its answer goes out, so a killed replica loses 
 of an answered request.
 
 Stateless requests (/predict and OIP) are written once per batch, in the inference thread
-that ran the batch, before it hands the answers back: the event loop only decides the
-sample (``request_id``: a request not in it gets no id and costs nothing more) and tags
-the request (``Capture.tag``), and the batch's sampled requests become one line whose arrays are
-columns (every sequence's inputs in one array, the outputs in another), so a record costs
-a share of one encoding and one ``write`` instead of its own (docs/design.md, "Capture").
+that ran the batch, before it hands the answers back: the event loop only checks the id
+the client gave (``given_id``) and tags the request (``Capture.tag``); the batch decides
+the sample for its requests (``request_id``: a request not in it gets no id and costs
+nothing more), and its sampled requests become one line whose arrays are columns (every
+sequence's inputs in one array, the outputs in another), so a record costs a share of one
+encoding and one ``write`` instead of its own (docs/design.md, "Capture").
 A session's chunk is written on the event loop once the session applied it (its position
 is known only then), as a line of its own. ``captures.records_of`` reads both back as
 records of one request each.
@@ -58,29 +59,39 @@ from .registry.spec import ModelSpec
 log = logging.getLogger("orthornn.service")
 
 _DUMP = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
-_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 _REPLICA = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_PRINTABLE = bytes(range(0x21, 0x7F))  # what an X-Request-Id may hold
 
 
-def request_id(header: str | None, oip_id: str | None = None, share: float = 1.0
-               ) -> str | None:
-    """The id the request is captured under at SHARE, None when it is not in the sample:
-    the client's X-Request-Id (400 unless 1-128 printable ASCII characters), else the OIP
-    request's ``id``, sampled by their hash (``sampled``); else, with chance SHARE, a new
-    one. (A new id is random, so its hash falls in the sample with chance SHARE too: the
-    ids of requests not kept are never made.) A request not in the sample costs nothing
-    more: no tag, no record, no id in its answer."""
-    if header is not None:
-        if not _ID.fullmatch(header):
-            raise ClientError("X-Request-Id: 1 to 128 printable ASCII characters, no spaces")
-        given: str | None = header
-    else:
-        given = oip_id or None
-    if given is None:
+def given_id(headers: Sequence[tuple[bytes, bytes]], oip_id: str | None = None
+             ) -> bytes | str | None:
+    """(Event loop.) The id the client gave the request: its first X-Request-Id header's
+    bytes (400 unless 1-128 printable ASCII characters, no spaces), else the OIP
+    request's ``id``, else None. Only checked here: the sample is decided with the
+    request's batch (``request_id``), where a batch's requests run the same few lines one
+    after another instead of each on a loop that runs the rest of the service between."""
+    for key, value in headers:
+        if key == b"x-request-id":
+            if not 0 < len(value) <= 128 or value.translate(None, _PRINTABLE):
+                raise ClientError("X-Request-Id: 1 to 128 printable ASCII characters, "
+                                  "no spaces")
+            return value
+    return oip_id or None
+
+
+def request_id(given: bytes | str | None, share: float = 1.0) -> str | None:
+    """The id a request that was given GIVEN (``given_id``) is captured under at SHARE,
+    None when it is not in the sample: a given id is sampled by its hash (``sampled``);
+    without one, with chance SHARE, a new one. (A new id is random, so its hash falls in
+    the sample with chance SHARE too: the ids of requests not kept are never made.) A
+    request not in the sample costs nothing more: no record, no id in its answer."""
+    if not given:
         if share < 1.0 and random.random() >= share:
             return None
         return os.urandom(16).hex()  # a fifth of uuid4's cost
-    return given if share >= 1.0 or sampled(given, share) else None
+    if share < 1.0 and not sampled(given, share):
+        return None
+    return given.decode("ascii") if isinstance(given, bytes) else given
 
 
 def _check_replica(name: str) -> str:
@@ -90,10 +101,10 @@ def _check_replica(name: str) -> str:
     return name
 
 
-def sampled(request: str, share: float) -> bool:
+def sampled(request: bytes | str, share: float) -> bool:
     """Whether the request with id REQUEST is captured at SHARE (0 < share <= 1): decided by
     the id's hash (the rollout's ``bucket``), so a retry and every replica decide alike."""
-    return bucket(request.encode()) < share * 100
+    return bucket(request if isinstance(request, bytes) else request.encode()) < share * 100
 
 
 #: the retention's check runs this long past each midnight (UTC), in a thread of its own
@@ -130,9 +141,10 @@ def _fallocate() -> Callable[[int, int, int, int], int] | None:
 
 
 class Tag(NamedTuple):
-    """A sampled request's part in its batch's record, made on the event loop (a tuple:
-    a third of a frozen dataclass's cost to make)."""
-    id: str
+    """A request's part in its batch's record, made on the event loop (a tuple: a third of
+    a frozen dataclass's cost to make): its scope (where the sample's decision and the id
+    go) and its route."""
+    scope: request.Scope
     route: str
 
 
@@ -185,45 +197,56 @@ class Capture:
                                            name="capture-retention", daemon=True)
         self._retention.start()
 
-    # -- the event loop ----------------------------------------------------------------------
+    # -- a request's part: tagged on the event loop, decided and written with its batch ------
 
-    def admits(self, model: str, version: int, now: float) -> bool:
-        """Whether a record of MODEL VERSION is to be encoded and written at NOW: False
-        (the drop counted) for a second after a failed write or reservation, so that a full
-        disk costs a dictionary look-up and a counter a request."""
+    def admits(self, model: str, version: int, now: float, count: int = 1) -> bool:
+        """Whether COUNT records of MODEL VERSION are to be encoded and written at NOW:
+        False (the drops counted) for a second after a failed write or reservation, so that
+        a full disk costs a dictionary look-up and a counter a batch."""
         if self._closed:
             return False
         if self._failed:
             failed = self._failed.get((model, version))
             if failed is not None:
                 if now < failed[0]:
-                    self._dropped(failed[1])
+                    self._dropped(failed[1], count)
                     return False
                 self._failed.pop((model, version), None)
         return True
 
-    def tag(self, route: str, model: str, version: int) -> Tag | None:
-        """(Event loop.) The current request's tag when its record is to be written with
-        its batch's: it is in the sample (it has an id, ``request_id``) and MODEL VERSION's
-        records are not being dropped; else None (nothing more is done for it, and a
-        dropped one's answer carries no id: none is kept under it)."""
+    def tag(self, route: str) -> Tag | None:
+        """(Event loop.) The current request's tag when capture is to decide its sample
+        (the HTTP layer gave its scope the client's id, ``given_id``) or has put it in the
+        sample; else None."""
         scope = request.current()
-        rid = scope.id
-        if rid is None:
+        if not scope.deciding and scope.id is None:
             return None
-        # nothing failed, nothing closed (the usual case): no clock, no look-up
-        if (self._failed or self._closed) and not self.admits(model, version, self.clock()):
-            scope.id = None
-            return None
-        return Tag(rid, route)
+        return Tag(scope, route)
+
+    def decide(self, scope: request.Scope) -> str | None:
+        """The id SCOPE's request is kept under, None when it is not in the sample: decided
+        once (``request_id``), with its batch or, for a session's chunk, on the loop."""
+        if scope.deciding:
+            scope.deciding = False
+            scope.id = request_id(scope.given, self.share)
+        return scope.id
 
     def recorder(self, spec: ModelSpec, model: str, version: int, graph: str, timed: bool
                  ) -> Callable[[list[Captured]], None]:
         """What a batcher of MODEL VERSION's GRAPH calls with a batch's sampled requests,
         in its inference thread, before their answers go back (TIMED: the graph's output
         has a row per step)."""
-        def record(captured: list[Captured]) -> None:
+        def record(tagged: list[Captured]) -> None:
+            # the sample, decided here for the whole batch (``given_id``: why)
+            captured = [c for c in tagged if self.decide(c[0].scope) is not None]
+            if not captured:
+                return
             now = self.clock()
+            if (self._failed or self._closed) and \
+                    not self.admits(model, version, now, len(captured)):
+                for c in captured:  # dropped: their answers carry no id
+                    c[0].scope.id = None
+                return
             try:
                 line = _batch_line(now, model, version, spec, graph, timed, captured)
             except (TypeError, ValueError) as error:  # outputs this cannot write
@@ -430,7 +453,7 @@ def keep_answer(capture: Capture | None, route: str, model: str, version: int,
     if capture is None:
         return
     scope = request.current()
-    rid = scope.id
+    rid = capture.decide(scope)
     if rid is None:  # not in the sample
         return
     now = capture.clock()
@@ -482,7 +505,7 @@ def _batch_line(now: float, model: str, version: int, spec: ModelSpec, graph: st
     rows = [r for _, _, group, _ in captured for r in group]
     name = spec.output_name
     head = orjson.dumps({
-        "ids": [c[0].id for c in captured], "routes": [c[0].route for c in captured],
+        "ids": [c[0].scope.id for c in captured], "routes": [c[0].route for c in captured],
         "sequences": [len(c[1]) for c in captured],
         "compute_ms": [int(c[3] * 1e6 + 0.5) / 1e3 for c in captured],
         "time": int(now * 1e6 + 0.5) / 1e6, "model": model, "version": version,

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class Scope:
-    id: str | None = None  # the request id, when capture is on (service.capture)
+    # capture (service.capture): the id the client gave (checked on the event loop),
+    # whether the sample is still to be decided, and the id its record is kept under once
+    # it is decided in the sample
+    given: bytes | str | None = None
+    deciding: bool = False
+    id: str | None = None
     model: str | None = None  # the version leased for the request (the catalog, sessions)
     version: int | None = None
     named: str | None = None  # the model (and version) it named (its handler)

@@ -85,9 +85,9 @@ class DataPlane:
         self.label_store = None if settings.capture is None or capture is None else \
             LabelStore(settings.capture, settings.repo, capture.replica, metrics)
 
-    def _tag(self, route: str, mv: ModelVersion) -> Tag | None:
-        """Capture's tag of this request (None: capture off, or not sampled)."""
-        return None if self.capture is None else self.capture.tag(route, mv.name, mv.version)
+    def _tag(self, route: str) -> Tag | None:
+        """Capture's tag of this request (None: capture off, or no sample to decide)."""
+        return None if self.capture is None else self.capture.tag(route)
 
     def observe(self, held: request.Scope, status: int) -> None:
         """An answered request, for a running rollout's analysis: counted only when the
@@ -195,7 +195,7 @@ class DataPlane:
                     for i, (s, st) in enumerate(zip(seqs, req.states, strict=True))]
             else:
                 batch = list(seqs)
-            outputs, _, raw = await self._run(mv, batch, req, self._tag("/predict", mv))
+            outputs, _, raw = await self._run(mv, batch, req, self._tag("/predict"))
             if req.states is None and not req.per_step:
                 self.shadows.after(mv, lambda spec: predict_sequences(
                     spec, req, self.settings.max_request_sequences), raw)
@@ -337,7 +337,7 @@ class DataPlane:
                 seqs, steps = self._infer_sequences(mv, req)
                 warning = self._range_warning(mv, seqs, "inputs[x]")
                 tensors = await self._infer_run(mv, req, seqs, steps,
-                                                self._tag("infer", mv))
+                                                self._tag("infer"))
                 if stateless:
                     self._shadow_infer(mv, req, seqs, tensors)
             served = Served(mv.name, mv.version, warning)

@@ -16,7 +16,7 @@ import orjson
 from fastapi.responses import Response
 
 from .. import request
-from ..capture import request_id
+from ..capture import given_id
 from ..dataplane.checks import version_param
 from ..dataplane.dataplane import DataPlane
 from ..dataplane.messages import Served
@@ -134,9 +134,8 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
     async def predict(call: Call) -> Response:
         req = decode_predict(call.body)
         scope = _names(req.model)
-        if dataplane.capture is not None:
-            scope.id = request_id(header(call.scope, b"x-request-id"), None,
-                                  dataplane.capture.share)
+        if dataplane.capture is not None:  # the sample is decided with its batch
+            scope.given, scope.deciding = given_id(call.scope["headers"]), True
         result = await dataplane.predict(req, routing_key(call),
                                          session_secret(call))
         return Response(encode_predict(result), media_type="application/json",
@@ -155,8 +154,7 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         req = decode_infer(call.body, header(call.scope, b"inference-header-content-length"),
                            name, version)
         if dataplane.capture is not None:
-            scope.id = request_id(header(call.scope, b"x-request-id"), req.id,
-                                  dataplane.capture.share)
+            scope.given, scope.deciding = given_id(call.scope["headers"], req.id), True
         result = await dataplane.infer(req, name, version, routing_key(call),
                                        session_secret(call))
         head, blobs = encode_infer(req, result)

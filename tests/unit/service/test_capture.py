@@ -24,13 +24,13 @@ from orthornn.service import request
 from orthornn.service.capture import (
     Capture,
     array,
+    given_id,
     keep_answer,
     read_records,
     request_id,
     sampled,
 )
 from orthornn.service.errors import ClientError
-from orthornn.service.http.responses import header
 from orthornn.service.metrics import Metrics
 from orthornn.service.registry.runtime import Chunk
 
@@ -48,6 +48,11 @@ def record(i: int, model: str = "m", version: int = 1) -> dict:
             "inputs": [np.full((2, 1), i, np.float32)], "outputs": [{"index": i}]}
 
 
+def tag(rid: str, route: str) -> capture_module.Tag:
+    """The tag of a request already decided in the sample under RID."""
+    return capture_module.Tag(request.Scope(id=rid), route)
+
+
 def keep_all(c: Capture, records: list[dict]) -> None:
     for r in records:
         c.keep(r)
@@ -61,18 +66,21 @@ def test_the_sample_follows_the_ids_crc32_alike_everywhere():
         assert chosen == [i for i in ids
                           if binascii.crc32(i.encode()) % 10_000 < share * 10_000]
         assert abs(len(chosen) / len(ids) - share) < 0.02
-    assert request_id("abc-1") == "abc-1"
-    assert request_id(None, "oip-7") == "oip-7"
+    assert request_id("abc-1") == request_id(b"abc-1") == "abc-1"
     assert len({request_id(None) for _ in range(100)}) == 100
-    # the HTTP layer's header(): the first of two, as the client sent it (latin-1)
-    assert header({"headers": [(b"x-request-id", b"first"), (b"x-request-id", b"second")]},
-                  b"x-request-id") == "first"
-    for bad in ("", "has space", "x" * 129, "é", "tab\there"):
+    # the id the client gave: the first X-Request-Id of two, as sent; else OIP's
+    header = b"x-request-id"
+    assert given_id([(b"host", b"h"), (header, b"first"), (header, b"second")]) == b"first"
+    assert given_id([(b"host", b"h")], "oip-7") == "oip-7"
+    assert given_id([(header, b"h-1")], "oip-7") == b"h-1"
+    assert given_id([], "") is None and given_id([]) is None
+    for bad in (b"", b"has space", b"x" * 129, "é".encode(), "é".encode("latin-1"),
+                b"tab\there", b"del\x7f"):
         with pytest.raises(ClientError, match="X-Request-Id"):
-            request_id(bad)
-        with pytest.raises(ClientError, match="X-Request-Id"):  # whatever the sample
-            request_id(bad, share=0.1)
-    assert request_id("~" * 128) == "~" * 128  # the longest, the last printable
+            given_id([(header, bad)], "oip")
+    longest = bytes(range(0x21, 0x7F)) + b"~" * 34  # every printable, 128 in all
+    assert given_id([(header, longest)]) == longest
+    assert request_id(longest) == longest.decode()
 
 
 def test_only_a_request_in_the_sample_gets_an_id():
@@ -83,15 +91,13 @@ def test_only_a_request_in_the_sample_gets_an_id():
     for share in (0.1, 0.5):
         in_sample = [i if binascii.crc32(i.encode()) % 10_000 < share * 10_000 else None
                      for i in ids]
-        assert [request_id(i, share=share) for i in ids] == in_sample
-        assert [request_id(None, i, share) for i in ids] == in_sample
-        # the header wins over OIP's id, in the sample or not
-        assert [request_id(i, "oip", share) for i in ids] == in_sample
-    made = [request_id(None, None, 0.1) for _ in range(10_000)]
+        assert [request_id(i, share) for i in ids] == in_sample  # OIP's id
+        assert [request_id(i.encode(), share) for i in ids] == in_sample  # the header's
+    made = [request_id(None, 0.1) for _ in range(10_000)]
     kept = [m for m in made if m is not None]
     assert 850 < len(kept) < 1150 and len(set(kept)) == len(kept)
     assert all(len(m) == 32 and int(m, 16) >= 0 for m in kept)
-    assert all(request_id(None, "", 1.0) is not None for _ in range(10))  # empty: none given
+    assert all(request_id("", 1.0) is not None for _ in range(10))  # empty: none given
 
 
 def test_records_are_written_per_model_version_and_day_and_closed_by_rename(tmp_path):
@@ -441,8 +447,7 @@ def test_a_batch_is_one_line_its_requests_read_back_one_record_each(tmp_path):
     logits = rng.normal(size=(4, 3)).astype(np.float32)
     rows = [[{"logits": logits[0]}], [{"logits": logits[1]}, {"logits": logits[2]}],
             [{"logits": logits[3]}]]
-    tags = [capture_module.Tag("p-1", "/predict"), capture_module.Tag("o-1", "infer"),
-            capture_module.Tag("s-1", "/predict")]
+    tags = [tag("p-1", "/predict"), tag("o-1", "infer"), tag("s-1", "/predict")]
     record([(t, s, r, 0.0021) for t, s, r in zip(tags, seqs, rows, strict=True)])
     c.close()
     (line,) = (tmp_path / "m" / "2" / "2026-09-21" / "a-1.jsonl").read_bytes().splitlines()
@@ -482,13 +487,13 @@ def test_a_language_models_batch_keeps_each_sequences_log_likelihood(tmp_path):
     rows = [{"logits": logits[0], "_log_probabilities": logp(logits[0])}, {"logits": logits[1]}]
     lm = types.SimpleNamespace(task="lm", output_name="logits")
     c.recorder(lm, "lm", 1, "model", timed=True)(
-        [(capture_module.Tag("a", "/predict"), [tokens[0]], [rows[0]], 0.001),
-         (capture_module.Tag("b", "infer"), [tokens[1]], [rows[1]], 0.001)])
+        [(tag("a", "/predict"), [tokens[0]], [rows[0]], 0.001),
+         (tag("b", "infer"), [tokens[1]], [rows[1]], 0.001)])
     steps = types.SimpleNamespace(task="classify", output_name="logits")
     y = rng.normal(size=(3, 2)).astype(np.float32)
     x = rng.normal(size=(3, 1)).astype(np.float32)
     c.recorder(steps, "st", 1, "steps", timed=True)(
-        [(capture_module.Tag("c", "/predict"), [x], [{"logits": y}], 0.001)])
+        [(tag("c", "/predict"), [x], [{"logits": y}], 0.001)])
     c.close()
     a, b = read_records(tmp_path, "lm")[0]
     expected = logp(logits[0])[np.arange(3), tokens[0][1:]].sum()
@@ -509,31 +514,46 @@ def test_a_batch_that_cannot_be_written_counts_each_of_its_records(tmp_path, mon
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(c, "_segment", refuse)
     x = np.zeros((2, 1), np.float32)
-    record([(capture_module.Tag(f"r{i}", "/predict"), [x], [{"logits": np.zeros(3)}], 0.0)
-            for i in range(4)])
+    decided = [request.Scope(given=f"r{i}".encode(), deciding=True) for i in range(4)]
+    record([(capture_module.Tag(scope, "/predict"), [x], [{"logits": np.zeros(3)}], 0.0)
+            for scope in decided])
     assert dropped(metrics, "disk_full") == 4
-    with request.opened() as scope:  # for a second no request of it is tagged (nor encoded)
-        scope.id = "next"
-        assert c.tag("/predict", "m", 1) is None
-        assert scope.id is None  # its answer carries no X-Request-Id: nothing is kept under it
-    with request.opened() as scope:  # another model's records are written meanwhile
-        scope.id = "other"
-        assert c.tag("/predict", "other", 1) == capture_module.Tag("other", "/predict")
-        assert scope.id == "other"
-    assert dropped(metrics, "disk_full") == 5
+    assert [s.id for s in decided] == ["r0", "r1", "r2", "r3"]  # answered with their ids
+    monkeypatch.undo()  # the disk has room again, but for a second nothing of m 1 is tried
+    later = [request.Scope(given=f"n{i}".encode(), deciding=True) for i in range(2)]
+    record([(capture_module.Tag(scope, "/predict"), [x], [{"logits": np.zeros(3)}], 0.0)
+            for scope in later])
+    assert dropped(metrics, "disk_full") == 6
+    assert [s.id for s in later] == [None, None]  # no X-Request-Id: nothing is kept under it
+    other = request.Scope(given=b"o-1", deciding=True)  # another model's are written
+    c.recorder(spec, "other", 1, "model", timed=False)(
+        [(capture_module.Tag(other, "/predict"), [x], [{"logits": np.zeros(3)}], 0.0)])
+    assert other.id == "o-1" and dropped(metrics, "disk_full") == 6
+    assert not list((tmp_path / "m").rglob("*.jsonl*"))
+    c.close()
+    (rec,), torn = read_records(tmp_path, "other")
+    assert rec["id"] == "o-1" and torn == 0
 
 
-def test_the_sample_decides_the_tag_on_the_event_loop(tmp_path):
+def test_the_batch_decides_the_sample_of_its_requests(tmp_path):
+    """The event loop tags every request the HTTP layer gave an id to decide (none else);
+    the batch decides each by its id's hash: the ones in the sample are written under
+    their ids, which their answers carry; the rest get none."""
     c = Capture(tmp_path, 0.3, replica="a", clock=lambda: T0)
+    spec = types.SimpleNamespace(task="classify", output_name="logits")
     ids = [f"q{i}" for i in range(2_000)]
-    tagged = []
+    batch = []
     for rid in ids:
         with request.opened() as scope:
-            scope.id = request_id(rid, share=c.share)  # as the HTTP layer sets it
-            tag = c.tag("infer", "m", 1)
-            if tag is not None:
-                assert tag == capture_module.Tag(rid, "infer")
-                tagged.append(rid)
-    assert tagged == [i for i in ids if sampled(i, 0.3)]
-    with request.opened():  # no id (capture was off when the request came)
-        assert c.tag("infer", "m", 1) is None
+            scope.given, scope.deciding = given_id([(b"x-request-id", rid.encode())]), True
+            batch.append((c.tag("infer"), [np.zeros((1, 1), np.float32)],
+                          [{"logits": np.zeros(2)}], 0.0))
+            assert batch[-1][0] == capture_module.Tag(scope, "infer")
+    c.recorder(spec, "m", 1, "model", timed=False)(batch)
+    in_sample = [i for i in ids if sampled(i, 0.3)]
+    assert [t.scope.id for t, *_ in batch] == [i if i in in_sample else None for i in ids]
+    with request.opened():  # nothing to decide (capture was off when the request came)
+        assert c.tag("infer") is None
+    c.close()
+    records, torn = read_records(tmp_path, "m")
+    assert [r["id"] for r in records] == in_sample and torn == 0
