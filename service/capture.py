@@ -148,7 +148,7 @@ class Tag(NamedTuple):
     route: str
 
 
-#: what a batch hands its recorder, per sampled request: its tag, its sequences (arrays or
+#: what a batch hands its recorder, per tagged request: its tag, its sequences (arrays or
 #: Chunks), its output rows, its compute time (queue and inference, seconds)
 Captured = tuple[Tag, Sequence[Any], Sequence[dict], float]
 
@@ -216,12 +216,9 @@ class Capture:
 
     def tag(self, route: str) -> Tag | None:
         """(Event loop.) The current request's tag when capture is to decide its sample
-        (the HTTP layer gave its scope the client's id, ``given_id``) or has put it in the
-        sample; else None."""
+        (the HTTP layer gave its scope the client's id, ``given_id``); else None."""
         scope = request.current()
-        if not scope.deciding and scope.id is None:
-            return None
-        return Tag(scope, route)
+        return Tag(scope, route) if scope.deciding else None
 
     def decide(self, scope: request.Scope) -> str | None:
         """The id SCOPE's request is kept under, None when it is not in the sample: decided
@@ -233,7 +230,7 @@ class Capture:
 
     def recorder(self, spec: ModelSpec, model: str, version: int, graph: str, timed: bool
                  ) -> Callable[[list[Captured]], None]:
-        """What a batcher of MODEL VERSION's GRAPH calls with a batch's sampled requests,
+        """What a batcher of MODEL VERSION's GRAPH calls with a batch's tagged requests,
         in its inference thread, before their answers go back (TIMED: the graph's output
         has a row per step)."""
         def record(tagged: list[Captured]) -> None:
