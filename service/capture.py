@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import orjson
@@ -140,17 +140,10 @@ def _fallocate() -> Callable[[int, int, int, int], int] | None:
     return f
 
 
-class Tag(NamedTuple):
-    """A request's part in its batch's record, made on the event loop (a tuple: a third of
-    a frozen dataclass's cost to make): its scope (where the sample's decision and the id
-    go) and its route."""
-    scope: request.Scope
-    route: str
-
-
-#: what a batch hands its recorder, per tagged request: its tag, its sequences (arrays or
-#: Chunks), its output rows, its compute time (queue and inference, seconds)
-Captured = tuple[Tag, Sequence[Any], Sequence[dict], float]
+#: what a batch hands its recorder, per tagged request: its scope (``Capture.tag``: the id
+#: the client gave, the route; where the sample's decision and the id go), its sequences
+#: (arrays or Chunks), its output rows, its compute time (queue and inference, seconds)
+Captured = tuple[request.Scope, Sequence[Any], Sequence[dict], float]
 
 
 @dataclass
@@ -214,11 +207,16 @@ class Capture:
                 self._failed.pop((model, version), None)
         return True
 
-    def tag(self, route: str) -> Tag | None:
-        """(Event loop.) The current request's tag when capture is to decide its sample
-        (the HTTP layer gave its scope the client's id, ``given_id``); else None."""
+    def tag(self, route: str) -> request.Scope | None:
+        """(Event loop.) The current request's scope, its ROUTE set, when capture is to
+        decide its sample (the HTTP layer gave it the client's id, ``given_id``); else None.
+        The scope is the tag its batch hands the recorder: no object of capture's own is
+        made per request."""
         scope = request.current()
-        return Tag(scope, route) if scope.deciding else None
+        if not scope.deciding:
+            return None
+        scope.route = route
+        return scope
 
     def decide(self, scope: request.Scope) -> str | None:
         """The id SCOPE's request is kept under, None when it is not in the sample: decided
@@ -234,15 +232,23 @@ class Capture:
         in its inference thread, before their answers go back (TIMED: the graph's output
         has a row per step)."""
         def record(tagged: list[Captured]) -> None:
-            # the sample, decided here for the whole batch (``given_id``: why)
-            captured = [c for c in tagged if self.decide(c[0].scope) is not None]
+            # the sample, decided here for the whole batch (``given_id``: why), in one loop
+            # of this frame: a call per request cost as much again as the decision
+            share, captured = self.share, []
+            for c in tagged:
+                scope = c[0]
+                if scope.deciding:
+                    scope.deciding = False
+                    scope.id = request_id(scope.given, share)
+                if scope.id is not None:
+                    captured.append(c)
             if not captured:
                 return
             now = self.clock()
             if (self._failed or self._closed) and \
                     not self.admits(model, version, now, len(captured)):
                 for c in captured:  # dropped: their answers carry no id
-                    c[0].scope.id = None
+                    c[0].id = None
                 return
             try:
                 line = _batch_line(now, model, version, spec, graph, timed, captured)
@@ -502,7 +508,7 @@ def _batch_line(now: float, model: str, version: int, spec: ModelSpec, graph: st
     rows = [r for _, _, group, _ in captured for r in group]
     name = spec.output_name
     head = orjson.dumps({
-        "ids": [c[0].scope.id for c in captured], "routes": [c[0].route for c in captured],
+        "ids": [c[0].id for c in captured], "routes": [c[0].route for c in captured],
         "sequences": [len(c[1]) for c in captured],
         "compute_ms": [int(c[3] * 1e6 + 0.5) / 1e3 for c in captured],
         "time": int(now * 1e6 + 0.5) / 1e6, "model": model, "version": version,

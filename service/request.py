@@ -15,10 +15,11 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class Scope:
     # capture (service.capture): the id the client gave (checked on the event loop),
-    # whether the sample is still to be decided, and the id its record is kept under once
-    # it is decided in the sample
+    # whether the sample is still to be decided, the route it is recorded under, and the
+    # id its record is kept under once it is decided in the sample
     given: bytes | str | None = None
     deciding: bool = False
+    route: str | None = None
     id: str | None = None
     model: str | None = None  # the version leased for the request (the catalog, sessions)
     version: int | None = None

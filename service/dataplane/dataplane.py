@@ -15,7 +15,7 @@ import numpy as np
 from orthornn.export.artifacts.package import INITIAL_STATE
 
 from .. import request
-from ..capture import Capture, Tag, keep_answer
+from ..capture import Capture, keep_answer
 from ..drift import Drift
 from ..errors import (
     SECRET_HEADER,
@@ -85,7 +85,7 @@ class DataPlane:
         self.label_store = None if settings.capture is None or capture is None else \
             LabelStore(settings.capture, settings.repo, capture.replica, metrics)
 
-    def _tag(self, route: str) -> Tag | None:
+    def _tag(self, route: str) -> request.Scope | None:
         """Capture's tag of this request (None: capture off, or no sample to decide)."""
         return None if self.capture is None else self.capture.tag(route)
 
@@ -253,7 +253,8 @@ class DataPlane:
                     held.candidate_refused = True
             raise
 
-    async def _run(self, mv: ModelVersion, seqs: list, req: Prediction, tag: Tag | None = None
+    async def _run(self, mv: ModelVersion, seqs: list, req: Prediction,
+                   tag: request.Scope | None = None
                    ) -> tuple[list[dict], list[np.ndarray], list[np.ndarray]]:
         """(The /predict outputs, the state after each sequence, the graph's output per
         sequence.) TAG: capture's, the request recorded with its batch."""
@@ -362,7 +363,7 @@ class DataPlane:
             self.settings.max_lm_output_bytes))
 
     async def _infer_run(self, mv: ModelVersion, req: Inference, seqs: list, steps: int,
-                         tag: Tag | None = None) -> list[OutputTensor]:
+                         tag: request.Scope | None = None) -> list[OutputTensor]:
         """Every output of the model, as tensors [B, ...] (the request's outputs checked).
         TAG: capture's, the request recorded with its batch."""
         runtime = mv.runtime

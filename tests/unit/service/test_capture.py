@@ -48,9 +48,15 @@ def record(i: int, model: str = "m", version: int = 1) -> dict:
             "inputs": [np.full((2, 1), i, np.float32)], "outputs": [{"index": i}]}
 
 
-def tag(rid: str, route: str) -> capture_module.Tag:
-    """The tag of a request already decided in the sample under RID."""
-    return capture_module.Tag(request.Scope(id=rid), route)
+def tag(rid: str, route: str) -> request.Scope:
+    """The tag (its scope) of a request already decided in the sample under RID."""
+    return request.Scope(id=rid, route=route)
+
+
+def tagged(scope: request.Scope) -> request.Scope:
+    """SCOPE as ``Capture.tag`` hands it on: a /predict request's."""
+    scope.route = "/predict"
+    return scope
 
 
 def keep_all(c: Capture, records: list[dict]) -> None:
@@ -515,19 +521,19 @@ def test_a_batch_that_cannot_be_written_counts_each_of_its_records(tmp_path, mon
     monkeypatch.setattr(c, "_segment", refuse)
     x = np.zeros((2, 1), np.float32)
     decided = [request.Scope(given=f"r{i}".encode(), deciding=True) for i in range(4)]
-    record([(capture_module.Tag(scope, "/predict"), [x], [{"logits": np.zeros(3)}], 0.0)
+    record([(tagged(scope), [x], [{"logits": np.zeros(3)}], 0.0)
             for scope in decided])
     assert dropped(metrics, "disk_full") == 4
     assert [s.id for s in decided] == ["r0", "r1", "r2", "r3"]  # answered with their ids
     monkeypatch.undo()  # the disk has room again, but for a second nothing of m 1 is tried
     later = [request.Scope(given=f"n{i}".encode(), deciding=True) for i in range(2)]
-    record([(capture_module.Tag(scope, "/predict"), [x], [{"logits": np.zeros(3)}], 0.0)
+    record([(tagged(scope), [x], [{"logits": np.zeros(3)}], 0.0)
             for scope in later])
     assert dropped(metrics, "disk_full") == 6
     assert [s.id for s in later] == [None, None]  # no X-Request-Id: nothing is kept under it
     other = request.Scope(given=b"o-1", deciding=True)  # another model's are written
     c.recorder(spec, "other", 1, "model", timed=False)(
-        [(capture_module.Tag(other, "/predict"), [x], [{"logits": np.zeros(3)}], 0.0)])
+        [(tagged(other), [x], [{"logits": np.zeros(3)}], 0.0)])
     assert other.id == "o-1" and dropped(metrics, "disk_full") == 6
     assert not list((tmp_path / "m").rglob("*.jsonl*"))
     c.close()
@@ -548,10 +554,10 @@ def test_the_batch_decides_the_sample_of_its_requests(tmp_path):
             scope.given, scope.deciding = given_id([(b"x-request-id", rid.encode())]), True
             batch.append((c.tag("infer"), [np.zeros((1, 1), np.float32)],
                           [{"logits": np.zeros(2)}], 0.0))
-            assert batch[-1][0] == capture_module.Tag(scope, "infer")
+            assert batch[-1][0] is scope and scope.route == "infer"
     c.recorder(spec, "m", 1, "model", timed=False)(batch)
     in_sample = [i for i in ids if sampled(i, 0.3)]
-    assert [t.scope.id for t, *_ in batch] == [i if i in in_sample else None for i in ids]
+    assert [t.id for t, *_ in batch] == [i if i in in_sample else None for i in ids]
     with request.opened():  # nothing to decide (capture was off when the request came)
         assert c.tag("infer") is None
     c.close()
