@@ -37,8 +37,9 @@ images: $(VENV)/.installed-serve
 	bash scripts/images.sh
 
 # The tests that time nothing a second process could disturb (the unit tests, and the
-# integration and system tests that train, build, fuzz or render; their bounds are
-# minutes) run on two workers. The Triton compilation stays out: each worker would compile
+# integration and system tests that train, build, fuzz or render, or run a benchmark
+# briefly to check what it writes, not its numbers; their bounds are minutes) run on two
+# workers. The Triton compilation stays out: each worker would compile
 # it. The rest run in one process after them: the servers, load tests and images measure
 # throughput, which a second process beside them would disturb.
 BESIDE = tests/unit tests/integration/test_distributed.py \
@@ -47,7 +48,7 @@ BESIDE = tests/unit tests/integration/test_distributed.py \
 	tests/integration/test_cli.py tests/integration/test_drift.py \
 	tests/integration/test_promotion_writers.py tests/system/test_wheel.py \
 	tests/system/test_wheelhouse.py tests/system/test_new_user.py \
-	tests/system/test_deploy.py tests/system/test_ci.py
+	tests/system/test_deploy.py tests/system/test_ci.py tests/integration/test_bench.py
 
 test: $(VENV)/.installed tools lint docs
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal $(BESIDE)
