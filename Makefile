@@ -39,9 +39,9 @@ images: $(VENV)/.installed-serve
 # The tests that time nothing a second process could disturb (the unit tests, and the
 # integration and system tests that train, build, fuzz or render, or run a benchmark
 # briefly to check what it writes, not its numbers; their bounds are minutes) run on two
-# workers. The Triton compilation stays out: each worker would compile
-# it. The rest run in one process after them: the servers, load tests and images measure
-# throughput, which a second process beside them would disturb.
+# workers. The Triton compilation stays out: each worker would compile it. The rest run
+# in one process after them: the servers, load tests and images measure throughput,
+# which a second process beside them would disturb.
 BESIDE = tests/unit tests/integration/test_distributed.py \
 	tests/integration/test_reproducibility.py tests/integration/test_openapi_fuzz.py \
 	tests/integration/test_fuzz.py tests/integration/test_retraining_lm.py \
