@@ -4,7 +4,11 @@ skipped a test for any reason but the expected ones fails at the end and lists t
 Expected: what no CI machine has (a CUDA device, onnxruntime-gpu, the GPU image, which
 `make images VARIANT=gpu` builds from 4.7 GB of wheels) and what is opt-in (``--runslow``).
 Anything else (a missing Redis, haproxy, Chromium, podman or helm, no pip index) means
-CI did not test what it claims. A pytest plugin: tests/conftest.py loads it.
+CI did not test what it claims. Both kinds of skip count: a test's (its report) and a
+module's (``pytest.importorskip`` or ``pytest.skip(allow_module_level=True)`` at import:
+a collection report, which never reaches ``pytest_runtest_logreport``; under xdist the
+workers forward skipped collection reports to the controller, whose hook sees them).
+A pytest plugin: pyproject.toml's addopts loads it (``-p tests.skips``).
 """
 
 from __future__ import annotations
@@ -44,11 +48,20 @@ def pytest_configure(config):
     _unexpected.clear()
 
 
-def pytest_runtest_logreport(report):
+def _record(report) -> None:
     if report.skipped and not hasattr(report, "wasxfail"):
         reason = _reason(report)
-        if not expected(reason):
-            _unexpected.append(f"{report.nodeid}: {reason}")
+        line = f"{report.nodeid}: {reason}"
+        if not expected(reason) and line not in _unexpected:
+            _unexpected.append(line)
+
+
+def pytest_runtest_logreport(report):
+    _record(report)
+
+
+def pytest_collectreport(report):
+    _record(report)  # a module skipped as a whole, before any of its tests
 
 
 def pytest_sessionfinish(session, exitstatus):

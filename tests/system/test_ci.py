@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SUITE = '''
@@ -30,15 +32,32 @@ def test_redis():
 '''
 
 
-def run_suite(tmp_path: Path, unexpected: bool, strict: bool) -> subprocess.CompletedProcess:
+#: a module skipped as a whole at import (as tests/integration/test_fuzz.py is without
+#: atheris): a collection report, not a test's
+MODULE_SKIP = '''
+import pytest
+
+pytest.importorskip("orthornn_no_such_module")
+
+def test_never_collected():
+    pass
+'''
+
+
+def run_suite(tmp_path: Path, unexpected: bool, strict: bool, module_skip: bool = False,
+              workers: int = 0) -> subprocess.CompletedProcess:
     (tmp_path / "test_suite.py").write_text(SUITE.format(unexpected=REDIS if unexpected else ""))
+    files = [str(tmp_path / "test_suite.py")]
+    if module_skip:
+        (tmp_path / "test_module_skip.py").write_text(MODULE_SKIP)
+        files.append(str(tmp_path / "test_module_skip.py"))
     env = {k: v for k, v in os.environ.items() if k != "CI_TOOLS_STRICT"}
     env["PYTHONPATH"] = str(ROOT)
     if strict:
         env["CI_TOOLS_STRICT"] = "1"
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "-p", "tests.skips", "--rootdir", str(tmp_path), "-c", os.devnull,
-                           str(tmp_path / "test_suite.py")],
+                           *(["-n", str(workers)] if workers else []), *files],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -48,6 +67,25 @@ def test_a_strict_run_with_an_unexpected_skip_fails_and_names_it(tmp_path):
     assert "unexpected skips (CI_TOOLS_STRICT=1: the run fails)" in result.stdout
     assert "test_suite.py::test_redis: redis-server not found" in result.stdout
     assert "test_gpu" not in result.stdout.split("unexpected skips")[1]  # expected: not listed
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["one-process", "xdist"])
+def test_a_strict_run_with_a_module_level_skip_fails_and_names_it(tmp_path, workers):
+    result = run_suite(tmp_path, unexpected=False, strict=True, module_skip=True,
+                       workers=workers)
+    assert result.returncode == 1, result.stdout
+    listed = result.stdout.split("unexpected skips (CI_TOOLS_STRICT=1: the run fails)")[1]
+    assert "test_module_skip.py: could not import 'orthornn_no_such_module'" in listed, \
+        result.stdout
+    assert listed.count("test_module_skip.py") == 1, listed  # once, not once per worker
+    assert "test_gpu" not in listed
+
+
+def test_a_run_with_a_module_level_skip_that_is_not_strict_passes_and_warns(tmp_path):
+    result = run_suite(tmp_path, unexpected=False, strict=False, module_skip=True)
+    assert result.returncode == 0, result.stdout
+    assert "skips that CI_TOOLS_STRICT=1 would fail" in result.stdout
+    assert "test_module_skip.py: could not import" in result.stdout
 
 
 def test_a_strict_run_with_only_expected_skips_passes(tmp_path):
