@@ -9,7 +9,7 @@ import torch
 
 from . import distributed
 from .config import TrainConfig
-from .data import EpochSampler, MixedSampler, TokenStream
+from .data import EpochSampler, MixedSampler, TokenStream, dtype_of, model_input
 from .tasks import Task
 
 
@@ -33,7 +33,8 @@ class Windows:
         x, y = x.to(device), y.to(device)
         h0 = None if fresh or self.carried is None else self.carried.to(device)
         if log_now:
-            h0 = (torch.zeros(x.shape[0], model.state_size, device=device)
+            h0 = (torch.zeros(x.shape[0], model.state_size, device=device,
+                              dtype=dtype_of(model))
                   if h0 is None else h0).requires_grad_(True)
         out, last = net(x, h0=h0, return_state=True)
         self.carried = last.detach()
@@ -70,11 +71,12 @@ class Batches:
                 config.seed * 1_000_003 + step)).shard(self.ctx.rank, self.ctx.world)
         else:
             batch = self.sampler.batch(step)
-        x, y = batch.x.to(device), batch.y.to(device)
+        x, y = model_input(batch.x, model, device), model_input(batch.y, model, device)
         lengths = None if batch.lengths is None else batch.lengths.to(device)
         h0 = None
         if log_now and getattr(model, "state_size", None):
-            h0 = torch.zeros(x.shape[0], model.state_size, device=device, requires_grad=True)
+            h0 = torch.zeros(x.shape[0], model.state_size, device=device,
+                             dtype=dtype_of(model), requires_grad=True)
         out = net(x, lengths=lengths, h0=h0) if h0 is not None else net(x, lengths=lengths)
         return out, y, h0
 

@@ -143,3 +143,14 @@ class TokenStream:
         for i in range(self.per_epoch):
             x, y, _ = self.window(i)
             yield x, y
+
+
+def dtype_of(model) -> torch.dtype:
+    """The dtype the model computes in (TrainConfig.precision)."""
+    return next(model.parameters()).dtype
+
+
+def model_input(x: torch.Tensor, model, device: torch.device) -> torch.Tensor:
+    """X on DEVICE; a float input in the model's dtype (the data is made in float32 for
+    every precision, so a float64 run sees the same numbers)."""
+    return x.to(device, dtype_of(model)) if x.is_floating_point() else x.to(device)

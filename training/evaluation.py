@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .data import Split, TokenStream
+from .data import Split, TokenStream, model_input
 from .tasks import COPY_LENGTH, Task
 
 
@@ -42,7 +42,7 @@ def evaluate(model, task: Task, data: Split | TokenStream, batch_size: int, devi
         loss = total / count
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
     for batch in data.batches(batch_size):
-        x, y = batch.x.to(device), batch.y.to(device)
+        x, y = model_input(batch.x, model, device), model_input(batch.y, model, device)
         lengths = None if batch.lengths is None else batch.lengths.to(device)
         out = model(x, lengths=lengths)
         total += task_loss(task.kind, out, y, task.scored_steps).item() * len(y)

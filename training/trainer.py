@@ -16,6 +16,7 @@ the order of floating-point sums.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -145,6 +146,17 @@ def run_training(config: TrainConfig, *, resume: bool = False, progress: bool = 
         torch.backends.mkldnn.enabled = onednn
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """torch's default dtype set to DTYPE meanwhile (TrainConfig.precision)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def _saved_state(run_dir: Path, resume: bool, ctx: distributed.Context) -> dict | None:
     """Rank 0's reading of RUN_DIR: the state to continue from (--resume, or torchrun's
     restart after a failure: the last checkpoint), None for a new run, or a ValueError."""
@@ -185,10 +197,14 @@ class TrainingRun:
         task = self.task = make_task(config.task, **config.task_options())
         distributed.check_batch(config.batch_size, ctx.world)
         torch.manual_seed(config.seed)
-        model = self.model = build_model(
-            config.arch, task.kind, input_size=task.input_size, hidden_size=config.hidden_size,
-            num_outputs=task.num_outputs, embedding_size=config.embedding_size,
-            **config.arch_options).to(self.device)
+        with default_dtype(getattr(torch, config.precision)):
+            # the initial draws in the run's dtype too: float32's normal and uniform
+            # kernels are vectorised by instruction set (their last bits differ between
+            # ATen's AVX2, AVX-512 and scalar kernels), float64's are not
+            model = self.model = build_model(
+                config.arch, task.kind, input_size=task.input_size,
+                hidden_size=config.hidden_size, num_outputs=task.num_outputs,
+                embedding_size=config.embedding_size, **config.arch_options).to(self.device)
         self.batches = batches_for(task, config, ctx)
         self.total = _total_steps(config, task, self.batches.per_epoch)
         groups = model.param_groups(config.lr, config.orthogonal_lr)
@@ -328,7 +344,8 @@ class TrainingRun:
             "parameters": sum(p.numel() for p in model.parameters()),
             "spectral": spectral_summary(best_model), "seconds": round(seconds, 3),
             "device": str(self.device), "processes": self.ctx.world,
-            "numerics": numerics(torch, self.device, self.threads),
+            "numerics": {**numerics(torch, self.device, self.threads),
+                         "precision": config.precision},
             "resumed_at": self.start if self.state is not None else None,
         }
         checkpoint.write_json(run_dir / "summary.json", summary)
