@@ -15,15 +15,18 @@ import sys
 import time
 from pathlib import Path
 
-# One thread: the word LM trained other bytes at 1 and 2 threads on an AMD EPYC (some of
-# ATen's reductions split by thread there), and the docs show these models' answers, so
-# on one machine they must be the same bytes whatever its cores.
+# The docs show these models' answers, so they must not depend on the machine: float64
+# keeps the kernels' last-bit differences (MKL's branch, ATen's AVX2/AVX-512/scalar
+# kernels, a thread count) at 1e-16 through training, where float32's grew into other
+# words and probabilities on other CPUs (docs/training.md, "Across CPUs"). One thread:
+# some of ATen's reductions split by thread.
 DEFAULT_MODELS = {
     "digits": dict(arch="scornn", task="digits", hidden_size=64, epochs=30, batch_size=64,
-                   optimizer="rmsprop", lr=1e-3, orthogonal_lr=1e-4, log_every=100, threads=1),
+                   optimizer="rmsprop", lr=1e-3, orthogonal_lr=1e-4, log_every=100, threads=1,
+                   precision="float64"),
     "words": dict(arch="svdrnn", task="lm", hidden_size=128, embedding_size=128,
                   vocab_size=5000, bptt=35, batch_size=32, epochs=1, optimizer="adam", lr=2e-3,
-                  log_every=100, threads=1),
+                  log_every=100, threads=1, precision="float64"),
 }
 
 CURL = """\
@@ -36,7 +39,8 @@ def build_defaults(root: Path, progress: bool = True) -> tuple[Path, dict[str, s
     per model, what was done ("trained and published VERSION_DIR" or "reused ...").
     progress: training and export report progress (a bar on a terminal, else a line
     every few seconds). The same bytes on one machine at every run; on another CPU,
-    other bytes within the spread docs/training.md ("Across CPUs") measured."""
+    weights that agree to ~12 digits and the same answers to the digits the docs show
+    (float64 training; docs/training.md, "Across CPUs")."""
     from orthornn.export.artifacts.repository import versions
     from orthornn.export.builder.exporter import export_run
     from orthornn.training.checkpoint import read_run_config

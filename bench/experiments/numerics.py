@@ -11,10 +11,14 @@ onnxruntime's own options (intra-op threads 1 or 2, graph optimisations on or of
 change the logits. The docs' table (docs/training.md, "Across CPUs") comes from this.
 
     python bench/experiments/numerics.py [--steps N] [--settings a,b,...] [--jobs 2] [--keep DIR]
+                                         [--precision float32|float64]
                                          [--out bench/results/numerics.json]
 
---steps shortens the run (the default is the quickstart's: one epoch). Prints a table,
-writes JSON and a markdown table beside it (numerics.md).
+--steps shortens the run (the default is the quickstart's: one epoch); --precision trains
+in another dtype than the quickstart's (float64; float32 shows how far single precision
+moves). Each row also gives how far its weights and its answers (every number of every
+example) are from the first setting's. Prints a table, writes JSON and a markdown table
+beside it (numerics.md).
 """
 
 from __future__ import annotations
@@ -84,7 +88,8 @@ def environment(setting: str) -> dict[str, str]:
     return env
 
 
-def train_worker(run: str, steps: int | None, onednn: bool) -> None:
+def train_worker(run: str, steps: int | None, onednn: bool, precision: str | None = None
+                 ) -> None:
     """In the setting's process: train the quickstart's word model into RUN."""
     import torch
 
@@ -96,13 +101,16 @@ def train_worker(run: str, steps: int | None, onednn: bool) -> None:
     from orthornn.training.trainer import train
 
     options = dict(DEFAULT_MODELS["words"])
+    if precision is not None:
+        options["precision"] = precision
     if steps is not None:
         options.pop("epochs")
         options.update(steps=steps, log_every=steps)
     train(TrainConfig(out=run, **options), progress=False)
 
 
-def train_setting(setting: str, steps: int | None, work: Path, repo: Path) -> dict:
+def train_setting(setting: str, steps: int | None, work: Path, repo: Path,
+                  precision: str | None = None) -> dict:
     run = work / setting
     _, onednn, _ = SETTINGS[setting]
     if (run / "summary.json").is_file() and (repo / f"words-{setting}").is_dir():
@@ -112,6 +120,8 @@ def train_setting(setting: str, steps: int | None, work: Path, repo: Path) -> di
         command += ["--steps", str(steps)]
     if onednn:
         command.append("--onednn")
+    if precision is not None:
+        command += ["--precision", precision]
     done = subprocess.run(command, env=environment(setting), cwd=ROOT, capture_output=True,
                           text=True)
     if done.returncode != 0:
@@ -129,7 +139,44 @@ def summarise_run(setting: str, run: Path) -> dict:
             "sha256": hashlib.sha256(weights).hexdigest(),
             "steps": summary["steps"], "seconds": summary["seconds"],
             "cpu_capability": summary["numerics"]["cpu_capability"],
+            "precision": summary["numerics"].get("precision", "float32"),
             "test_perplexity": summary["test"].get("perplexity")}
+
+
+def weights_apart(one: Path, other: Path) -> float:
+    """The largest |difference| between two runs' weights (model.safetensors)."""
+    from safetensors.numpy import load_file
+
+    a, b = load_file(one / "model.safetensors"), load_file(other / "model.safetensors")
+    return float(max(abs(a[k].astype("float64") - b[k].astype("float64")).max() for k in a))
+
+
+def numbers(value) -> list[float]:
+    """Every number in an answer, depth first."""
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in numbers(v)]
+    if isinstance(value, list):
+        return [n for v in value for n in numbers(v)]
+    return [float(value)] if isinstance(value, int | float) and not isinstance(value, bool) \
+        else []
+
+
+def words(value):
+    """An answer without its numbers: the tokens, ids' places, text, finish reason."""
+    if isinstance(value, dict):
+        return {k: words(v) for k, v in value.items() if k not in ("model", "version")}
+    if isinstance(value, list):
+        return [words(v) for v in value]
+    return None if isinstance(value, int | float) and not isinstance(value, bool) else value
+
+
+def answers_apart(one: list, other: list) -> float:
+    """The largest |difference| between two settings' numbers (probabilities, perplexities,
+    ids), or infinity when their words differ."""
+    if words(one) != words(other):
+        return float("inf")
+    a, b = numbers(one), numbers(other)
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
 def words_examples() -> list[str]:
@@ -228,16 +275,20 @@ def markdown(result: dict) -> str:
     for row in rows:
         digests.setdefault(row["sha256"], f"w{len(digests) + 1}")
     labels = [label(command) for command in result["examples"]]
-    lines = ["| setting | what is pinned | ATen ran | weights | speed vs quickstart | "
-             "onnxruntime | " + " | ".join(labels) + " |",
-             "| --- | --- | --- | --- | ---: | --- |" + " --- |" * len(labels)]
+    lines = ["| setting | what is pinned | ATen ran | weights | max abs weights vs first | "
+             "max abs answers vs first | speed vs first | onnxruntime | "
+             + " | ".join(labels) + " |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | --- |" + " --- |" * len(labels)]
     for row in rows:
         env = " ".join(f"`{k}={v}`" for k, v in row["environment"].items()) or "nothing"
         env += " + oneDNN on" if row["onednn"] else ""
         ort = "same" if row["onnxruntime_max_abs_diff"] == 0 else \
             f"{row['onnxruntime_max_abs_diff']:.1e}"
+        answers = "other words" if row["answers_apart"] == float("inf") else \
+            f"{row['answers_apart']:.1e}"
         lines.append(f"| {row['setting']} | {env} | {row['cpu_capability']} | "
-                     f"{digests[row['sha256']]} | {row['speed']:.2f} | {ort} | "
+                     f"{digests[row['sha256']]} | {row['weights_apart']:.1e} | {answers} | "
+                     f"{row['speed']:.2f} | {ort} | "
                      + " | ".join(summarise(row["answers"])) + " |")
     return "\n".join(lines) + "\n"
 
@@ -247,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="train this many steps (default: one epoch)")
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--precision", choices=("float32", "float64"),
+                        help="train in this dtype (default: the quickstart's, "
+                        f"{DEFAULT_MODELS['words']['precision']})")
     parser.add_argument("--keep", help="keep the runs and the repository (words-SETTING) "
                         "here; a later run with the same DIR reuses them and asks again")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "numerics.json"))
@@ -258,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.train_worker:
-        train_worker(args.train_worker, args.steps, args.onednn)
+        train_worker(args.train_worker, args.steps, args.onednn, args.precision)
         return 0
     name, flags = cpu()
     chosen = chosen_rows(parser, args.settings, list(SETTINGS))
@@ -271,24 +325,29 @@ def main(argv: list[str] | None = None) -> int:
         work, repo = keep / "runs", keep / "repo"
         start = time.monotonic()
         with ThreadPoolExecutor(args.jobs) as pool:
-            futures = [pool.submit(train_setting, s, args.steps, work, repo) for s in chosen]
+            futures = [pool.submit(train_setting, s, args.steps, work, repo, args.precision)
+                       for s in chosen]
             rows = []
             for future in futures:
                 rows.append(future.result())
                 print(f"  trained {rows[-1]['setting']} ({rows[-1]['seconds']:.0f} s, "
                       f"{time.monotonic() - start:.0f} s so far)", flush=True)
         answers = serve_answers(repo, chosen)
+        base = rows[0]  # chosen[0]'s
         for row in rows:
             row["answers"] = answers[row["setting"]]
             row["onnxruntime_max_abs_diff"] = onnxruntime_spread(repo, row["setting"])
-    base = next(r for r in rows if r["setting"] == chosen[0])
-    for row in rows:
-        row["speed"] = base["seconds"] / row["seconds"]
+            row["speed"] = base["seconds"] / row["seconds"]
+            row["weights_apart"] = weights_apart(work / base["setting"], work / row["setting"])
+            row["answers_apart"] = answers_apart(answers[base["setting"]], row["answers"])
     result = {"cpu": name, "avx512f": "avx512f" in flags, "steps": args.steps,
               "examples": words_examples(), "rows": rows, "not_on_this_cpu": skipped}
     table = markdown(result)
     print("\n" + table)
-    print(f"distinct weights: {len({r['sha256'] for r in rows})} of {len(rows)} settings")
+    print(f"distinct weights: {len({r['sha256'] for r in rows})} of {len(rows)} settings; "
+          f"largest differences from {base['setting']}: weights "
+          f"{max(r['weights_apart'] for r in rows):.1e}, answers "
+          f"{max(r['answers_apart'] for r in rows):.1e}")
     write_result(Path(args.out), result)
     Path(args.out).with_suffix(".md").write_text(table)
     return 0
