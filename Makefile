@@ -37,18 +37,22 @@ images: $(VENV)/.installed-serve
 	bash scripts/images.sh
 
 # The tests that time nothing a second process could disturb (the unit tests, and the
-# integration and system tests that train, build, fuzz or render, or run a benchmark
-# briefly to check what it writes, not its numbers; their bounds are minutes) run on two
-# workers. The Triton compilation stays out: each worker would compile it. The rest run
-# in one process after them: the servers, load tests and images measure throughput,
-# which a second process beside them would disturb.
+# integration and system tests that train, build, fuzz or render, run a benchmark briefly
+# to check what it writes, not its numbers, or serve paced clients while a loop, a rollout
+# or a promotion runs, asserting what was answered, not how fast; their bounds are
+# minutes) run on two workers, the longest first (tests/conftest.py, FIRST). The Triton
+# compilation stays out: each worker would compile it. The rest run in one process after
+# them: the servers, load tests and images measure throughput, which a second process
+# beside them would disturb.
 BESIDE = tests/unit tests/integration/test_distributed.py \
 	tests/integration/test_reproducibility.py tests/integration/test_openapi_fuzz.py \
 	tests/integration/test_fuzz.py tests/integration/test_retraining_lm.py \
 	tests/integration/test_cli.py tests/integration/test_drift.py \
 	tests/integration/test_promotion_writers.py tests/system/test_wheel.py \
 	tests/system/test_wheelhouse.py tests/system/test_new_user.py \
-	tests/system/test_deploy.py tests/system/test_ci.py tests/integration/test_bench.py
+	tests/system/test_deploy.py tests/system/test_ci.py tests/integration/test_bench.py \
+	tests/integration/test_loop.py tests/integration/test_rollout_live.py \
+	tests/integration/test_promotion_live.py
 
 test: $(VENV)/.installed tools lint docs
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal $(BESIDE)

@@ -14,6 +14,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+#: the first phase's longest files (docs/design.md, "CI's time"), run before the rest
+FIRST = ("tests/integration/test_loop.py", "tests/integration/test_rollout_live.py",
+         "tests/integration/test_promotion_live.py", "tests/system/test_wheel.py")
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", help="also run tests marked slow")
 
@@ -29,10 +34,14 @@ def pytest_collection_modifyitems(config, items):
     # The tests that run the container images go last (stably ordered), after the
     # quickstart's: their build and its training run beside the other tests
     # (pytest_collection_finish starts them).
+    # The longest tests of the first phase (the Makefile's BESIDE) go first, so that its two
+    # workers do not end on them one after the other.
     images = [item for item in items if "containers" in item.keywords]
     late = [item for item in items if item.nodeid.endswith(QUICKSTART_TEST)]
-    items[:] = [item for item in items if item not in images and item not in late] + \
-        late + images
+    first = [item for item in items if item.nodeid.split("::")[0] in FIRST]
+    rest = [item for item in items if item not in images and item not in late
+            and item not in first]
+    items[:] = first + rest + late + images
 
 
 def pytest_collection_finish(session):

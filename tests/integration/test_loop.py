@@ -34,6 +34,7 @@ import pytest
 import yaml
 
 from ..cluster import ROOT, Replica
+from ..pace import Pace
 from ..system.test_deploy import _retraining_scripts, one, render
 
 pytestmark = pytest.mark.timeout(900)
@@ -76,8 +77,8 @@ def digits() -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]:
 
 
 class Clients:
-    """Client threads posting single digits round-robin to the replicas until stopped,
-    each with its X-Request-Id; every answer kept by id."""
+    """Client threads posting single digits round-robin to the replicas until stopped
+    (paced: tests/pace.py), each with its X-Request-Id; every answer kept by id."""
 
     def __init__(self, urls: list[str], inputs: np.ndarray, threads: int = 3):
         self.urls, self.inputs, self.threads = urls, inputs, threads
@@ -86,9 +87,11 @@ class Clients:
         self.failures: list[str] = []
 
     def _run(self, k: int) -> None:
+        pace = Pace()
         with httpx.Client(timeout=60) as client:
             i = k
             while not self.done.is_set():
+                pace.wait()
                 body = {"model": "digits", "inputs": [self.inputs[i % len(self.inputs)].tolist()]}
                 try:
                     r = client.post(self.urls[i % len(self.urls)] + "/predict", json=body,

@@ -18,6 +18,7 @@ import pytest
 from orthornn.training import checkpoint
 
 from tests.helpers import orthornn as run_orthornn
+from tests.pace import Pace
 from tests.service_helpers import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,8 +32,8 @@ def orthornn(*args, code: int = 0) -> subprocess.CompletedProcess:
 
 
 class Load:
-    """Clients posting BODY in a loop: every answer's (version, raw bytes), and every
-    failure."""
+    """Clients posting BODY in a loop (paced: tests/pace.py): every answer's (version, raw
+    bytes), and every failure."""
 
     def __init__(self, url: str, clients: int = 2):
         self.url, self.answers, self.failures = url, [], []
@@ -40,8 +41,10 @@ class Load:
         self.threads = [threading.Thread(target=self.run) for _ in range(clients)]
 
     def run(self):
+        pace = Pace()
         with httpx.Client(timeout=30) as http:
             while not self.done.is_set():
+                pace.wait()
                 try:
                     r = http.post(self.url + "/predict", json=BODY)
                 except httpx.HTTPError as error:

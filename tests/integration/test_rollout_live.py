@@ -34,6 +34,7 @@ import pytest
 
 from ..cluster import ROOT, HAProxy, RedisServer, Replica
 from ..helpers import orthornn as run_orthornn
+from ..pace import Pace
 from ..service_helpers import wait_until
 from .test_sessions_cluster import metric
 
@@ -135,7 +136,8 @@ def digits_inputs() -> np.ndarray:
 
 @dataclass
 class Load:
-    """Client threads posting MODEL requests through the load balancer until stopped:
+    """Client threads posting MODEL requests through the load balancer until stopped
+    (paced: tests/pace.py):
     every answer's (status, version) and when its request was sent, the failures, and
     sessions streamed in chunks."""
 
@@ -152,9 +154,11 @@ class Load:
     lock: threading.Lock = field(default_factory=threading.Lock)  # answers and sent as one
 
     def _client(self, k: int) -> None:
+        pace = Pace()
         with httpx.Client(timeout=30) as client:
             i = k
             while not self.done.is_set():
+                pace.wait()
                 body = {"model": self.model, "inputs": [self.inputs[i % len(self.inputs)]]}
                 i += self.clients
                 sent = time.monotonic()
@@ -173,9 +177,11 @@ class Load:
 
     def _sessions(self) -> None:
         """Sessions of one digit in 4 chunks of 16 steps, one after another."""
+        pace = Pace()
         with httpx.Client(timeout=30) as client:
             i = 0
             while not self.done.is_set():
+                pace.wait()
                 seq, sid, i = self.inputs[i % len(self.inputs)], uuid.uuid4().hex, i + 7
                 versions, last = set(), None
                 for k in range(4):
