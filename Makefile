@@ -54,9 +54,10 @@ BESIDE = tests/unit tests/integration/test_distributed.py \
 	tests/integration/test_loop.py tests/integration/test_rollout_live.py \
 	tests/integration/test_promotion_live.py
 
-test: $(VENV)/.installed tools lint docs
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal $(BESIDE)
-	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(BESIDE))
+# scripts/test.sh: the long background jobs (the quickstart's trainings, the images) start
+# first, then the dev extra, the tools, the lint and the docs, then the two phases.
+test: $(VENV)/.installed-serve
+	bash scripts/test.sh $(VENV) "$(BESIDE)"
 
 # Day-to-day work: the lint and the unit tests (tests/unit/: no servers, no images, no
 # Debian tools) on every core, under two minutes on 2 cores. make test runs the whole suite.

@@ -1,14 +1,27 @@
-"""Long jobs that a test needs, started as the session starts so that they run beside the
-other tests (most of which wait on servers more than they compute): the quickstart's two
-models and the same word model under another numerics setting, for
-tests/integration/test_end_to_end.py, which runs last but for the images' tests."""
+"""Long jobs that a test needs, run beside the other tests (most of which wait on servers
+more than they compute): the quickstart's two models and the same word model under
+another numerics setting, for tests/integration/test_end_to_end.py (which runs last but
+for the images' tests), and the container images' build (tests/containers.py).
+
+Each job is a detached process group (``Job``) whose output goes to a log file and whose
+exit status is written to a file when it ends, so that any process can wait for it. A
+test session starts the jobs it needs when it is collected; ``make test``
+(scripts/test.sh) starts them earlier, before the lint and the first phase (``python -m
+tests.background start-quickstart DIR``, ``start-images DIR``), and sets
+``ORTHORNN_BACKGROUND=DIR``: the
+second phase's session then adopts them instead of starting its own, so that they use the
+cores that the installs and the lint leave idle. ``python -m tests.background stop DIR``
+ends them (scripts/test.sh's exit trap)."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,58 +32,169 @@ QUICKSTART_TEST = "test_end_to_end.py::test_quickstart_serves_every_readme_examp
 #: (bench/experiments/numerics.py): ATen's scalar kernels instead of the vectorised ones that every
 #: x86-64 CPU with AVX2 runs, so other bytes than the quickstart's on any CI machine.
 OTHER_NUMERICS = "aten-default"
+#: where make test's jobs are (scripts/test.sh sets it)
+SHARED = "ORTHORNN_BACKGROUND"
+
+
+@dataclass
+class Job:
+    """A command in a process group of its own (its leader's pid is the group's id), its
+    output in FOLDER/NAME.log, its exit status in FOLDER/NAME.rc once it ends."""
+    folder: Path
+    name: str
+    pid: int
+
+    @property
+    def log(self) -> Path:
+        return self.folder / f"{self.name}.log"
+
+    @classmethod
+    def start(cls, folder: Path, name: str, command: list[str], env: dict | None = None,
+              nice: bool = False) -> Job:
+        folder.mkdir(parents=True, exist_ok=True)
+        rc = folder / f"{name}.rc"
+        rc.unlink(missing_ok=True)
+        # the status is written by the shell that ran the command, through a temporary
+        # name: a reader sees no file or the whole status
+        wrapper = ['sh', '-c', '"$@"; echo $? > "$0.tmp" && mv "$0.tmp" "$0"', str(rc)]
+        with open(folder / f"{name}.log", "w") as log:
+            proc = subprocess.Popen([*(["nice", "-n", "19"] if nice else []), *wrapper,
+                                     *command], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        (folder / f"{name}.pid").write_text(str(proc.pid))
+        _CHILDREN.append(proc)  # reaped (_reap), not left a zombie
+        return cls(folder, name, proc.pid)
+
+    @classmethod
+    def adopt(cls, folder: Path, name: str) -> Job | None:
+        """The job NAME another process started in FOLDER, if there is one."""
+        try:
+            return cls(folder, name, int((folder / f"{name}.pid").read_text()))
+        except (OSError, ValueError):
+            return None
+
+    def returncode(self) -> int | None:
+        try:
+            return int((self.folder / f"{self.name}.rc").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while (code := self.returncode()) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} still running after {timeout:.0f} s "
+                                   f"(its log: {self.log})")
+            if not _alive(self.pid):  # ended without writing its status: killed
+                if (code := self.returncode()) is None:
+                    return -signal.SIGKILL
+                return code
+            time.sleep(0.5)
+        return code
+
+    def stop(self) -> None:
+        """End the whole group (SIGTERM, then SIGKILL after 30 s)."""
+        for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                break
+            deadline = time.monotonic() + wait
+            while _group_alive(self.pid) and time.monotonic() < deadline:
+                _reap()
+                time.sleep(0.1)
+            if not _group_alive(self.pid):
+                break
+        _reap()
+
+
+def _alive(pid: int) -> bool:
+    _reap()
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+#: the jobs this process started
+_CHILDREN: list[subprocess.Popen] = []
+
+
+def _reap() -> None:
+    for proc in list(_CHILDREN):
+        if proc.poll() is not None:
+            _CHILDREN.remove(proc)
 
 
 @dataclass
 class Quickstart:
-    work: Path  # a temporary folder, removed at the session's end
+    work: Path  # the jobs' folder, removed at the session's end
     root: Path  # the quickstart's --dir
     other_run: Path  # the word model trained under OTHER_NUMERICS
-    procs: tuple[subprocess.Popen, subprocess.Popen]
-    logs: tuple[Path, Path]
+    jobs: tuple[Job, Job]
 
     def wait(self, timeout: float) -> tuple[subprocess.CompletedProcess, str]:
         """(the quickstart as a finished command, the other training's output); the
         other training must have succeeded."""
-        for proc in self.procs:
-            proc.wait(timeout=timeout)
-        built = subprocess.CompletedProcess(self.procs[0].args, self.procs[0].returncode,
-                                            "", self.logs[0].read_text())
-        other_log = self.logs[1].read_text()
-        assert self.procs[1].returncode == 0, other_log[-3000:]
+        codes = [job.wait(timeout) for job in self.jobs]
+        built = subprocess.CompletedProcess(["orthornn", "quickstart"], codes[0], "",
+                                            self.jobs[0].log.read_text())
+        other_log = self.jobs[1].log.read_text()
+        assert codes[1] == 0, other_log[-3000:]
         assert built.returncode == 0, built.stderr[-3000:]
         return built, other_log
 
     def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        for job in self.jobs:
+            job.stop()
         shutil.rmtree(self.work, ignore_errors=True)
 
 
 _quickstart: Quickstart | None = None
+QUICKSTART_JOBS = ("quickstart", "other")
+
+
+def quickstart_jobs(work: Path) -> tuple[Job, Job]:
+    """Start ``orthornn quickstart --no-serve`` into WORK/qs and the other setting's word
+    model into WORK/other/words (their output in files, not pipes: a full pipe would stall
+    them; not a tty: progress lines)."""
+    from bench.experiments.numerics import environment
+
+    return (Job.start(work, "quickstart", [sys.executable, "-m", "orthornn", "quickstart",
+                                           "--dir", str(work / "qs"), "--no-serve"]),
+            Job.start(work, "other", [sys.executable,
+                                      str(ROOT / "bench" / "experiments" / "numerics.py"),
+                                      "--train-worker", str(work / "other" / "words")],
+                      env=environment(OTHER_NUMERICS)))
 
 
 def start_quickstart() -> None:
-    """``orthornn quickstart --no-serve`` and the other setting's word model, in the
-    background (their output in files: a full pipe would stall them)."""
+    """The quickstart's jobs: make test's (``ORTHORNN_BACKGROUND``) when it started them,
+    else started now in a temporary folder."""
     global _quickstart
-    from bench.experiments.numerics import environment
-
-    work = Path(tempfile.mkdtemp(prefix="orthornn-quickstart-"))
-    root, other_run = work / "qs", work / "other" / "words"
-    logs = (work / "quickstart.log", work / "other.log")
-    with open(logs[0], "w") as qs_log, open(logs[1], "w") as other_log:
-        procs = (
-            subprocess.Popen([sys.executable, "-m", "orthornn", "quickstart", "--dir",
-                              str(root), "--no-serve"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=qs_log, text=True),  # not a tty: progress lines
-            subprocess.Popen([sys.executable, str(ROOT / "bench" / "experiments" / "numerics.py"),
-                              "--train-worker", str(other_run)], cwd=ROOT,
-                             env=environment(OTHER_NUMERICS), stdout=other_log,
-                             stderr=subprocess.STDOUT, text=True))
-    _quickstart = Quickstart(work, root, other_run, procs, logs)
+    shared = os.environ.get(SHARED)
+    adopted = [Job.adopt(Path(shared) / "quickstart", name) for name in QUICKSTART_JOBS] \
+        if shared else [None, None]
+    if adopted[0] is not None and adopted[1] is not None:
+        work, jobs = Path(shared) / "quickstart", (adopted[0], adopted[1])
+    else:
+        work = Path(tempfile.mkdtemp(prefix="orthornn-quickstart-"))
+        jobs = quickstart_jobs(work)
+    _quickstart = Quickstart(work, work / "qs", work / "other" / "words", jobs)
 
 
 def quickstart() -> Quickstart:
@@ -84,3 +208,31 @@ def quickstart() -> Quickstart:
 def stop() -> None:
     if _quickstart is not None:
         _quickstart.stop()
+
+
+def main(argv: list[str]) -> int:
+    """``start-quickstart DIR``: the quickstart's jobs in DIR/quickstart; ``start-images
+    DIR``: the images' build (tests/containers.py) in DIR; ``stop DIR``: end them all and
+    remove DIR/quickstart (scripts/test.sh)."""
+    from .containers import BUILD, build_job
+
+    if len(argv) != 2 or argv[0] not in ("start-quickstart", "start-images", "stop"):
+        print("usage: python -m tests.background start-quickstart|start-images|stop DIR",
+              file=sys.stderr)
+        return 2
+    folder = Path(argv[1])
+    if argv[0] == "start-quickstart":
+        quickstart_jobs(folder / "quickstart")
+    elif argv[0] == "start-images":
+        build_job(folder)
+    else:
+        found = [Job.adopt(folder / "quickstart", name) for name in QUICKSTART_JOBS]
+        for job in [*found, Job.adopt(folder, BUILD)]:
+            if job is not None:
+                job.stop()
+        shutil.rmtree(folder / "quickstart", ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

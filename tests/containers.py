@@ -11,8 +11,9 @@ capabilities, no privilege escalation, emptyDir volumes as tmpfs and the other v
 from host folders (read-only where the pod mounts them so). The network is the host's
 (`--network host`), and the chart is rendered with a free loopback port as containerPort.
 
-The build starts when the session collects a container test (conftest.py) and runs beside
-the other tests; `images()` waits for it. Where no engine can run, the tests skip with the
+The build starts when the session collects a container test (conftest.py), or earlier when
+make test started it (tests/background.py), and runs beside the other tests; `images()`
+waits for it. Where no engine can run, the tests skip with the
 reason scripts/images.sh gives (a failure under CI_TOOLS_STRICT=1).
 """
 
@@ -23,19 +24,21 @@ import functools
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from .background import SHARED, Job
+
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 SERVE_IMAGE = f"orthornn:{VERSION}-cpu"
 TRAIN_IMAGE = f"orthornn-train:{VERSION}-cpu"
-_build: subprocess.Popen | None = None
-_build_log = ROOT / "build" / "images.log"
+#: the build's job name (tests/background.Job): its log is FOLDER/images.log
+BUILD = "images"
+_build: Job | None = None
 
 
 @functools.cache
@@ -56,29 +59,29 @@ def engine_env() -> dict[str, str]:
                                               str(ROOT / "scripts" / "containers.conf"))}
 
 
+def build_job(folder: Path) -> Job:
+    """scripts/images.sh --or-skip as a detached job in FOLDER, at the lowest CPU
+    priority: the tests beside it that time replicas and load balancers come first."""
+    return Job.start(folder, BUILD, ["bash", str(ROOT / "scripts" / "images.sh"),
+                                     "--or-skip"], env=engine_env(), nice=True)
+
+
 def start_build() -> None:
-    """Start scripts/images.sh --or-skip in the background (once a session), in a process
-    group of its own, so that `stop_build` ends all of it, and at the lowest CPU priority:
-    the tests beside it that time replicas and load balancers come first."""
+    """The images' build: make test's when it started one (``ORTHORNN_BACKGROUND``),
+    else started now (once a session) in build/."""
     global _build
     if _build is not None:
         return
-    _build_log.parent.mkdir(exist_ok=True)
-    with open(_build_log, "w") as log:
-        _build = subprocess.Popen(["nice", "-n", "19", "bash",
-                                   str(ROOT / "scripts" / "images.sh"), "--or-skip"],
-                                  cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                  env=engine_env(), start_new_session=True)
+    shared = os.environ.get(SHARED)
+    _build = Job.adopt(Path(shared), BUILD) if shared else None
+    if _build is None:
+        _build = build_job(ROOT / "build")
 
 
 def stop_build() -> None:
     """End a build still running when the session ends (-x, Ctrl-C, a timeout)."""
-    if _build is not None and _build.poll() is None:
-        os.killpg(_build.pid, signal.SIGTERM)
-        try:
-            _build.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(_build.pid, signal.SIGKILL)
+    if _build is not None:
+        _build.stop()
 
 
 def images() -> str:
@@ -91,7 +94,7 @@ def images() -> str:
     start_build()
     assert _build is not None
     code = _build.wait(timeout=1500)
-    log = _build_log.read_text()
+    log = _build.log.read_text()
     if code != 0:
         pytest.fail(f"scripts/images.sh failed (exit {code}):\n{log[-4000:]}")
     if "images: not built" in log:

@@ -128,3 +128,25 @@ def test_the_tools_step_fails_under_strict_when_a_tool_cannot_be_installed(tmp_p
                              text=True, timeout=60)
     assert lenient.returncode == 0, lenient.stderr
     assert "will be skipped" in lenient.stderr
+
+
+def test_a_background_job_is_waited_for_and_stopped_from_another_process(tmp_path):
+    """tests/background.Job, as make test uses it: a job started by one process (which
+    then exits) is adopted by another, which reads its exit status from its file, or ends
+    its whole process group."""
+    from tests.background import Job
+
+    starter = (f"import sys; from pathlib import Path; from tests.background import Job; "
+               f"Job.start(Path(sys.argv[1]), 'quick', ['sh', '-c', 'echo hi; exit 3']); "
+               f"Job.start(Path(sys.argv[1]), 'slow', ['sh', '-c', 'sleep 300 & sleep 300'])")
+    subprocess.run([sys.executable, "-c", starter, str(tmp_path)], cwd=ROOT, check=True,
+                   timeout=60)
+    quick, slow = Job.adopt(tmp_path, "quick"), Job.adopt(tmp_path, "slow")
+    assert quick is not None and slow is not None and Job.adopt(tmp_path, "none") is None
+    assert quick.wait(timeout=30) == 3 and quick.log.read_text() == "hi\n"
+    assert slow.returncode() is None
+    with pytest.raises(TimeoutError, match="slow still running"):
+        slow.wait(timeout=1)
+    slow.stop()  # the group: the shell and both sleeps
+    assert subprocess.run(["pgrep", "-g", str(slow.pid)], capture_output=True).returncode == 1
+    assert slow.wait(timeout=10) != 0

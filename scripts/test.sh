@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# make test, once the train and serve extras are installed: the long background jobs
+# first (the quickstart's trainings, then the images' build; tests/background.py), so
+# that they use the cores the installs and the lint leave idle; then the dev extra, the
+# tools, the lint and the docs, the first phase on two workers and the second in one
+# process (the Makefile's BESIDE), which adopts the jobs (ORTHORNN_BACKGROUND). The exit
+# trap ends whatever is still running.
+#
+#   bash scripts/test.sh VENV "BESIDE..."
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=$1
+beside=$2
+py="$venv/bin/python"
+jobs=build/background
+export ORTHORNN_BACKGROUND=$PWD/$jobs
+rm -rf "$jobs"
+mkdir -p "$jobs"
+trap '"$py" -m tests.background stop "$jobs" || true' EXIT
+step() { echo "make test: $1 at $(( $(date +%s) - start )) s" >&2; }
+start=$(date +%s)
+
+# the quickstart's trainings need only torch and the train extra
+"$py" -m tests.background start-quickstart "$jobs"
+step "quickstart trainings started"
+make --no-print-directory "$venv/.installed" tools
+step "dev extra and tools installed"
+# the images need podman (the tools) and the wheel the venv builds
+"$py" -m tests.background start-images "$jobs"
+step "images' build started"
+make --no-print-directory lint docs
+step "lint and docs done"
+# shellcheck disable=SC2086  # BESIDE is a list of paths
+"$py" -m pytest -q -n 2 --dist worksteal $beside
+step "first phase done"
+"$py" -m pytest -q $(for path in $beside; do printf -- '--ignore=%s ' "$path"; done)
+step "second phase done"
