@@ -136,9 +136,9 @@ def test_a_background_job_is_waited_for_and_stopped_from_another_process(tmp_pat
     its whole process group."""
     from tests.background import Job
 
-    starter = (f"import sys; from pathlib import Path; from tests.background import Job; "
-               f"Job.start(Path(sys.argv[1]), 'quick', ['sh', '-c', 'echo hi; exit 3']); "
-               f"Job.start(Path(sys.argv[1]), 'slow', ['sh', '-c', 'sleep 300 & sleep 300'])")
+    starter = ("import sys; from pathlib import Path; from tests.background import Job; "
+               "Job.start(Path(sys.argv[1]), 'quick', ['sh', '-c', 'echo hi; exit 3']); "
+               "Job.start(Path(sys.argv[1]), 'slow', ['sh', '-c', 'sleep 300 & sleep 300'])")
     subprocess.run([sys.executable, "-c", starter, str(tmp_path)], cwd=ROOT, check=True,
                    timeout=60)
     quick, slow = Job.adopt(tmp_path, "quick"), Job.adopt(tmp_path, "slow")
