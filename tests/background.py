@@ -174,6 +174,7 @@ def quickstart_jobs(work: Path) -> tuple[Job, Job]:
     them; not a tty: progress lines)."""
     from bench.experiments.numerics import environment
 
+    work = work.resolve()  # the paths the quickstart prints are the ones the test expects
     return (Job.start(work, "quickstart", [sys.executable, "-m", "orthornn", "quickstart",
                                            "--dir", str(work / "qs"), "--no-serve"]),
             Job.start(work, "other", [sys.executable,
@@ -220,7 +221,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m tests.background start-quickstart|start-images|stop DIR",
               file=sys.stderr)
         return 2
-    folder = Path(argv[1])
+    folder = Path(argv[1]).resolve()
     if argv[0] == "start-quickstart":
         quickstart_jobs(folder / "quickstart")
     elif argv[0] == "start-images":
