@@ -17,9 +17,9 @@ from pathlib import Path
 
 # The docs show these models' answers, so they must not depend on the machine: float64
 # keeps the kernels' last-bit differences (MKL's branch, ATen's AVX2/AVX-512/scalar
-# kernels, a thread count) at 1e-16 through training, where float32's grew into other
-# words and probabilities on other CPUs (docs/training.md, "Across CPUs"). One thread:
-# some of ATen's reductions split by thread.
+# kernels) small through training (weights within 2.2e-9, answers 2e-7), where float32's
+# grew into other words and probabilities on other CPUs (docs/training.md, "Across
+# CPUs"). One thread: some of ATen's reductions split by thread.
 DEFAULT_MODELS = {
     "digits": dict(arch="scornn", task="digits", hidden_size=64, epochs=30, batch_size=64,
                    optimizer="rmsprop", lr=1e-3, orthogonal_lr=1e-4, log_every=100, threads=1,
@@ -39,7 +39,7 @@ def build_defaults(root: Path, progress: bool = True) -> tuple[Path, dict[str, s
     per model, what was done ("trained and published VERSION_DIR" or "reused ...").
     progress: training and export report progress (a bar on a terminal, else a line
     every few seconds). The same bytes on one machine at every run; on another CPU,
-    weights that agree to ~12 digits and the same answers to the digits the docs show
+    weights that agree within ~1e-9 and the same answers to the digits the docs show
     (float64 training; docs/training.md, "Across CPUs")."""
     from orthornn.export.artifacts.repository import versions
     from orthornn.export.builder.exporter import export_run

@@ -4,10 +4,9 @@ backslash) directly followed by `# ...` comment lines is an example; the comment
 answer. A JSON answer must match the real one as a subset (every key shown is there with
 an equal value; lists have the shown length); a number must agree to the digits shown
 (``Shown``: 0.82 is 0.815-0.825, 370 is 369.5-370.5, each MARGIN inside); a text
-answer must appear in the
-output (case-insensitive). Exact checks hold on any CPU because the quickstart's models
-are trained in float64 (docs/training.md, "Across CPUs": answers the same to ~9 digits
-under every numerics setting measured)."""
+answer must appear in the output (case-insensitive). Exact checks hold on any CPU
+because the quickstart's models are trained in float64 (docs/training.md, "Across CPUs":
+answers within 2e-7 under every numerics setting measured)."""
 
 from __future__ import annotations
 

@@ -52,8 +52,8 @@ HELP = {
     "seed": "random seed (initialisation and batches)",
     "device": f"device: {', '.join(DEVICES)}",
     "precision": f"dtype of the parameters while training: {', '.join(PRECISIONS)} (float64: "
-                 f"the same weights on every CPU to ~12 digits, at ~1.5x the time; exported "
-                 f"as float32 either way)",
+                 f"weights that agree across CPUs' kernels to ~1e-9, at ~2x the time; "
+                 f"exported as float32 either way)",
     "threads": "CPU threads (results do not depend on it)",
     "log_every": "steps between validation, logging and checkpoints",
     "eval_every": "steps between validations",

@@ -24,9 +24,10 @@ COPY_LOSSES = ("all", "copied")  # cross-entropy over every step, or the copied 
 DEVICES = ("auto", "cpu", "cuda")
 #: the dtype of the parameters and the arithmetic while training; the run's weights are
 #: saved in it, and export (and the kept model's test score) folds them to float32 as
-#: served. float64 makes the trained weights the same to ~12 digits on every CPU (the
-#: kernels' last-bit differences stay at 1e-16 instead of growing through training:
-#: docs/training.md, "Across CPUs"), at about 1.5x float32's time on the CPU.
+#: served. float64 keeps the CPU kernels' last-bit differences from growing through
+#: training (the quickstart's word model: weights within 2.2e-9 under 12 numerics
+#: settings, where float32's gave other answers: docs/training.md, "Across CPUs"), at
+#: about 2x float32's time on the CPU.
 PRECISIONS = ("float32", "float64")
 
 
