@@ -86,10 +86,9 @@ class Job:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} still running after {timeout:.0f} s "
                                    f"(its log: {self.log})")
-            if not _alive(self.pid):  # ended without writing its status: killed
-                if (code := self.returncode()) is None:
-                    return -signal.SIGKILL
-                return code
+            if not _exists(self.pid):  # ended: its status, or none if it was killed
+                code = self.returncode()
+                return -signal.SIGKILL if code is None else code
             time.sleep(0.5)
         return code
 
@@ -101,31 +100,22 @@ class Job:
             except (ProcessLookupError, PermissionError):
                 break
             deadline = time.monotonic() + wait
-            while _group_alive(self.pid) and time.monotonic() < deadline:
-                _reap()
+            while _exists(self.pid, group=True) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            if not _group_alive(self.pid):
+            if not _exists(self.pid, group=True):
                 break
         _reap()
 
 
-def _alive(pid: int) -> bool:
+def _exists(pid: int, group: bool = False) -> bool:
+    """Whether process PID (or the process group PID) still exists; this process's own
+    ended children are reaped first, so that a zombie does not count."""
     _reap()
     try:
-        os.kill(pid, 0)
+        (os.killpg if group else os.kill)(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+    except PermissionError:  # someone else's: it exists
         return True
     return True
 
