@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # make test, once the train and serve extras are installed: the long background jobs
-# first (the quickstart's trainings, then the images' build; tests/background.py), so
-# that they use the cores the installs and the lint leave idle; then the dev extra, the
-# tools, the lint and the docs, the first phase on two workers and the second in one
+# first (the quickstart's trainings, the service tests' packages, then the images' build;
+# tests/background.py), so that they use the cores the installs and the lint leave idle;
+# then the dev extra, the tools, the lint and the docs, the first phase on two workers and the second in one
 # process (the Makefile's BESIDE), which adopts the jobs (ORTHORNN_BACKGROUND). The exit
 # trap ends whatever is still running.
 #
@@ -20,9 +20,11 @@ trap '"$py" -m tests.background stop "$jobs" || true' EXIT
 step() { echo "make test: $1 at $(( $(date +%s) - start )) s" >&2; }
 start=$(date +%s)
 
-# the quickstart's trainings need only torch and the train extra
+# the quickstart's trainings and the service tests' packages need only torch and the
+# train extra
 "$py" -m tests.background start-quickstart "$jobs"
-step "quickstart trainings started"
+"$py" -m tests.background start-packages "$jobs"
+step "quickstart trainings and packages started"
 make --no-print-directory "$venv/.installed" tools
 step "dev extra and tools installed"
 # the images need podman (the tools) and the wheel the venv builds

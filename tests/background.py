@@ -1,7 +1,9 @@
 """Long jobs that a test needs, run beside the other tests (most of which wait on servers
 more than they compute): the quickstart's two models and the same word model under
 another numerics setting, for tests/integration/test_end_to_end.py (which runs last but
-for the images' tests), and the container images' build (tests/containers.py).
+for the images' tests), the container images' build (tests/containers.py), and the
+exported packages that the service tests serve (``service_packages``: otherwise each
+worker of each phase trains and exports them again).
 
 Each job is a detached process group (``Job``) whose output goes to a log file and whose
 exit status is written to a file when it ends, so that any process can wait for it. A
@@ -201,24 +203,80 @@ def stop() -> None:
         _quickstart.stop()
 
 
+# -- the service tests' packages (the service_packages fixture, tests/conftest.py) -------
+
+PACKAGES = "packages"
+
+
+def build_service_packages(root: Path) -> Path:
+    """Train and export, into ROOT/stage: adding (regress, svdrnn, 5 versions from 5
+    seeds: they answer differently), digits (classify, scornn, T = 64, d = 1) and words
+    (lm, lstm, with step graph and vocabulary); the stage folder."""
+    from orthornn.export.builder.exporter import export_run
+    from orthornn.training.config import TrainConfig
+    from orthornn.training.trainer import train
+
+    root.mkdir(parents=True, exist_ok=True)
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n\n".join(f"the cat sat on the mat {i} and the dog ran to the cat's "
+                                  f"house" for i in range(40)))
+    common = dict(hidden_size=8, steps=4, batch_size=8, log_every=4, optimizer="adam")
+    stage = root / "stage"
+    for seed in range(5):
+        run = root / f"adding-{seed}"
+        train(TrainConfig(arch="svdrnn", task="adding", seq_len=6, seed=seed, out=str(run),
+                          **common), progress=False)
+        export_run(run, stage, "adding")
+    train(TrainConfig(arch="scornn", task="digits", out=str(root / "digits"), **common),
+          progress=False)
+    export_run(root / "digits", stage, "digits")
+    train(TrainConfig(arch="lstm", task="lm", corpus=str(corpus), vocab_size=20, bptt=5,
+                      out=str(root / "words"), **common), progress=False)
+    export_run(root / "words", stage, "words")
+    return stage
+
+
+def service_packages(fallback: Path) -> Path:
+    """The stage folder of make test's packages job once it has succeeded, else (no job:
+    a pytest run of its own) built now under FALLBACK. The tests copy from it, never
+    write to it: both phases share it."""
+    shared = os.environ.get(SHARED)
+    job = Job.adopt(Path(shared), PACKAGES) if shared else None
+    if job is None:
+        return build_service_packages(fallback)
+    code = job.wait(timeout=900)
+    assert code == 0, f"the packages job ended with {code}: {job.log.read_text()[-3000:]}"
+    return job.folder / PACKAGES / "stage"
+
+
 def main(argv: list[str]) -> int:
-    """``start-quickstart DIR``: the quickstart's jobs in DIR/quickstart; ``start-images
-    DIR``: the images' build (tests/containers.py) in DIR; ``stop DIR``: end them all and
-    remove DIR/quickstart (scripts/test.sh)."""
+    """``start-quickstart DIR``: the quickstart's jobs in DIR/quickstart; ``start-packages
+    DIR``: the service tests' packages into DIR/packages (one thread; ``build-packages
+    DIR`` is what that job runs); ``start-images DIR``: the images' build
+    (tests/containers.py) in DIR; ``stop DIR``: end them all and remove DIR/quickstart
+    (scripts/test.sh)."""
     from .containers import BUILD, build_job
 
-    if len(argv) != 2 or argv[0] not in ("start-quickstart", "start-images", "stop"):
-        print("usage: python -m tests.background start-quickstart|start-images|stop DIR",
-              file=sys.stderr)
+    commands = ("start-quickstart", "start-packages", "build-packages", "start-images", "stop")
+    if len(argv) != 2 or argv[0] not in commands:
+        print(f"usage: python -m tests.background {'|'.join(commands)} DIR", file=sys.stderr)
         return 2
     folder = Path(argv[1]).resolve()
     if argv[0] == "start-quickstart":
         quickstart_jobs(folder / "quickstart")
+    elif argv[0] == "start-packages":
+        Job.start(folder, PACKAGES, [sys.executable, "-m", "tests.background",
+                                     "build-packages", str(folder / PACKAGES)])
+    elif argv[0] == "build-packages":
+        import torch
+
+        torch.set_num_threads(1)  # beside the quickstart's trainings and the installs
+        build_service_packages(folder)
     elif argv[0] == "start-images":
         build_job(folder)
     else:
         found = [Job.adopt(folder / "quickstart", name) for name in QUICKSTART_JOBS]
-        for job in [*found, Job.adopt(folder, BUILD)]:
+        for job in [*found, Job.adopt(folder, PACKAGES), Job.adopt(folder, BUILD)]:
             if job is not None:
                 job.stop()
         shutil.rmtree(folder / "quickstart", ignore_errors=True)

@@ -87,28 +87,7 @@ def wheel(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def service_packages(tmp_path_factory):
-    """A staging repository of exported packages: adding (regress, svdrnn, 5 versions
-    from 5 seeds: they answer differently), digits (classify, scornn, T = 64, d = 1) and
-    words (lm, lstm, with step graph and vocabulary). Tests copy what they need."""
-    from orthornn.export.builder.exporter import export_run
-    from orthornn.training.config import TrainConfig
-    from orthornn.training.trainer import train
-
-    root = tmp_path_factory.mktemp("service-packages")
-    corpus = root / "corpus.txt"
-    corpus.write_text("\n\n".join(f"the cat sat on the mat {i} and the dog ran to the cat's "
-                                  f"house" for i in range(40)))
-    common = dict(hidden_size=8, steps=4, batch_size=8, log_every=4, optimizer="adam")
-    stage = root / "stage"
-    for seed in range(5):
-        run = root / f"adding-{seed}"
-        train(TrainConfig(arch="svdrnn", task="adding", seq_len=6, seed=seed, out=str(run),
-                          **common), progress=False)
-        export_run(run, stage, "adding")
-    train(TrainConfig(arch="scornn", task="digits", out=str(root / "digits"), **common),
-          progress=False)
-    export_run(root / "digits", stage, "digits")
-    train(TrainConfig(arch="lstm", task="lm", corpus=str(corpus), vocab_size=20, bptt=5,
-                      out=str(root / "words"), **common), progress=False)
-    export_run(root / "words", stage, "words")
-    return stage
+    """A staging repository of exported packages (tests/background.py,
+    ``build_service_packages``): adding (5 versions), digits and words. Tests copy what
+    they need. Under make test, built once for both phases by its background job."""
+    return background.service_packages(tmp_path_factory.mktemp("service-packages"))

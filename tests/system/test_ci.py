@@ -150,3 +150,22 @@ def test_a_background_job_is_waited_for_and_stopped_from_another_process(tmp_pat
     slow.stop()  # the group: the shell and both sleeps
     assert subprocess.run(["pgrep", "-g", str(slow.pid)], capture_output=True).returncode == 1
     assert slow.wait(timeout=10) != 0
+
+
+def test_the_service_packages_come_from_make_tests_job_when_there_is_one(tmp_path, monkeypatch):
+    """tests/background.service_packages: with ORTHORNN_BACKGROUND pointing at a folder
+    whose packages job succeeded, its stage is used and nothing is built; a failed job is
+    an error with its log, not a silent rebuild."""
+    from tests import background
+    from tests.background import PACKAGES, Job
+
+    built = tmp_path / "ok" / PACKAGES / "stage" / "digits" / "1"
+    Job.start(tmp_path / "ok", PACKAGES, ["mkdir", "-p", str(built)]).wait(timeout=30)
+    monkeypatch.setenv(background.SHARED, str(tmp_path / "ok"))
+    fallback = tmp_path / "fallback"
+    assert background.service_packages(fallback) == tmp_path / "ok" / PACKAGES / "stage"
+    assert not fallback.exists()
+    Job.start(tmp_path / "bad", PACKAGES, ["sh", "-c", "echo no corpus; exit 1"])
+    monkeypatch.setenv(background.SHARED, str(tmp_path / "bad"))
+    with pytest.raises(AssertionError, match="packages job ended with 1: no corpus"):
+        background.service_packages(fallback)
