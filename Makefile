@@ -36,14 +36,19 @@ tools: $(VENV)/.installed
 images: $(VENV)/.installed-serve
 	bash scripts/images.sh
 
-# The tests that time nothing a second process could disturb (the unit tests, and the
-# integration and system tests that train, build, fuzz or render, run a benchmark briefly
-# to check what it writes, not its numbers, or serve paced clients while a loop, a rollout
-# or a promotion runs, asserting what was answered, not how fast; their bounds are
-# minutes) run on two workers, the longest first (tests/conftest.py, FIRST). The Triton
-# compilation stays out: each worker would compile it. The rest run in one process after
-# them: the servers, load tests and images measure throughput, which a second process
-# beside them would disturb.
+# Three phases (docs/design.md, "CI's time"). BESIDE: the tests that time nothing a second
+# process could disturb (the unit tests, and the integration and system tests that train,
+# build, fuzz or render, run a benchmark briefly to check what it writes, not its numbers,
+# or serve paced clients while a loop, a rollout or a promotion runs, asserting what was
+# answered, not how fast; their bounds are minutes) run on two workers, the longest first
+# (tests/conftest.py, FIRST). Then the rest but ALONE, on two workers a file each (the
+# servers, sessions, Prometheus, browsers and images: they wait on each other more than
+# they compute; a file's fixtures, the Triton compilation among them, built once). ALONE,
+# last, in one process: what measures a latency, a throughput or a silent interval, which
+# a second process beside it would disturb.
+ALONE = tests/integration/test_slow_clients.py tests/integration/test_service_limits.py \
+	tests/integration/test_service_overload.py tests/integration/test_service_live.py \
+	tests/integration/test_service_sessions.py
 BESIDE = tests/unit tests/integration/test_distributed.py \
 	tests/integration/test_reproducibility.py tests/integration/test_openapi_fuzz.py \
 	tests/integration/test_fuzz.py tests/integration/test_retraining_lm.py \
@@ -57,7 +62,7 @@ BESIDE = tests/unit tests/integration/test_distributed.py \
 # scripts/test.sh: the long background jobs (the quickstart's trainings, the images) start
 # first, then the dev extra, the tools, the lint and the docs, then the two phases.
 test: $(VENV)/.installed-serve
-	bash scripts/test.sh $(VENV) "$(BESIDE)"
+	bash scripts/test.sh $(VENV) "$(BESIDE)" "$(ALONE)"
 
 # Day-to-day work: the lint and the unit tests (tests/unit/: no servers, no images, no
 # Debian tools) on every core, under two minutes on 2 cores. make test runs the whole suite.

@@ -2,15 +2,17 @@
 # make test, once the train and serve extras are installed: the long background jobs
 # first (the quickstart's trainings, the service tests' packages, then the images' build;
 # tests/background.py), so that they use the cores the installs and the lint leave idle;
-# then the dev extra, the tools, the lint and the docs, the first phase on two workers and the second in one
-# process (the Makefile's BESIDE), which adopts the jobs (ORTHORNN_BACKGROUND). The exit
-# trap ends whatever is still running.
+# then the dev extra, the tools, the lint and the docs, and the three phases of the
+# Makefile: BESIDE on two workers, the rest but ALONE on two workers a file each (which
+# adopts the jobs: ORTHORNN_BACKGROUND), ALONE in one process. The exit trap ends
+# whatever is still running.
 #
-#   bash scripts/test.sh VENV "BESIDE..."
+#   bash scripts/test.sh VENV "BESIDE..." "ALONE..."
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=$1
 beside=$2
+alone=$3
 py="$venv/bin/python"
 jobs=build/background
 export ORTHORNN_BACKGROUND=$PWD/$jobs
@@ -35,5 +37,10 @@ step "lint and docs done"
 # shellcheck disable=SC2086  # BESIDE is a list of paths
 "$py" -m pytest -q -n 2 --dist worksteal $beside
 step "first phase done"
-"$py" -m pytest -q $(for path in $beside; do printf -- '--ignore=%s ' "$path"; done)
+# shellcheck disable=SC2046  # the --ignore flags are words
+"$py" -m pytest -q -n 2 --dist loadfile \
+    $(for path in $beside $alone; do printf -- '--ignore=%s ' "$path"; done)
 step "second phase done"
+# shellcheck disable=SC2086  # ALONE is a list of paths
+"$py" -m pytest -q $alone
+step "third phase done"

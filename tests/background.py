@@ -138,6 +138,7 @@ class Quickstart:
     root: Path  # the quickstart's --dir
     other_run: Path  # the word model trained under OTHER_NUMERICS
     jobs: tuple[Job, Job]
+    owned: bool = True  # started by this session; adopted ones are make test's to stop
 
     def wait(self, timeout: float) -> tuple[subprocess.CompletedProcess, str]:
         """(the quickstart as a finished command, the other training's output); the
@@ -151,6 +152,8 @@ class Quickstart:
         return built, other_log
 
     def stop(self) -> None:
+        if not self.owned:  # (another worker of the phase may still read them)
+            return
         for job in self.jobs:
             job.stop()
         shutil.rmtree(self.work, ignore_errors=True)
@@ -183,11 +186,11 @@ def start_quickstart() -> None:
     adopted = [Job.adopt(Path(shared) / "quickstart", name) for name in QUICKSTART_JOBS] \
         if shared else [None, None]
     if adopted[0] is not None and adopted[1] is not None:
-        work, jobs = Path(shared) / "quickstart", (adopted[0], adopted[1])
+        work, jobs, owned = Path(shared) / "quickstart", (adopted[0], adopted[1]), False
     else:
         work = Path(tempfile.mkdtemp(prefix="orthornn-quickstart-"))
-        jobs = quickstart_jobs(work)
-    _quickstart = Quickstart(work, work / "qs", work / "other" / "words", jobs)
+        jobs, owned = quickstart_jobs(work), True
+    _quickstart = Quickstart(work, work / "qs", work / "other" / "words", jobs, owned)
 
 
 def quickstart() -> Quickstart:

@@ -39,6 +39,7 @@ TRAIN_IMAGE = f"orthornn-train:{VERSION}-cpu"
 #: the build's job name (tests/background.Job): its log is FOLDER/images.log
 BUILD = "images"
 _build: Job | None = None
+_owned = False  # started by this session (not adopted): stopped at its end
 
 
 @functools.cache
@@ -69,18 +70,19 @@ def build_job(folder: Path) -> Job:
 def start_build() -> None:
     """The images' build: make test's when it started one (``ORTHORNN_BACKGROUND``),
     else started now (once a session) in build/."""
-    global _build
+    global _build, _owned
     if _build is not None:
         return
     shared = os.environ.get(SHARED)
     _build = Job.adopt(Path(shared), BUILD) if shared else None
     if _build is None:
-        _build = build_job(ROOT / "build")
+        _build, _owned = build_job(ROOT / "build"), True
 
 
 def stop_build() -> None:
-    """End a build still running when the session ends (-x, Ctrl-C, a timeout)."""
-    if _build is not None:
+    """End a build this session started, still running when it ends (-x, Ctrl-C, a
+    timeout); an adopted one is its starter's (another worker may still wait for it)."""
+    if _build is not None and _owned:
         _build.stop()
 
 
