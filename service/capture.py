@@ -45,7 +45,14 @@ from typing import Any
 import numpy as np
 import orjson
 import pybase64
-from orthornn.export.artifacts.captures import OPEN, array, read_records  # noqa: F401 (re-exported)
+from orthornn.export.artifacts.captures import (  # noqa: F401 (re-exported)
+    OPEN,
+    REQUEST_ID_RULE,
+    array,
+    is_request_id,
+    read_records,
+)
+from orthornn.export.artifacts.repository import check_name
 from orthornn.export.artifacts.rollout.plan import bucket
 from orthornn.export.artifacts.scoring import log_softmax
 
@@ -59,8 +66,6 @@ from .registry.spec import ModelSpec
 log = logging.getLogger("orthornn.service")
 
 _DUMP = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
-_REPLICA = re.compile(r"[A-Za-z0-9._-]{1,128}")
-_PRINTABLE = bytes(range(0x21, 0x7F))  # what an X-Request-Id may hold
 
 
 def given_id(headers: Sequence[tuple[bytes, bytes]], oip_id: str | None = None
@@ -72,11 +77,10 @@ def given_id(headers: Sequence[tuple[bytes, bytes]], oip_id: str | None = None
     after another instead of each on a loop that runs the rest of the service between."""
     for key, value in headers:
         if key == b"x-request-id":
-            if not 0 < len(value) <= 128 or value.translate(None, _PRINTABLE):
-                raise ClientError("X-Request-Id: 1 to 128 printable ASCII characters, "
-                                  "no spaces")
+            if not is_request_id(value):
+                raise ClientError(f"X-Request-Id: {REQUEST_ID_RULE}")
             return value
-    return oip_id or None
+    return oip_id or None  # (checked by its codec: oip_json.to_inference)
 
 
 def request_id(given: bytes | str | None, share: float = 1.0) -> str | None:
@@ -95,10 +99,14 @@ def request_id(given: bytes | str | None, share: float = 1.0) -> str | None:
 
 
 def _check_replica(name: str) -> str:
-    """NAME, a replica's name in segment file names (ValueError naming the setting)."""
-    if not _REPLICA.fullmatch(name):
-        raise ValueError(f"capture_replica: {name!r} is not 1-128 of A-Z a-z 0-9 . _ -")
-    return name
+    """NAME, a replica's name in segment and lock file names, checked like a model's name
+    (no "..", no leading dot: ``--capture-replica ..`` named a folder; ValueError naming
+    the setting)."""
+    try:
+        return check_name(name)
+    except ValueError:
+        raise ValueError(f"capture_replica: {name!r} is not 1-128 of A-Z a-z 0-9 . _ -, "
+                         "starting with a letter or digit, without '..'") from None
 
 
 def sampled(request: bytes | str, share: float) -> bool:

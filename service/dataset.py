@@ -26,7 +26,13 @@ from typing import Any
 
 import numpy as np
 import orjson
-from orthornn.export.artifacts.captures import OPEN, array, first_labels, line_records
+from orthornn.export.artifacts.captures import (
+    OPEN,
+    array,
+    fingerprint,
+    first_labels,
+    line_records,
+)
 from orthornn.export.artifacts.package import Manifest, read_manifest, read_vocabulary
 from orthornn.export.artifacts.records import atomic_write
 from orthornn.export.artifacts.repository import check_name
@@ -48,6 +54,7 @@ class Summary:
     unlabelled: int = 0
     late: int = 0  # labels that came more than the window after their record
     duplicates: int = 0  # records of an id already read (a retry), and repeated labels
+    ambiguous: int = 0  # labelled ids captured for two requests with different inputs: left out
     torn: int = 0  # lines that are not a whole record (a killed writer's last)
     classes: dict[str, int] = field(default_factory=dict)  # class name -> sequences
     train: int = 0  # sequences in FILE
@@ -60,7 +67,8 @@ class Summary:
         per_class = ", ".join(f"{name}: {n}" for name, n in self.classes.items())
         return [f"records {self.records}, labelled {self.labelled}, unlabelled "
                 f"{self.unlabelled}, late labels {self.late}, duplicates {self.duplicates}"
-                + (f", torn lines {self.torn}" if self.torn else ""),
+                + (f", torn lines {self.torn}" if self.torn else "")
+                + (f", ambiguous ids {self.ambiguous} (left out)" if self.ambiguous else ""),
                 f"tokens {self.tokens}, not in the vocabulary {self.unmapped} (written as "
                 f"{UNK})" if self.task == "lm" else f"per class: {per_class or '-'}",
                 f"train {self.train} sequences, holdout {self.holdout}"]
@@ -159,15 +167,18 @@ def _join(root: Path, model: str, since: str | None, window_days: float, summary
           progress: bool) -> list[_Labelled]:
     """MODEL's captured records with a label in the window, each id once, counted."""
     labels, summary.duplicates = first_labels(root, model)
-    seen: set[str] = set()
+    seen: dict[str, bytes] = {}  # id -> its first record's fingerprint
+    ambiguous: set[str] = set()
     joined: list[_Labelled] = []
     for segment, record in _records(segments(root, model, since), root, summary, progress):
         summary.records += 1
         rid = record["id"]
-        if rid in seen:  # the same request captured twice (a retry): the first kept
-            summary.duplicates += 1
+        if rid in seen:  # the same request captured twice (a retry): the first kept;
+            summary.duplicates += 1  # another client's under the same id: neither
+            if rid not in ambiguous and fingerprint(record) != seen[rid]:
+                ambiguous.add(rid)
             continue
-        seen.add(rid)
+        seen[rid] = fingerprint(record)
         label = labels.get(rid)
         if label is None:
             summary.unlabelled += 1
@@ -180,6 +191,10 @@ def _join(root: Path, model: str, since: str | None, window_days: float, summary
         joined.append(_Labelled(rid, when, int(record["version"]), segment,
                                 [array(v) for v in record.get("inputs") or []],
                                 label["label"], record.get("outputs")))
+    if ambiguous:  # the data set never pairs one client's input with another's label
+        summary.ambiguous = sum(1 for j in joined if j.id in ambiguous)
+        summary.labelled -= summary.ambiguous
+        joined = [j for j in joined if j.id not in ambiguous]
     return joined
 
 

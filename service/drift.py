@@ -2,18 +2,25 @@
 tested against the reference its package recorded at export (``export.artifacts.drift``),
 off the request path.
 
-The request path only appends (the sequence, its output, its final state) to the version's
-window: no arithmetic. When the window holds ``drift_window`` sequences it is handed whole to one
-worker thread, which computes the summaries and the tests (a few milliseconds) and sets
+The request path adds each answered sequence's summary to the version's window: a fixed
+size a sequence whatever its length and vocabulary (its input's length, mean and variance
+or token counts, its prediction's class and entropy or its next tokens' log-likelihood, its
+final state's projection), so a window never holds a request's inputs or outputs (a
+language model's logits kept whole: 61 MiB a request, gigabytes a window). The summary
+is O(T d) of arithmetic (a language model's log-probabilities come from its batch, which
+computed them in the inference thread). When the window holds ``drift_window`` sequences
+it is handed to one worker thread, which computes the tests (a few milliseconds) and sets
 ``orthornn_drift_score{model,version,test}`` and ``orthornn_drift_detected{model,version}``.
 A version's windows are tested at most once per ``drift_interval_s``, and never two at
 once: a window that fills sooner, or while the worker still tests the previous one, is
 dropped (counted in ``Monitor.skipped``). The tests sample the traffic, so their cost is
 bounded whatever the request rate (a window's test is a few milliseconds of CPU).
 
-Counted: whole sequences the model graph answered from the start; a chunk that
-continues a state (states, sessions) and per-step answers are not (the reference holds
-whole sequences). Versions whose package has no reference measure nothing.
+Counted: whole sequences the model graph answered from the start, at most
+``drift.per_request`` of one request (a window spans at least ``drift.MIN_REQUESTS``
+requests, so that a few requests cannot fake drift); a chunk that continues a state
+(states, sessions) and per-step answers are not (the reference holds whole sequences).
+Versions whose package has no reference measure nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from orthornn.export.artifacts import drift
 from orthornn.export.artifacts.package import package_file
 
 from .metrics import Metrics
+from .registry.batching import LOG_PROBABILITIES
 from .registry.catalog import ModelVersion
 from .registry.runtime import Chunk
 
@@ -43,9 +51,10 @@ class Monitor:
     mv: ModelVersion
     reference: drift.Reference | None  # None: the package has none (drift off for it)
     window: int
-    #: (sequence, prediction output, final state) of this window: arrays only, which the
-    #: garbage collector does not track (whole rows, dicts with lists, made it work)
+    #: the summaries of this window's sequences (``drift.summarize``: arrays of a fixed
+    #: size a sequence), a dict per batch, and how many sequences they hold
     pending: list = field(default_factory=list)
+    count: int = 0
     busy: bool = False  # the worker is testing a window of this version
     tested_at: float = -math.inf  # when the latest window was handed to the worker
     windows: int = 0  # windows tested
@@ -91,23 +100,32 @@ class Drift:
         m = self.monitor(mv)
         if m.reference is None:
             return
-        pending, name = m.pending, mv.spec.output_name
-        for seq, row in zip(sequences, rows, strict=True):
-            if not isinstance(seq, Chunk):
-                pending.append((seq, row[name], row["state"]))
-        if len(pending) >= m.window:
-            m.pending = []
+        whole = [(seq, row) for seq, row in zip(sequences, rows, strict=True)
+                 if not isinstance(seq, Chunk)][:drift.per_request(m.window)]
+        if not whole:
+            return
+        lm = mv.spec.task == "lm"  # its rows carry the batch's log-probabilities
+        name = LOG_PROBABILITIES if lm else mv.spec.output_name
+        m.pending.append(m.reference.summarize(
+            [seq for seq, _ in whole], [row[name] for _, row in whole],
+            np.stack([row["state"] for _, row in whole]), log_probabilities=lm))
+        m.count += len(whole)
+        if m.count >= m.window:
+            pending, m.pending, m.count = m.pending, [], 0
             now = time.monotonic()
             if m.busy or now - m.tested_at < self.interval_s:
                 m.skipped += 1
                 return
             m.busy, m.tested_at = True, now
-            self.worker.submit(self._test, m, pending[: m.window])
+            window = {k: np.concatenate([p[k] for p in pending])[: m.window]
+                      for k in pending[0]}
+            self.worker.submit(self._test, m, window)
 
-    def _test(self, m: Monitor, window: list) -> None:
-        """In the worker thread: one window's summaries, tests and gauges."""
+    def _test(self, m: Monitor, window: dict[str, np.ndarray]) -> None:
+        """In the worker thread: one window's tests and gauges."""
         try:
-            scores = test_window(m.reference, window)
+            assert m.reference is not None
+            scores = m.reference.scores(window)
             detected = any(s >= 1 for s in scores.values())
             if self.metrics is not None:
                 version = str(m.mv.version)

@@ -29,6 +29,9 @@ import orjson
 from orthornn.export.artifacts.captures import (  # noqa: F401 (read_labels re-exported)
     LABELS,
     OPEN,
+    REQUEST_ID_RULE,
+    fingerprint,
+    is_request_id,
     label_files,
     label_lines,
     line_records,
@@ -49,7 +52,6 @@ MAX_TOKENS = 4_096  # next tokens in one language-model label (per sequence)
 #: bound; docs/capture.md, "Labels"); beyond it the oldest days' segments are forgotten (a
 #: label for them is then an unknown id)
 MAX_INDEXED_IDS = 1_000_000
-_ID = re.compile(r"[\x21-\x7e]{1,128}")  # capture's request id rule: printable ASCII
 # a record's first key is its id (capture writes it first): read without parsing the line
 _FIRST_ID = re.compile(rb'\{\s*"id"\s*:\s*("(?:[^"\\]|\\.){1,300}")')
 _READ = 8 << 20  # bytes of a segment read at once (a 64 MiB segment in eight reads)
@@ -118,6 +120,9 @@ class CaptureIndex:
         self._segments: dict[str, _Segment] = {}
         self._by_number: list[_Segment] = []
         self._ids: dict[str, int] = {}  # id -> segment number << 40 | offset
+        #: ids captured more than once (a retry, or another client's request under the
+        #: same id) -> where each of the later ones starts
+        self._twins: dict[str, list[int]] = {}
         self.labelled: set[str] = set()
         self._label_offsets: dict[Path, int] = {}
 
@@ -177,9 +182,11 @@ class CaptureIndex:
             start, base = segment.offset, segment.number << _SHIFT
             for line in data[:end - 1].split(b"\n"):
                 for rid in _line_ids(line):
-                    if rid not in self._ids:  # a retry's twin: the first
+                    if rid not in self._ids:
                         self._ids[rid] = base | start
                         segment.ids.append(rid)
+                    else:  # a retry's twin, or a squatted id: ``ambiguous`` tells
+                        self._twins.setdefault(rid, []).append(base | start)
                 start += len(line) + 1
             segment.offset += end
             if len(data) < size:
@@ -190,6 +197,7 @@ class CaptureIndex:
         for rid in segment.ids:
             if self._ids.get(rid, -1) >> _SHIFT == segment.number:
                 del self._ids[rid]
+                self._twins.pop(rid, None)
                 self.labelled.discard(rid)
         segment.ids = []
         segment.evicted = True
@@ -205,8 +213,21 @@ class CaptureIndex:
     def record(self, rid: str) -> dict | None:
         """The captured record of RID (None: not captured, or forgotten)."""
         place = self._ids.get(rid)
-        if place is None:
-            return None
+        return None if place is None else self._record_at(place, rid)
+
+    def ambiguous(self, rid: str) -> bool:
+        """Whether RID was captured for requests with different inputs (another client sent
+        the id too: labelling it would pair one client's input with another's label); a
+        retry, the same inputs captured twice, is not."""
+        twins = self._twins.get(rid)
+        if not twins:
+            return False
+        first = self.record(rid)
+        kept = {fingerprint(r) for r in [first, *(self._record_at(p, rid) for p in twins)]
+                if r is not None}
+        return len(kept) > 1
+
+    def _record_at(self, place: int, rid: str) -> dict | None:
         segment = self._by_number[place >> _SHIFT]
         offset = place & ((1 << _SHIFT) - 1)
         try:
@@ -444,9 +465,9 @@ class LabelStore:
                 raise LabelError(f"unknown field {extra[0]!r} (an item has id and label)",
                                  400, i)
             rid = item["id"]
-            if not isinstance(rid, str) or not _ID.fullmatch(rid):
-                raise LabelError("1 to 128 printable ASCII characters, no spaces (the "
-                                 "request's X-Request-Id)", 400, i, "id")
+            if not isinstance(rid, str) or not is_request_id(rid):
+                raise LabelError(f"{REQUEST_ID_RULE} (the request's X-Request-Id)", 400, i,
+                                 "id")
             if rid in seen:
                 raise LabelError(f"{rid!r} appears twice in the request (also at "
                                  f"[{seen[rid]}]): one label per id", 400, i, "id")
@@ -466,6 +487,11 @@ class LabelStore:
                 if rid in index.labelled:
                     raise LabelError(f"{rid!r} is already labelled (a label is given once)",
                                      409, i, "id")
+                if index.ambiguous(rid):
+                    raise LabelError(f"{rid!r} was captured for two requests with different "
+                                     f"inputs (another client sent this id); it cannot be "
+                                     f"labelled. Clients that do not send X-Request-Id get "
+                                     f"an id the server draws (docs/capture.md)", 409, i, "id")
                 try:
                     version = self._version(model, int(record["version"]))
                 except (ValueError, OSError) as error:

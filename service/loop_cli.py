@@ -126,7 +126,9 @@ def read_label_file(path: Path) -> tuple[list[dict], list[int]]:
     if path.stat().st_size > MAX_IMPORT_BYTES:
         raise ValueError(f"FILE: {str(path)!r} is larger than {MAX_IMPORT_BYTES >> 20} MiB; "
                          f"split it")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    # utf-8-sig: a byte-order mark (spreadsheets write one) is not part of the first id,
+    # and does not hide a JSON-lines file's first "{"
+    text = path.read_text(encoding="utf-8-sig", errors="replace")
     first = next((line for line in text.splitlines() if line.strip()), "")
     items, numbers = [], []
     if first.lstrip().startswith("{"):  # JSON lines
@@ -142,16 +144,25 @@ def read_label_file(path: Path) -> tuple[list[dict], list[int]]:
             items.append(value)
             numbers.append(n)
         return items, numbers
-    for n, row in enumerate(csv.reader(io.StringIO(text)), 1):
+    # strict: an unbalanced quote is an error at its line, not the rest of the file read
+    # as one field; the line numbers are the file's (a quoted field may hold newlines)
+    reader = csv.reader(io.StringIO(text), strict=True)
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return items, numbers
+        except csv.Error as error:  # e.g. a field over csv's limit of 128 KiB, a stray quote
+            raise ValueError(f"{path} line {reader.line_num}: not CSV ({error})") from None
+        n = reader.line_num
         if not row or not "".join(row).strip():
             continue
-        if n == 1 and [c.strip().lower() for c in row] == ["id", "label"]:
+        if not items and [c.strip().lower() for c in row] == ["id", "label"]:
             continue  # the header
         if len(row) != 2:
             raise ValueError(f"{path} line {n}: two columns id,label; got {len(row)}")
         items.append({"id": row[0].strip(), "label": _csv_label(row[1].strip())})
         numbers.append(n)
-    return items, numbers
 
 
 def run_import(args: argparse.Namespace) -> int:

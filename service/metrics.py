@@ -123,6 +123,10 @@ class Metrics:
             "orthornn_held_connections",
             "connections refused with 503 and then held (not read) until their Retry-After "
             "passed (hold_refused, eager listener)", registry=r)
+        self.evicted = Counter(
+            "orthornn_evicted_bodies",
+            "request bodies still being received after the grace period, evicted (503) "
+            "because they held the most of a full max_receiving_bytes budget", registry=r)
         self.slow_client_closes = Counter(
             "orthornn_slow_client_closes",
             "connections closed because a request's head (phase=head) or body (phase=body) "

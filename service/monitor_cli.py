@@ -117,7 +117,7 @@ def parse_window(value: str | None) -> int | None:
 
 
 def _sequences(records: list[dict], since: float | None) -> dict[int, list[tuple]]:
-    """Per version, (time, sequence) of every whole sequence in time order."""
+    """Per version, (time, its whole sequences) of every request in time order."""
     out: dict[int, list[tuple]] = {}
     for r in sorted(records, key=lambda r: r.get("time", 0)):
         if r.get("session") is not None or (since is not None and r.get("time", 0) < since):
@@ -127,7 +127,7 @@ def _sequences(records: list[dict], since: float | None) -> dict[int, list[tuple
             seqs = [array(v) for v in r["inputs"]]
         except (KeyError, TypeError, ValueError):
             continue  # not a record this reads
-        out.setdefault(version, []).extend((float(r["time"]), s) for s in seqs)
+        out.setdefault(version, []).append((float(r["time"]), seqs))
     return out
 
 
@@ -137,14 +137,15 @@ def monitor(records: list[dict], repo: Path, name: str, since: float | None = No
     notes (versions left out, and why)."""
     notes: list[str] = []
     windows: list[Window] = []
-    for version, items in sorted(_sequences(records, since).items()):
+    for version, requests in sorted(_sequences(records, since).items()):
         path = repo / name / str(version)
         try:
             manifest = read_manifest(path)
             check_hashes(path, manifest)
             if manifest.reference is None:
                 notes.append(f"version {version}: its package has no drift reference "
-                             f"(exported before it); {len(items)} sequences not tested")
+                             f"(exported before it); {sum(len(q) for _, q in requests)} "
+                             f"sequences not tested")
                 continue
             reference = drift.read(package_file(path, "reference", manifest.reference))
             sess = session(path / manifest.graphs["model"])
@@ -152,6 +153,9 @@ def monitor(records: list[dict], repo: Path, name: str, since: float | None = No
             notes.append(f"version {version}: not tested: {error}")
             continue
         size = window or reference.window
+        # as the service counts them: at most per_request(size) sequences of one request
+        cap = drift.per_request(size)
+        items = [(t, s) for t, seqs in requests for s in seqs[:cap]]
         full = len(items) // size
         if full == 0:
             notes.append(f"version {version}: {len(items)} sequences, no full window of "

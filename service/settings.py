@@ -234,6 +234,13 @@ class Settings(BaseSettings):
         description="request body bytes being received at once over all connections "
                     "(a request takes an in-flight slot only once its body is in); beyond "
                     "it 503 with Retry-After (at least max_body_bytes is allowed)")
+    min_body_rate: float = Field(
+        240.0, ge=0, le=1 << 30,
+        description="a request body still being received 5 s after its first byte must "
+                    "have come at this many bytes a second on average, else 408 and the "
+                    "connection is closed (Kestrel's MinRequestBodyDataRate; 0: no minimum). "
+                    "Past those 5 s, when max_receiving_bytes is full, the bodies holding "
+                    "the most of it are evicted (503) before a new request is refused")
     max_lm_output_bytes: int = Field(
         64 * 1024 * 1024, ge=0, le=1 << 40,
         description="budget of a request's per-step outputs (language models: B x T x "

@@ -9,6 +9,7 @@ retrain-trigger), which run in the training image: numpy and orjson only, no ser
 from __future__ import annotations
 
 import base64
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,33 @@ from .scoring import softmax
 
 OPEN = ".open"  # the suffix of the segment a replica is writing
 LABELS = "labels"  # DIR/<model>/labels/: beside the version folders
+
+#: a request's id (its X-Request-Id, the OIP request's ``id``, a label's ``id``): what an
+#: answer header, a JSON line and a log line hold as they are
+REQUEST_ID_RULE = "1 to 128 printable ASCII characters, no spaces"
+_PRINTABLE = bytes(range(0x21, 0x7F))
+
+
+def fingerprint(record: dict[str, Any]) -> bytes:
+    """What identifies a captured request's inputs (a digest of each input's dtype, shape
+    and bytes): a retry, captured twice under its id, has one; two clients' requests under
+    one id (a squatted id) have two, and then the id is labelled by neither (docs/capture.md,
+    "Whose id")."""
+    digest = hashlib.blake2b(digest_size=16)
+    for value in record.get("inputs") or []:
+        a = np.ascontiguousarray(array(value))
+        digest.update(f"{a.dtype.str}{a.shape};".encode())
+        digest.update(a.tobytes())
+    return digest.digest()
+
+
+def is_request_id(value: bytes | str) -> bool:
+    """Whether VALUE keeps REQUEST_ID_RULE."""
+    if isinstance(value, str):
+        if not value.isascii():
+            return False
+        value = value.encode("ascii")
+    return 0 < len(value) <= 128 and not value.translate(None, _PRINTABLE)
 
 
 def array(value: dict[str, Any] | np.ndarray) -> np.ndarray:

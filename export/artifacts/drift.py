@@ -43,6 +43,17 @@ MMD_ROUNDS = 200  # of them, those the MMD's null is measured on (its tail: a ga
 SEED = 43  # the projection and the calibration's draws
 PROJECTION = 8  # dimensions of the projected final state
 TOKEN_BINS = 31  # token inputs: the most frequent tokens counted one by one, + "other"
+#: a window holds the sequences of at least this many requests: one request gives at most
+#: ``per_request(window)`` of its sequences (two requests of 200 out-of-distribution
+#: sequences each made a window drift and the retraining trigger fire)
+MIN_REQUESTS = 10
+
+
+def per_request(window: int) -> int:
+    """The most sequences one request adds to a window of WINDOW sequences."""
+    return max(1, window // MIN_REQUESTS)
+
+
 MAX_REFERENCE = 2000  # reference sequences kept (a seeded subsample beyond)
 MAX_KERNEL = 600  # reference states the MMD compares with (a seeded subsample beyond)
 MIN_REFERENCE = 40  # fewer validation sequences: no reference (drift off)
@@ -74,11 +85,15 @@ def input_columns(feature_size: int) -> list[str]:
 
 def summarize(task: str, sequences: list[np.ndarray], outputs: list[np.ndarray],
               states: np.ndarray, projection: np.ndarray,
-              token_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+              token_ids: np.ndarray | None = None,
+              log_probabilities: bool = False) -> dict[str, np.ndarray]:
     """The per-sequence summaries of N answered sequences: SEQUENCES (float [T, d] or token
     ids [T], as the model saw them), OUTPUTS (the graph's prediction per sequence: logits
     [C], lm logits [T, V], ...), STATES [N, S] (the graph's final ``state``). TOKEN_IDS:
-    the reference's counted tokens (token inputs)."""
+    the reference's counted tokens (token inputs). LOG_PROBABILITIES: a language model's
+    OUTPUTS are log-probabilities already (the service's batch computed them), so only the
+    next tokens' are read. Each sequence's summary has a fixed size, whatever its length
+    and vocabulary."""
     n = len(sequences)
     lengths = np.array([len(s) for s in sequences], dtype=np.int64)
     out: dict[str, np.ndarray] = {}
@@ -109,7 +124,9 @@ def summarize(task: str, sequences: list[np.ndarray], outputs: list[np.ndarray],
         for i, (seq, logits) in enumerate(zip(sequences, outputs, strict=True)):
             tokens = np.asarray(seq, dtype=np.int64).reshape(-1)
             if len(tokens) > 1:  # position t predicts token t + 1
-                logp = log_softmax(np.asarray(logits)[: len(tokens) - 1])
+                logp = np.asarray(logits)[: len(tokens) - 1]
+                if not log_probabilities:
+                    logp = log_softmax(logp)
                 nll[i] = -logp[np.arange(len(tokens) - 1), tokens[1:]].mean()
         out["nll"] = nll
     out["projected"] = np.asarray(states, dtype=np.float64).reshape(n, -1) @ projection
@@ -409,8 +426,10 @@ class Reference:
         return out
 
     def summarize(self, sequences: list[np.ndarray], outputs: list[np.ndarray],
-                  states: np.ndarray) -> dict[str, np.ndarray]:
-        return summarize(self.task, sequences, outputs, states, self.projection, self.token_ids)
+                  states: np.ndarray, log_probabilities: bool = False
+                  ) -> dict[str, np.ndarray]:
+        return summarize(self.task, sequences, outputs, states, self.projection, self.token_ids,
+                         log_probabilities)
 
     def statistics(self, window: dict[str, np.ndarray]) -> dict[str, float]:
         """Each test's statistic of one window: -log10(p), or MMD^2 for ``state``."""

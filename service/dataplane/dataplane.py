@@ -372,7 +372,10 @@ class DataPlane:
         if unknown:
             raise ClientError(f"outputs: unknown output {unknown[0]!r}; the model has {names}")
         datatypes = {o.name: o.datatype for o in mv.spec.io["model"].outputs}
-        rows = await mv.infer(seqs, tag=tag)
+        # a language model's drift summary reads the batch's log-probabilities (computed
+        # in the inference thread, not on the event loop)
+        rows = await mv.infer(seqs, tag=tag,
+                              probabilities=self.drift is not None and mv.spec.task == "lm")
         if self.drift is not None:
             self.drift.observe(mv, seqs, rows)
         tensors = outputs_to_tensors(rows, names, steps, runtime.per_step["model"])

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError
+from pydantic_core import PydanticCustomError
 
 from ..errors import ClientError
 
@@ -46,6 +47,27 @@ Number = Annotated[float, Strict()]  # JSON numbers only: no strings, no boolean
 Step = Number | list[Number]
 Version = Annotated[int, Strict(), Field(ge=1, le=2**62)] | Annotated[
     str, Field(pattern=r"^[1-9][0-9]{0,17}$")]
+
+
+#: the most keys of a request's ``parameters`` object (the request's, an input's or an
+#: output's): with OIP's own rule for their values (a string, a number or a boolean) and
+#: the bounds below, a request's free-form objects are small before they are decoded
+#: (1,000,000 keys held the event loop for 1.5 s)
+MAX_PARAMETERS = 64
+MAX_PARAMETER_CHARS = 4096  # a string value's length (a key's: 128)
+
+
+def _parameter_value(value: Any) -> Any:
+    if isinstance(value, bool | int | float) or (isinstance(value, str)
+                                                  and len(value) <= MAX_PARAMETER_CHARS):
+        return value
+    raise PydanticCustomError("parameter", f"a string (at most {MAX_PARAMETER_CHARS} "
+                                           "characters), a number or a boolean")
+
+
+ParameterValue = Annotated[Any, AfterValidator(_parameter_value)]
+Parameters = Annotated[dict[Annotated[str, Field(max_length=128)], ParameterValue],
+                       Field(max_length=MAX_PARAMETERS)]
 
 
 class _Model(BaseModel):
@@ -196,14 +218,14 @@ class RequestInput(_Model):
     name: str = Field(min_length=1, max_length=256)
     shape: list[Annotated[int, Strict(), Field(ge=0, le=2**40)]] = Field(max_length=16)
     datatype: str = Field(min_length=1, max_length=16)
-    parameters: dict[str, Any] | None = None
+    parameters: Parameters | None = None
     data: list[Any] | None = Field(None, description="row-major, flat or nested; absent when "
                                                      "the binary extension carries it")
 
 
 class RequestOutput(_Model):
     name: str = Field(min_length=1, max_length=256)
-    parameters: dict[str, Any] | None = None
+    parameters: Parameters | None = None
 
 
 class InferenceRequest(_Model):
@@ -212,7 +234,7 @@ class InferenceRequest(_Model):
     # body names one too, the two must agree
     model_name: str | None = Field(None, max_length=256)
     model_version: str | None = Field(None, max_length=64)
-    parameters: dict[str, Any] | None = None
+    parameters: Parameters | None = None
     inputs: list[RequestInput] = Field(min_length=1, max_length=64)
     outputs: list[RequestOutput] | None = Field(None, max_length=64)
 

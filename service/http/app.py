@@ -87,7 +87,8 @@ def create_app(settings: Settings, providers: ProviderChoice | None = None) -> F
                        max_body=settings.max_body_bytes,
                        max_inflight=settings.max_inflight_requests,
                        max_receiving=settings.max_receiving_bytes,
-                       draining=lambda: app.state.draining)
+                       draining=lambda: app.state.draining,
+                       min_body_rate=settings.min_body_rate)
 
     async def _error(request: Request, exc: Exception) -> Response:
         return error_response(exc, f"{request.method} {request.url.path}")

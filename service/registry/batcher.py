@@ -33,17 +33,29 @@ class _Item:
     tag: Any = None  # capture samples it: its part in the batch's record (the recorder's)
 
 
-def groups(lengths: list[int], max_batch_size: int) -> list[list[int]]:
+def groups(lengths: list[int], max_batch_size: int, step_bytes: int = 0,
+           max_output_bytes: int = 0) -> list[list[int]]:
     """Indices grouped for padded runs: by length (longest first), at most max_batch_size
-    per group, the longest sequence of a group at most twice its shortest."""
+    per group, the longest sequence of a group at most twice its shortest, and (with
+    STEP_BYTES, the per-step outputs a sequence's step makes) a group's padded outputs
+    (B x T x STEP_BYTES) within MAX_OUTPUT_BYTES (one sequence always: its request was
+    checked against the same budget)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     out: list[list[int]] = []
     for i in order:
-        if out and len(out[-1]) < max_batch_size and lengths[out[-1][0]] <= 2 * lengths[i]:
+        if out and len(out[-1]) < max_batch_size and lengths[out[-1][0]] <= 2 * lengths[i] \
+                and not (max_output_bytes and (len(out[-1]) + 1) * lengths[out[-1][0]]
+                         * step_bytes > max_output_bytes):
             out[-1].append(i)
         else:
             out.append([i])
     return out
+
+
+def output_bytes(sequences: list[np.ndarray], step_bytes: int) -> int:
+    """The per-step outputs SEQUENCES make, padded to their longest (as their request's
+    budget check counts them)."""
+    return len(sequences) * max(len(s) for s in sequences) * step_bytes if step_bytes else 0
 
 
 class Batcher:
@@ -54,8 +66,11 @@ class Batcher:
                  prepare: Callable[[list[dict]], None] | None = None,
                  tracer: Tracer | None = None,
                  record: Callable[[list[tuple[Any, list, list[dict], float]]], None] | None
-                 = None):
+                 = None, step_bytes: int = 0, max_output_bytes: int = 0):
         self.run = run
+        # a batch's per-step outputs are bounded like a request's (max_lm_output_bytes):
+        # requests within it one by one were batched into gigabytes (16 of 61 MiB: +3.9 GiB)
+        self.step_bytes, self.max_output_bytes = step_bytes, max_output_bytes
         # capture on: the batch's tagged requests (tag, sequences, rows, compute seconds),
         # written in the inference thread before their answers go back
         self.record = record
@@ -232,15 +247,20 @@ class Batcher:
 
     def _take(self) -> list[_Item]:
         """(Under the lock.) The next batch: queued requests, at most max_batch_size
-        sequences (the first request whatever its size)."""
+        sequences and max_output_bytes of per-step outputs (the first request whatever its
+        size)."""
         queue = self._queue
         items: list[_Item] = []
-        count = 0
-        while queue and (not items or (self.enabled and count + len(queue[0].sequences)
-                                       <= self.max_batch_size)):
+        count = size = 0
+        budget, step = self.max_output_bytes, self.step_bytes
+        while queue and (not items or (
+                self.enabled and count + len(queue[0].sequences) <= self.max_batch_size
+                and not (budget and size + output_bytes(queue[0].sequences, step) > budget))):
             item = queue.popleft()
             items.append(item)
             count += len(item.sequences)
+            if budget:
+                size += output_bytes(item.sequences, step)
         self.pending -= count
         return items
 
@@ -258,7 +278,8 @@ class Batcher:
         seqs = [items[k].sequences[j] for k, j in flat]
         rows: list[dict | None] = [None] * len(seqs)
         failed: dict[int, BaseException] = {}
-        for group in groups([len(s) for s in seqs], self.max_batch_size):
+        for group in groups([len(s) for s in seqs], self.max_batch_size, self.step_bytes,
+                            self.max_output_bytes):
             start = time.perf_counter()
             try:
                 out = self.run([seqs[i] for i in group])

@@ -78,7 +78,10 @@ class Batching:
                         tracer=self.tracer,
                         record=None if self.capture is None else self.capture.recorder(
                             spec, mv.name, mv.version, graph,
-                            spec.output_name in runtime.per_step[graph]))
+                            spec.output_name in runtime.per_step[graph]),
+                        # the per-step outputs of a sequence's step, when the graph has any
+                        step_bytes=4 * spec.output_size if runtime.per_step[graph] else 0,
+                        max_output_bytes=s.max_lm_output_bytes)
             b.holders = mv.on_the_way  # a batch waits only for requests on their way
             return b
         mv.batcher = batcher("model", prepare=True)

@@ -1,8 +1,8 @@
 """onnxruntime side of the service: the inference sessions of a model package (one
 onnxruntime ``InferenceSession`` per graph) and running its graphs on padded batches (their
 execution providers: ``service.registry.devices``). Torch-free; the inference sessions come
-from ``export.package.session_from_bytes`` so the service and the export verify the same
-way."""
+from ``export.package.session`` so the service and the export verify the same way (a
+graph's own bytes, no external data)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from orthornn.export.artifacts.package import (
     INITIAL_STATE,
     Manifest,
     PackageError,
-    session_from_bytes,
+    session,
 )
 
 from .spec import ModelSpec
@@ -41,8 +41,10 @@ class Runtime:
         self.inference_sessions = {}
         for graph, filename in manifest.graphs.items():
             try:
-                self.inference_sessions[graph] = session_from_bytes(
-                    str(package / filename), providers, threads)
+                self.inference_sessions[graph] = session(package / filename, providers,
+                                                         threads)
+            except PackageError:
+                raise
             except Exception as error:  # onnxruntime refuses the file
                 raise PackageError(f"onnxruntime cannot load {filename!r}: {error}") from None
         if "model" not in self.inference_sessions:

@@ -187,7 +187,8 @@ def head_bounded(protocol_class: type, limit: int) -> type:
     client reads the answer instead of a reset). Without it httptools and uvicorn grow the
     head by concatenation, so that a 64 MiB header held the event loop for seconds. A head
     and body that arrive in one read are split at the limit, so a small head with a large
-    body costs one slice. h11's protocol has its own bound (``h11_max_incomplete_event_size``,
+    body costs one slice. A chunked body's trailers get a limit of their own, the same, and
+    are dropped. h11's protocol has its own bound (``h11_max_incomplete_event_size``,
     400): it is returned as it is, as is a class already bounded."""
     if not callable(getattr(protocol_class, "on_headers_complete", None)) \
             or getattr(protocol_class, "max_head", None):
@@ -224,15 +225,32 @@ def head_bounded(protocol_class: type, limit: int) -> type:
             self._in_body, self._head_left = True, limit
             super().on_headers_complete()
 
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if not self._in_body:
+                return super().on_header(name, value)
+            # a chunked body's trailer field: bounded like a head (LIMIT bytes for a
+            # message's trailers), and dropped (RFC 9110 6.5.1): httptools hands it over as
+            # a header, which uvicorn appended to the request's headers, so that the app,
+            # which reads a body before routing it, saw a trailer as a header (16 MiB of
+            # them: 225 MiB of memory, answered 200)
+            self._head_left -= len(name) + len(value) + 4  # ": " and CRLF
+            if self._head_left < 0 and not self.head_refused:
+                self._refuse_head()
+
         def on_message_complete(self) -> None:
             self._in_body, self._head_left = False, limit
             super().on_message_complete()
 
         def _refuse_head(self) -> None:
             self.head_refused = True
-            log.debug("a request head over max_header_bytes (%d): 431", limit)
+            log.debug("a request head or trailer over max_header_bytes (%d): 431", limit)
             cycle = self.cycle
             if cycle is None or cycle.response_complete:  # no answer being sent
+                self.transport.write(answer)
+            elif self._in_body and not cycle.response_started:  # its trailers: the request
+                # is ended for the app as if the client had gone, and answered here
+                cycle.disconnected = True
+                cycle.message_event.set()
                 self.transport.write(answer)
             self.flow.resume_reading()
             self._linger = self.loop.call_later(LINGER_S, self.transport.close)

@@ -25,9 +25,14 @@ MAX_ID_LENGTH = 128
 #: the longest secret a client may present (a longer one is refused before it is hashed)
 MAX_SECRET_LENGTH = 128
 #: a secret a client chooses for its start: 22 to 128 characters of base64, base64url or
-#: hex (22 base64 characters carry 128 bits; draw them at random, e.g. ``openssl rand -hex
-#: 16`` or ``secrets.token_urlsafe(24)``)
+#: hex that can carry 128 bits (22 base64 characters, 32 hex digits; draw them at random,
+#: e.g. ``openssl rand -hex 16`` or ``secrets.token_urlsafe(24)``)
 CHOSEN = re.compile(r"[A-Za-z0-9._~+/=-]{22,128}")
+_HEX = re.compile(r"[0-9a-fA-F]+")
+#: the fewest different characters a chosen secret holds: a random one has fewer with a
+#: chance below 1e-12 (22 base64 characters: 3e-13 under 8; 32 hex digits: 3e-13 under 6),
+#: while "aaaa...", "0000..." or "...." (guessed at once) have one
+MIN_DISTINCT = 6
 
 
 def check_id(sid: str, field: str) -> None:
@@ -49,11 +54,15 @@ def new_secret() -> str:
 
 
 def chosen(secret: str, field: str) -> str:
-    """SECRET, a client's choice for its start, when it has the form of one (else 400)."""
-    if not CHOSEN.fullmatch(secret):
+    """SECRET, a client's choice for its start, when it can hold 128 random bits (else
+    400): its form, its length for its alphabet (hex carries 4 bits a character, base64 6)
+    and at least MIN_DISTINCT different characters."""
+    bits = len(secret) * (4 if _HEX.fullmatch(secret) else 6)
+    if not CHOSEN.fullmatch(secret) or bits < 128 or len(set(secret)) < MIN_DISTINCT:
         raise ClientError(f"{field}: a secret chosen for a start must be 22 to 128 "
-                          f"characters of base64 or hex (at least 128 random bits); or leave "
-                          f"it out and the answer gives one")
+                          f"characters of base64 (32 of hex), drawn at random (at least 128 "
+                          f"random bits: {MIN_DISTINCT} or more different characters); or "
+                          f"leave it out and the answer gives one")
     return secret
 
 

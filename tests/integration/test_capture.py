@@ -186,3 +186,53 @@ def test_a_killed_replica_loses_no_record_of_an_answered_request(repo, tmp_path)
     assert torn == 0  # cut at the restart
     assert len(ids) == len(set(ids))  # each once
     assert set(answered) <= set(ids), len(set(answered) - set(ids))
+
+
+def test_a_squatted_id_pairs_no_clients_input_with_anothers_label(repo, tmp_path):
+    """Issue 59, finding 6, replayed on a real server: a client that sends X-Request-Id
+    order-40 with its own input before the real client does had its input captured under
+    that id, and the label for order-40 then trained on the attacker's input (a squat with
+    2 sequences made the real label fail with 422). Now an id captured for requests with
+    different inputs is ambiguous: its label is refused (409, saying why), the data set
+    leaves it out, and a retry (the same inputs again) is still labelled once."""
+    from orthornn.service.labels import read_labels
+
+    from ..helpers import orthornn_here
+    from ..service_helpers import LiveServer
+
+    captured = tmp_path / "cap"
+    token = {"Authorization": "Bearer the-labels-token-of-this-test"}
+    mine, theirs = [[0.1], [0.5], [0.9]], [[0.9], [0.9], [0.9]]
+    with LiveServer(repo=repo, capture=captured, capture_replica="r0",
+                    labels_token="the-labels-token-of-this-test") as live, \
+            httpx.Client(base_url=live.url, timeout=30) as client:
+        def predict(rid: str, inputs: list) -> None:
+            r = client.post("/predict", json={"model": "digits", "inputs": inputs},
+                            headers={"X-Request-Id": rid})
+            assert r.status_code == 200 and r.headers["x-request-id"] == rid, r.text
+
+        predict("order-40", [theirs, theirs])  # the squat: first, two sequences
+        predict("order-40", [mine])  # the real request
+        predict("order-41", [mine])
+        predict("order-41", [mine])  # a retry of it: the same input
+        r = client.post("/v2/models/digits/labels", headers=token,
+                        json=[{"id": "order-40", "label": 3}])
+        assert r.status_code == 409, r.text
+        assert "captured for two requests with different inputs" in r.json()["error"]
+        for i in range(12):  # enough labelled records for a data set
+            predict(f"other-{i}", [[[0.05 * i], [0.5], [0.9]]])
+        r = client.post("/v2/models/digits/labels", headers=token,
+                        json=[{"id": "order-41", "label": 4},
+                              *({"id": f"other-{i}", "label": i % 10} for i in range(12))])
+        assert r.status_code == 200 and r.json()["accepted"] == 13, r.text
+    assert "order-40" not in {v["id"] for v in read_labels(captured, "digits")}
+    # a label written for it anyway (imported before the squat, say): still left out
+    folder = captured / "digits" / "labels" / "2030-01-01"
+    folder.mkdir(parents=True)
+    (folder / "import-1.jsonl").write_text('{"id": "order-40", "label": 3, "time": 0}\n')
+    r = orthornn_here("capture", "dataset", "--capture", captured, "--name", "digits",
+                      "--out", tmp_path / "set.npz", "--holdout-share", "0", "--no-progress",
+                      code=0)
+    assert "labelled 13" in r.stdout and "ambiguous ids 1 (left out)" in r.stdout, r.stdout
+    with np.load(tmp_path / "set.npz") as data:
+        assert "order-40" not in set(data["ids"].tolist()) and len(data["ids"]) == 13

@@ -130,6 +130,39 @@ def test_heads_within_the_limit_are_served_and_one_past_it_is_refused(tmp_path, 
         assert httpx.get(live.url + "/v2/health/live").status_code == 200
 
 
+def chunked(path: str, body: bytes, trailers: bytes) -> bytes:
+    """A POST of BODY in one chunk, then the last chunk and TRAILERS (CRLF-ended lines)."""
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Transfer-Encoding: chunked\r\n\r\n{len(body):x}\r\n").encode() + body + \
+        b"\r\n0\r\n" + trailers + b"\r\n"
+
+
+@pytest.mark.parametrize("listener", ["eager", "uvicorn"])
+def test_trailers_are_bounded_like_heads_and_never_read_as_headers(tmp_path, listener):
+    """Issue 59, finding 4, replayed: 16 MiB of trailer lines after the last chunk were
+    parsed into the request's headers (memory +225 MiB, answered 200), and a trailer was
+    read as a header, so that an Authorization sent after the body passed the token check.
+    Now trailers are dropped, and past max_header_bytes the request gets 431."""
+    limit = 4096
+    with LiveServer(repo=tmp_path, listener=listener, max_header_bytes=limit,
+                    admin_token="the-admin-token-of-this-test") as live:
+        c = RawConnection(live.settings.port)
+        c.send(chunked("/v2/repository/index", b"{}",
+                       b"Authorization: Bearer the-admin-token-of-this-test\r\n"))
+        status, _, answer = c.answer()
+        assert status == 401, answer  # the trailer is no header: the token was not sent
+        c.send(chunked("/v2/repository/index", b"{}", b""))  # the connection goes on
+        assert c.answer()[0] == 401
+        c.trickle(chunked("/predict", BODY, b"X-Fill: a\r\n" * (limit // 8)), pieces=8,
+                  seconds=0.2)
+        status, headers, answer = c.answer()
+        assert status == 431 and headers["connection"] == "close", answer
+        assert f"limit of {limit} bytes" in json.loads(answer)["error"]
+        assert c.closed(5)
+        c.close()
+        assert httpx.get(live.url + "/v2/health/live").status_code == 200
+
+
 def test_the_h11_protocol_bounds_heads_itself(tmp_path):
     with LiveServer({"http": "h11"}, repo=tmp_path, max_header_bytes=4096) as live:
         c = RawConnection(live.settings.port)
@@ -146,6 +179,75 @@ def test_the_h11_protocol_bounds_heads_itself(tmp_path):
 
 
 # -- slow bodies -----------------------------------------------------------------------------
+
+def test_bodies_holding_the_shared_budget_are_evicted_before_others_are_refused(
+        repo, monkeypatch):
+    """Issue 59, finding 1, replayed at a small scale: connections that send most of a
+    large body and then trickle held all of max_receiving_bytes, and every other request
+    got 503 while they lasted (40 of 40 over 20 s). Now, past the grace period, the
+    largest holder is evicted (503 with Retry-After, its connection closed) for each
+    request that does not fit, so every other request is answered 200; within the grace
+    period (a fast upload) nothing is evicted."""
+    from orthornn.service.http.admission import Admission
+
+    monkeypatch.setattr(Admission, "GRACE_S", 1.0)
+    budget, held = 256 * 1024, 60 * 1024
+    with LiveServer(repo=repo, max_body_bytes=128 * 1024, max_receiving_bytes=budget,
+                    min_body_rate=0) as live:
+        port = live.settings.port
+        holders = [RawConnection(port) for _ in range(4)]  # 240 KiB of the 256 held
+        for c in holders:
+            c.send(post(b"{" + b" " * held, length=2 * held))
+        time.sleep(0.3)
+        big = json.dumps({"model": "digits", "inputs": [[[0.5]] * 64] * 50}).encode()
+        assert 16 * 1024 < len(big) < 128 * 1024
+        with httpx.Client(base_url=live.url, timeout=30) as client:
+            r = client.post("/predict", content=big, headers={"content-type": "application/json"})
+            assert r.status_code == 503 and "being received" in r.json()["error"], r.text
+            time.sleep(1.2)  # past the grace period: the holders may be evicted now
+            answers = [client.post("/predict", content=big,
+                                   headers={"content-type": "application/json"}).status_code
+                       for _ in range(6)]
+        assert answers == [200] * 6, answers
+        evicted = 0
+        for c in holders:
+            try:
+                status, headers, body = c.answer(5)
+            except TimeoutError:
+                continue  # not needed: still receiving
+            assert status == 503 and headers["retry-after"] == "1", body
+            assert headers["connection"] == "close" and b"held the most" in body
+            assert c.closed(5)
+            evicted += 1
+        assert evicted >= 1
+        for c in holders:
+            c.close()
+        metrics = httpx.get(live.url + "/metrics").text
+        assert f"orthornn_evicted_bodies_total {float(evicted)}" in metrics
+
+
+def test_a_body_slower_than_the_minimum_rate_is_cut_after_the_grace_period(
+        repo, monkeypatch):
+    """Kestrel's MinRequestBodyDataRate: past the grace period a body must have come at
+    min_body_rate bytes a second on average; a trickle gets 408 and the connection is
+    closed, a body at the rate is served."""
+    from orthornn.service.http.admission import Admission
+
+    monkeypatch.setattr(Admission, "GRACE_S", 0.5)
+    with LiveServer(repo=repo, min_body_rate=1000) as live:
+        slow = RawConnection(live.settings.port)
+        slow.send(post(b"{", length=1000))  # a head and a byte, then one more past the grace
+        time.sleep(0.8)
+        slow.send(b" ")
+        status, _, body = slow.answer(5)
+        assert status == 408 and "min_body_rate" in json.loads(body)["error"], body
+        assert slow.closed(5)
+        slow.close()
+        fast = RawConnection(live.settings.port)
+        fast.trickle(post(BODY), pieces=4, seconds=0.3)  # slow, but within the grace period
+        assert fast.answer(5)[0] == 200
+        fast.close()
+
 
 def test_slow_bodies_hold_no_slot_and_others_are_served_promptly(repo):
     """N >= max_inflight_requests connections each send a head and part of the body, then

@@ -11,12 +11,13 @@ from typing import Any
 
 import numpy as np
 import simdjson
+from orthornn.export.artifacts.captures import REQUEST_ID_RULE, is_request_id
 from orthornn.export.artifacts.numbers import is_integer
 from orthornn.export.artifacts.package import DATATYPES
 from pydantic import ValidationError
 
 from ...dataplane.messages import Inference, InferenceResult, InputTensor, Sequence
-from ...dataplane.schemas import InferenceRequest, RequestInput, parse
+from ...dataplane.schemas import MAX_PARAMETERS, InferenceRequest, RequestInput, parse
 from ...errors import ClientError
 from ...sessions.owners import MAX_ID_LENGTH
 from .simd import NUMBER_ERRORS, parse_object
@@ -47,6 +48,10 @@ def to_inference(req: InferenceRequest, arrays: Arrays, binaries: dict[str, byte
                                  ("model_version", req.model_version, version)):
         if value is not None and in_url is not None and value != in_url:
             raise ClientError(f"{field}: the body names {value!r}, the URL {in_url!r}")
+    # the id is echoed in the answer (and, captured, in X-Request-Id and the records): a
+    # header cannot hold every string (a "\u20ac" was a 500, a "\\n" a dropped connection)
+    if req.id is not None and not is_request_id(req.id):
+        raise ClientError(f"id: {REQUEST_ID_RULE}")
     read = arrays or [None] * len(req.inputs)
     parameters = req.parameters or {}
     secret = parameters.get("session_secret")
@@ -197,6 +202,21 @@ def _python(value: Any) -> Any:
     return value
 
 
+def _count_parameters(doc: Any) -> None:
+    """ClientError for a ``parameters`` object (the request's, an input's, an output's) of
+    more than MAX_PARAMETERS keys: counted on simdjson's document, before any of it becomes
+    a Python object here or in pydantic (the body goes there when it is unusual)."""
+    found = [("parameters", doc.get("parameters"))]
+    for field in ("inputs", "outputs"):
+        items = doc.get(field)
+        if type(items) is simdjson.Array:
+            found += [(f"{field}[{i}].parameters", item.get("parameters"))
+                      for i, item in enumerate(items) if type(item) is simdjson.Object]
+    for field, value in found:
+        if type(value) is simdjson.Object and len(value) > MAX_PARAMETERS:
+            raise ClientError(f"{field}: at most {MAX_PARAMETERS} keys; got {len(value)}")
+
+
 def fast_infer_request(body: bytes) -> tuple[InferenceRequest, Arrays] | None:
     """An OIP JSON inference request read with simdjson: each input's ``data`` becomes a
     flat numpy array through ``as_buffer`` (no Python object per number), everything else
@@ -207,6 +227,7 @@ def fast_infer_request(body: bytes) -> tuple[InferenceRequest, Arrays] | None:
     doc = parse_object(body)
     if doc is None:
         return None
+    _count_parameters(doc)
     keys = set(doc.keys())
     inputs = doc.get("inputs")
     if len(keys) != len(doc) or not keys <= _INFER_KEYS or type(inputs) is not simdjson.Array:

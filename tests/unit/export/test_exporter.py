@@ -314,6 +314,42 @@ def test_vocabulary_file_is_confined_to_the_package_and_hashed(runs, tmp_path):
     assert verify_package(path).vocabulary_file == "vocab.txt"
 
 
+def test_a_graph_with_external_data_or_a_linked_manifest_is_refused(runs, tmp_path):
+    """Issue 59, finding 10, replayed: a graph whose weights live in an external-data file
+    that the manifest does not list was loaded and served (its golden inputs passed, and a
+    rewrite of that file later passed verify_package too); a manifest.json that is a
+    symbolic link to a file outside the package was read. Now graphs load from their own
+    hashed bytes only, and no file of a package may be a link."""
+    from onnx.external_data_helper import convert_model_to_external_data
+    from orthornn.export.artifacts.package import sha256
+
+    path = export_run(runs / "adding", tmp_path / "repo", "adder")
+    model = onnx.load(path / "model.onnx")
+    convert_model_to_external_data(model, all_tensors_to_one_file=True, location="w.bin",
+                                   size_threshold=0)
+    onnx.save(model, path / "model.onnx")
+    assert (path / "w.bin").stat().st_size > 0
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["model.onnx"] = sha256(path / "model.onnx")  # hashed: only the rule
+    (path / "manifest.json").write_text(json.dumps(manifest))  # can refuse it
+    with pytest.raises(PackageError, match=r"'model\.onnx' keeps data in external files"):
+        verify_package(path)
+
+    other = export_run(runs / "adding", tmp_path / "repo2", "adder")
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text((other / "manifest.json").read_text())
+    (other / "manifest.json").unlink()
+    (other / "manifest.json").symlink_to(outside)
+    with pytest.raises(PackageError, match=r"manifest\.json' is a symbolic link"):
+        verify_package(other)
+    (other / "manifest.json").unlink()
+    (other / "manifest.json").write_text(outside.read_text())
+    (other / "golden.npz").rename(other / "golden-real.npz")  # a link inside the folder
+    (other / "golden.npz").symlink_to(other / "golden-real.npz")
+    with pytest.raises(PackageError, match=r"'golden\.npz' .* is a symbolic link"):
+        verify_package(other)
+
+
 def test_tampered_package_fails_verification(runs, tmp_path):
     path = export_run(runs / "adding", tmp_path / "repo", "adder")
     data = bytearray((path / "model.onnx").read_bytes())

@@ -467,3 +467,42 @@ def test_only_requests_the_rollout_placed_count_and_never_a_clients_4xx(repo):
         final = rollout.read_plan(model_dir)
         assert final.breach["rule"] == "max_error_rate"
         assert (final.analysis[-1]["requests"], final.analysis[-1]["errors"]) == (3, 1)
+
+
+def test_ids_no_header_can_hold_are_refused_and_never_roll_back_a_rollout(repo, tmp_path):
+    """Issue 59, finding 2, replayed: with capture on, an OIP ``id`` holding "€" was a 500
+    (the X-Request-Id answer header could not be encoded), one holding a newline or NUL a
+    dropped connection; both were captured; 30 of them routed to the candidate rolled it
+    back (error rate 1). Now each is a 400 naming the field, on a connection that stays
+    open, nothing of it is captured, and the candidate's tally stays empty."""
+    model_dir = repo / "adding"
+    rollout.start(model_dir, 2, shadow=0, steps="50,100", interval_s=3600, min_requests=2,
+                  thresholds=rollout.Thresholds(min_agreement=0, max_latency_ratio=1000))
+    x = {"name": "x", "datatype": "FP32", "shape": [1, 2, 2], "data": [0.5, 1.0, 0.25, 0.0]}
+    keys = [f"k{i}" for i in range(400) if rollout.bucket(f"k{i}".encode()) < 50][:30]
+    captures = tmp_path / "captures"
+    bad_ids = ["\u20ac", "a\nb", "a\r\nX-Evil: 1", "a\x00b", "with space", "x" * 129, ""]
+    with LiveServer(repo=repo, capture=captures, capture_replica="r0") as server, \
+            httpx.Client(base_url=server.url, timeout=30) as client:
+        server.wait(lambda: server.app.state.registry.rollouts.running("adding") is not None)
+        for i, key in enumerate(keys):
+            rid = bad_ids[i % len(bad_ids)]
+            r = client.post("/v2/models/adding/infer", json={"id": rid, "inputs": [x]},
+                            headers={"X-Routing-Key": key})
+            assert r.status_code == 400, (rid, r.status_code, r.text)
+            assert r.json()["error"] == ("id: 1 to 128 printable ASCII characters, no "
+                                         "spaces"), r.text
+            assert "x-request-id" not in r.headers
+        report = client.get("/v2/repository/models/adding/rollout").json()["report"]
+        stage = report["stages"].get("0")
+        assert stage is None or (stage["candidate"]["requests"], stage["candidate"]["errors"]) \
+            == (0, 0), stage
+        assert rollout.read_plan(model_dir).state == "running"
+        # a good id on the same connection: answered, echoed, captured under it
+        r = client.post("/v2/models/adding/infer", json={"id": "order-40", "inputs": [x]},
+                        headers={"X-Routing-Key": keys[0]})
+        assert r.status_code == 200 and r.json()["id"] == "order-40", r.text
+    from orthornn.export.artifacts.captures import read_records
+
+    records, torn = read_records(captures, "adding")
+    assert [record["id"] for record in records] == ["order-40"] and torn == 0, records

@@ -433,3 +433,26 @@ def test_a_request_cancelled_while_its_batch_runs_is_not_recorded():
             assert gone.cancelled()
         assert calls == [["kept"]]
     asyncio.run(main())
+
+
+def test_a_batch_keeps_its_per_step_outputs_within_the_output_budget():
+    """Issue 59, finding 3: 16 concurrent requests of a language model, each within
+    max_lm_output_bytes (B=2, T=800, 10,000 words: 61 MiB of logits), were batched together
+    (+3.9 GiB). A batch, and each padded run in it, now holds at most the budget of per-step
+    outputs (B x T x step_bytes); a small request still joins a large one where it fits."""
+    async def main():
+        model = Model(hold_first=True)
+        step_bytes, budget = 40_000, 64 << 20
+        long = [np.zeros((800, 1), np.float32)] * 2  # 2 x 800 x 40,000 = 64,000,000 bytes
+        with ThreadPoolExecutor(1) as pool:
+            b = batcher(model, pool, step_bytes=step_bytes, max_output_bytes=budget)
+            first = asyncio.ensure_future(b.submit(long))
+            await _started(model)
+            rest = [asyncio.ensure_future(b.submit(long)) for _ in range(15)]
+            small = asyncio.ensure_future(b.submit([seq(1)]))  # 3 x 40,000: fits beside one
+            await _queued(b, 31)
+            model.release.set()
+            answers = await asyncio.gather(first, *rest, small)
+        assert [len(a) for a in answers] == [2] * 16 + [1]
+        assert model.calls == [2] * 15 + [2, 1], model.calls  # the last run's batch: both
+    asyncio.run(main())

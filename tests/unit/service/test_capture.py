@@ -378,8 +378,11 @@ def test_two_writers_of_one_name_never_share_a_segment(tmp_path):
     second.close()
     names = sorted(p.name for p in (tmp_path / "m" / "1" / "2026-09-21").iterdir())
     assert names == sorted([f"pod-{os.getpid()}-1.jsonl", "pod-1.jsonl"])
-    with pytest.raises(ValueError, match="capture_replica"):
-        Capture(tmp_path, 1.0, replica="no/slash")
+    # (issue 59, finding 12: ".." was taken; its lock file was then a folder, and two
+    # servers wrote as one replica)
+    for bad in ("no/slash", "..", ".", ".hidden", "a..b"):
+        with pytest.raises(ValueError, match="capture_replica"):
+            Capture(tmp_path, 1.0, replica=bad)
 
 
 def test_a_new_day_opens_a_new_folder(tmp_path):

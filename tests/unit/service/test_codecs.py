@@ -236,3 +236,57 @@ def test_infer_fast_path_takes_well_formed_bodies():
                                    "data": [2]}],
                        "outputs": [{"name": "logits"}]}).encode()
     assert _infer_agrees(body)
+
+
+@pytest.mark.parametrize("extra, message", [
+    # issue 59, finding 5: 1,000,000 keys held the event loop for 1.5 s, answered 200
+    ({"parameters": {str(i): i for i in range(100_000)}},
+     "parameters: at most 64 keys; got 100000"),
+    ({"outputs": [{"name": "y", "parameters": {str(i): 1 for i in range(65)}}]},
+     "outputs[0].parameters: at most 64 keys; got 65"),
+    ({"parameters": {"a": list(range(1000))}},
+     "parameters.a: a string (at most 4096 characters), a number or a boolean"),
+    ({"parameters": {"a": {"deep": {"er": 1}}}},
+     "parameters.a: a string (at most 4096 characters), a number or a boolean"),
+    ({"parameters": {"a": "x" * 4097}},
+     "parameters.a: a string (at most 4096 characters), a number or a boolean"),
+])
+@pytest.mark.parametrize("data", [[0.5], ["not a number"]])  # the fast path, pydantic's
+def test_oip_parameters_are_bounded_and_hold_only_oips_values(extra, message, data):
+    """OIP's parameter values are strings, numbers or booleans (the protocol's $parameter);
+    at most 64 keys in each parameters object, counted before any becomes a dict."""
+    from orthornn.service.errors import ClientError
+    from orthornn.service.http.codecs import oip_json
+
+    inp = {"name": "x", "shape": [1, 1, 1], "datatype": "FP32", "data": data}
+    if "inputs" in extra:
+        inp = {**inp, **extra.pop("inputs")}
+    body = json.dumps({"inputs": [inp], **extra}).encode()
+    with pytest.raises(ClientError) as raised:
+        oip_json.decode(body, "m", None)
+    assert str(raised.value) == message or (data == ["not a number"] and "inputs" in
+                                            str(raised.value)), str(raised.value)
+    assert raised.value.status == 400
+    ok = json.dumps({"inputs": [{**inp, "data": [0.5]}], "parameters": {
+        "sequence_id": 9, "binary_data_output": False, "content_type": "x" * 4096,
+        **{f"k{i}": 1.5 for i in range(61)}}}).encode()
+    assert len(oip_json.decode(ok, "m", None).parameters) == 64
+
+
+def test_a_large_body_simdjson_cannot_read_is_refused_not_handed_to_pydantic():
+    """A number beyond 64 bits made simdjson give up and pydantic parse the body, every
+    key of a 1,000,000-key object a Python object first (1.2 s on the event loop). Above
+    SLOW_PATH_BYTES such a body is a 400 at once; a small one still goes to pydantic."""
+    from orthornn.service.errors import ClientError
+    from orthornn.service.http.codecs import oip_json
+    from orthornn.service.http.codecs.simd import SLOW_PATH_BYTES
+
+    inp = {"name": "x", "shape": [1, 1, 1], "datatype": "FP32", "data": [0.5]}
+    big = b'{"parameters": {"n": 1%s, %s}, "inputs": [%s]}' % (
+        b"0" * 30, b", ".join(b'"%d": 1' % i for i in range(200_000)), json.dumps(inp).encode())
+    assert len(big) > SLOW_PATH_BYTES
+    with pytest.raises(ClientError, match="body is not valid JSON, or holds a number beyond "
+                                          "64 bits"):
+        oip_json.decode(big, "m", None)
+    small = b'{"parameters": {"n": 1%s}, "inputs": [%s]}' % (b"0" * 30, json.dumps(inp).encode())
+    assert oip_json.decode(small, "m", None).parameters == {"n": 10**30}

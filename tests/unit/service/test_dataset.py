@@ -75,7 +75,7 @@ def captures(tmp_path):
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / "a-2.jsonl.open", "ab") as f:
             f.write(orjson.dumps(r) + b"\n")
-    retry = captured_record("r5", records[5]["time"] + 1.0, [np.zeros((2, 3), np.float32)])
+    retry = captured_record("r5", records[5]["time"] + 1.0, xs["r5"])  # the same inputs
     write_segment(root, "b", [retry])
     with open(sorted(root.glob("m/1/*/a-2.jsonl.open"))[-1], "ab") as f:
         f.write(b'{"id": "r60", "time"')  # a killed writer's torn last line
@@ -201,6 +201,10 @@ def test_labels_import_from_json_lines_and_csv(digits, tmp_path):
     ("r8,1\nr9,seven\n", r"l.csv line 2: label: 'seven' is not a class"),
     ("r8,1\nr9,1,2\n", r"l.csv line 2: two columns id,label; got 3"),
     ("r8,1\nr12,1\n", r"l.csv line 2: label: the request had 2 sequences"),
+    # issue 59, finding 11: csv's own errors were tracebacks
+    ('r8,1\nr9,"1\nr10,2\n', r"l.csv line 3: not CSV \(unexpected end of data\)"),
+    ("r8,1\nr9," + "7" * (200 << 10) + "\n", r"l.csv line 2: not CSV \(field larger than "
+                                           r"field limit"),
 ])
 def test_labels_import_errors_name_the_line_and_field_and_write_nothing(digits, tmp_path,
                                                                          text, message):
@@ -216,6 +220,19 @@ def test_labels_import_errors_name_the_line_and_field_and_write_nothing(digits, 
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("orthornn labels: error: ") and re.search(message, line), line
     assert [v["id"] for v in read_labels(cap, "digits")] == ["r0"]
+
+
+def test_labels_import_skips_a_byte_order_mark(digits, tmp_path):
+    """A file written with a BOM (as spreadsheets and some editors do): a JSON-lines file is
+    still read as JSON lines (it was read as CSV), a CSV's first id is still the id."""
+    repo, cap = digits
+    jsonl, csv = tmp_path / "l.jsonl", tmp_path / "l.csv"
+    jsonl.write_bytes(b'\xef\xbb\xbf{"id": "r1", "label": 1}\n')
+    csv.write_bytes(b"\xef\xbb\xbfr2,2\n")
+    for path in (jsonl, csv):
+        orthornn_here("labels", "import", path, "--capture", cap, "--name", "digits",
+                      "--repo", repo, code=0)
+    assert [(v["id"], v["label"]) for v in read_labels(cap, "digits")] == [("r1", 1), ("r2", 2)]
 
 
 def manifest_only(repo, version: int, task: str, labels: list[str]) -> None:
@@ -270,8 +287,7 @@ def word_captures(service_packages, tmp_path):
         if i == 3:
             nexts[0][-1] = 99
         labels[rid] = nexts if i == 9 else nexts[0]  # as service.labels normalises them
-    retry = {**records[4], "time": records[4]["time"] + 1.0,
-             "inputs": [encoded(np.zeros(3, np.int64))]}
+    retry = {**records[4], "time": records[4]["time"] + 1.0}  # the same inputs
     write_segment(root, "a", records, model="words")
     write_segment(root, "b", [retry], model="words")
     write_labels(root, [{"id": rid, "label": y,

@@ -31,7 +31,8 @@ def version(tmp_path):
     drift.write(reference, tmp_path / "reference.npz")
     return SimpleNamespace(name="m", version=1, path=tmp_path, released=False,
                            manifest=SimpleNamespace(reference="reference.npz"),
-                           spec=SimpleNamespace(output_name="logits")), reference
+                           spec=SimpleNamespace(output_name="logits", task="classify")), \
+        reference
 
 
 def answers(n, shift=0.0, seed=1):
@@ -54,7 +55,8 @@ def test_a_full_window_is_tested_off_the_request_path_into_the_gauges(version):
     chunks = [Chunk(s, None) for s in seqs[:5]]  # chunks of sessions: never counted
     d.observe(mv, chunks, rows[:5])
     assert d.monitor(mv).pending == []
-    d.observe(mv, seqs[5:], rows[5:])
+    for i in range(5, WINDOW + 5, 2):  # requests of two sequences (a request's most)
+        d.observe(mv, seqs[i:i + 2], rows[i:i + 2])
     m = d.monitor(mv)
     wait_until(lambda: m.windows == 1, what="the window's test")
     expected = reference.scores(reference.summarize(
@@ -72,8 +74,8 @@ def test_windows_past_the_interval_only_are_tested(version):
     mv, _ = version
     d = Drift(Metrics(), interval_s=3600)
     seqs, rows = answers(3 * WINDOW)
-    for i in range(0, 3 * WINDOW, 10):
-        d.observe(mv, seqs[i:i + 10], rows[i:i + 10])
+    for i in range(0, 3 * WINDOW, 2):
+        d.observe(mv, seqs[i:i + 2], rows[i:i + 2])
     m = d.monitor(mv)
     wait_until(lambda: m.windows == 1, what="the first window's test")
     assert m.skipped == 2 and m.pending == []  # the next two filled within the hour
@@ -88,3 +90,24 @@ def test_a_smaller_window_setting_scales_the_mmd_threshold_only(version):
     half = reference.half  # the MMD's null grows as 1/window + 3/half
     ratio = (2 / WINDOW + 3 / half) / (1 / WINDOW + 3 / half)
     assert small["state"] == pytest.approx(reference.thresholds["state"] * ratio)
+
+
+def test_a_window_spans_requests_so_that_two_cannot_fake_drift(version):
+    """Issue 59, finding 7: two requests of 200 out-of-distribution sequences each made a
+    window drift (and the retraining trigger fire). A request adds at most
+    per_request(window) sequences (a window spans MIN_REQUESTS requests at least), and
+    what it keeps of each is its fixed-size summary, never its inputs or outputs."""
+    mv, _ = version
+    d = Drift(Metrics())
+    seqs, rows = answers(10 * WINDOW, shift=3.0)
+    d.observe(mv, seqs[:5 * WINDOW], rows[:5 * WINDOW])
+    d.observe(mv, seqs[5 * WINDOW:], rows[5 * WINDOW:])
+    m = d.monitor(mv)
+    assert m.count == 2 * drift.per_request(WINDOW) < WINDOW and m.windows == 0
+    kept = sum(v.nbytes for summary in m.pending for v in summary.values())
+    assert kept < 2 * drift.per_request(WINDOW) * 200  # bytes a sequence: its summary's
+    for k in range(drift.MIN_REQUESTS - 2):  # shifted traffic from enough requests alarms
+        d.observe(mv, seqs[2 * k:2 * k + 2], rows[2 * k:2 * k + 2])
+    wait_until(lambda: m.windows == 1, what="the window's test")
+    assert m.alarms == 1
+    d.close()
