@@ -2,14 +2,14 @@
 tested against the reference its package recorded at export (``export.artifacts.drift``),
 off the request path.
 
-The request path adds each answered sequence's summary to the version's window: a fixed
-size a sequence whatever its length and vocabulary (its input's length, mean and variance
-or token counts, its prediction's class and entropy or its next tokens' log-likelihood, its
-final state's projection), so a window never holds a request's inputs or outputs (a
-language model's logits kept whole: 61 MiB a request, gigabytes a window). The summary
-is O(T d) of arithmetic (a language model's log-probabilities come from its batch, which
-computed them in the inference thread). When the window holds ``drift_window`` sequences
-it is handed to one worker thread, which computes the tests (a few milliseconds) and sets
+The request path only appends each answered sequence to its version's window: its input
+(as the request holds it), its prediction output and its final state; of a language
+model's logits [T, V], only the log-probability of each next token [T] (a gather of the
+log-probabilities its batch computed in the inference thread), so that a window's size is
+bounded by the model's max_length and never by its vocabulary (whole logits: 61 MiB a
+request, gigabytes a window). When the window holds ``drift_window`` sequences it is
+handed whole to one worker thread, which computes the summaries and the tests (a few
+milliseconds) and sets
 ``orthornn_drift_score{model,version,test}`` and ``orthornn_drift_detected{model,version}``.
 A version's windows are tested at most once per ``drift_interval_s``, and never two at
 once: a window that fills sooner, or while the worker still tests the previous one, is
@@ -51,10 +51,10 @@ class Monitor:
     mv: ModelVersion
     reference: drift.Reference | None  # None: the package has none (drift off for it)
     window: int
-    #: the summaries of this window's sequences (``drift.summarize``: arrays of a fixed
-    #: size a sequence), a dict per batch, and how many sequences they hold
+    #: (sequence, prediction output, final state) of this window: arrays only, which the
+    #: garbage collector does not track (whole rows, dicts with lists, made it work); a
+    #: language model's output is its ``drift.next_tokens``
     pending: list = field(default_factory=list)
-    count: int = 0
     busy: bool = False  # the worker is testing a window of this version
     tested_at: float = -math.inf  # when the latest window was handed to the worker
     windows: int = 0  # windows tested
@@ -100,32 +100,32 @@ class Drift:
         m = self.monitor(mv)
         if m.reference is None:
             return
-        whole = [(seq, row) for seq, row in zip(sequences, rows, strict=True)
-                 if not isinstance(seq, Chunk)][:drift.per_request(m.window)]
-        if not whole:
-            return
-        lm = mv.spec.task == "lm"  # its rows carry the batch's log-probabilities
-        name = LOG_PROBABILITIES if lm else mv.spec.output_name
-        m.pending.append(m.reference.summarize(
-            [seq for seq, _ in whole], [row[name] for _, row in whole],
-            np.stack([row["state"] for _, row in whole]), log_probabilities=lm))
-        m.count += len(whole)
-        if m.count >= m.window:
-            pending, m.pending, m.count = m.pending, [], 0
+        pending, cap = m.pending, drift.per_request(m.window)
+        if mv.spec.task == "lm":  # the batch's log-probabilities: the next tokens' only
+            for seq, row in zip(sequences, rows, strict=True):
+                if not isinstance(seq, Chunk) and cap > 0 and LOG_PROBABILITIES in row:
+                    pending.append((seq, drift.next_tokens(seq, row[LOG_PROBABILITIES]),
+                                    row["state"]))
+                    cap -= 1
+        else:
+            name = mv.spec.output_name
+            for seq, row in zip(sequences, rows, strict=True):
+                if not isinstance(seq, Chunk) and cap > 0:
+                    pending.append((seq, row[name], row["state"]))
+                    cap -= 1
+        if len(pending) >= m.window:
+            m.pending = []
             now = time.monotonic()
             if m.busy or now - m.tested_at < self.interval_s:
                 m.skipped += 1
                 return
             m.busy, m.tested_at = True, now
-            window = {k: np.concatenate([p[k] for p in pending])[: m.window]
-                      for k in pending[0]}
-            self.worker.submit(self._test, m, window)
+            self.worker.submit(self._test, m, pending[: m.window])
 
-    def _test(self, m: Monitor, window: dict[str, np.ndarray]) -> None:
-        """In the worker thread: one window's tests and gauges."""
+    def _test(self, m: Monitor, window: list) -> None:
+        """In the worker thread: one window's summaries, tests and gauges."""
         try:
-            assert m.reference is not None
-            scores = m.reference.scores(window)
+            scores = test_window(m.reference, window, gathered=m.mv.spec.task == "lm")
             detected = any(s >= 1 for s in scores.values())
             if self.metrics is not None:
                 version = str(m.mv.version)
@@ -146,11 +146,13 @@ class Drift:
         self.worker.shutdown(wait=False, cancel_futures=True)
 
 
-def test_window(reference: drift.Reference, window: list) -> dict[str, float]:
+def test_window(reference: drift.Reference, window: list, gathered: bool = False
+                ) -> dict[str, float]:
     """The scores of a window of (sequence, prediction output, final state) against
     REFERENCE: what the service computes when a window fills (``orthornn monitor``
-    computes the same from captures)."""
+    computes the same from captures). GATHERED: a language model's outputs are
+    ``drift.next_tokens``, as the service keeps them."""
     sequences = [np.asarray(s) for s, _, _ in window]
     outputs = [o for _, o, _ in window]
     states = np.stack([s for _, _, s in window])
-    return reference.scores(reference.summarize(sequences, outputs, states))
+    return reference.scores(reference.summarize(sequences, outputs, states, gathered))

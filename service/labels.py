@@ -48,10 +48,13 @@ from .metrics import Metrics
 
 MAX_LABELS = 10_000  # labels in one request (or one import batch)
 MAX_TOKENS = 4_096  # next tokens in one language-model label (per sequence)
-#: ids the index holds per model, 160 bytes each measured (32-character ids: 160 MiB at the
-#: bound; docs/capture.md, "Labels"); beyond it the oldest days' segments are forgotten (a
-#: label for them is then an unknown id)
+#: ids the index holds per model (a later capture of an id counts as one more), measured
+#: (bench/perf/labels.py) at 160 bytes a 32-character id and 256 a 128-character one, the
+#: longest an id may be: at most 256 MB at the bound (docs/capture.md, "Labels"); beyond it
+#: the oldest days' segments are forgotten (a label for them is then an unknown id)
 MAX_INDEXED_IDS = 1_000_000
+#: the later captures of one id the index keeps: enough to tell a retry from a squat
+MAX_TWINS = 4
 # a record's first key is its id (capture writes it first): read without parsing the line
 _FIRST_ID = re.compile(rb'\{\s*"id"\s*:\s*("(?:[^"\\]|\\.){1,300}")')
 _READ = 8 << 20  # bytes of a segment read at once (a 64 MiB segment in eight reads)
@@ -123,6 +126,7 @@ class CaptureIndex:
         #: ids captured more than once (a retry, or another client's request under the
         #: same id) -> where each of the later ones starts
         self._twins: dict[str, list[int]] = {}
+        self._twin_count = 0  # their places: they count against max_ids too
         self.labelled: set[str] = set()
         self._label_offsets: dict[Path, int] = {}
 
@@ -161,7 +165,7 @@ class CaptureIndex:
                 self.labelled.update(str(v["id"]) for v in label_lines(data[:end])
                                      if str(v["id"]) in self._ids)
                 self._label_offsets[path] = offset + end
-        if len(self._ids) > self.max_ids:
+        if len(self._ids) + self._twin_count > self.max_ids:
             self._evict()
 
     def _tail(self, segment: _Segment) -> None:
@@ -186,7 +190,10 @@ class CaptureIndex:
                         self._ids[rid] = base | start
                         segment.ids.append(rid)
                     else:  # a retry's twin, or a squatted id: ``ambiguous`` tells
-                        self._twins.setdefault(rid, []).append(base | start)
+                        twins = self._twins.setdefault(rid, [])
+                        if len(twins) < MAX_TWINS:
+                            twins.append(base | start)
+                            self._twin_count += 1
                 start += len(line) + 1
             segment.offset += end
             if len(data) < size:
@@ -197,7 +204,7 @@ class CaptureIndex:
         for rid in segment.ids:
             if self._ids.get(rid, -1) >> _SHIFT == segment.number:
                 del self._ids[rid]
-                self._twins.pop(rid, None)
+                self._twin_count -= len(self._twins.pop(rid, ()))
                 self.labelled.discard(rid)
         segment.ids = []
         segment.evicted = True
@@ -205,7 +212,7 @@ class CaptureIndex:
     def _evict(self) -> None:
         """The oldest day's segments forgotten until the ids fit in max_ids."""
         for segment in sorted(self._by_number, key=lambda s: (s.day, s.number)):
-            if len(self._ids) <= self.max_ids:
+            if len(self._ids) + self._twin_count <= self.max_ids:
                 return
             if not segment.evicted:
                 self._forget(segment)

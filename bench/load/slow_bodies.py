@@ -9,12 +9,16 @@ One ``orthornn serve`` process (a small classifier built for the run, or ``--rep
 request when its answer has come), in this process, beside the slow connections (asyncio
 too, nearly idle). Alone and beside the attack are measured in turns, ``--rounds`` pairs of
 ``--seconds`` each, so that a change of the machine's load cancels; the median of the
-pairs' ratios (beside / alone) is the result (target: at least 0.9). Also counted: the
-normal requests that were not answered 200 (beside the attack: refused for overload,
-were slots taken by the slow bodies) and readiness (/v2/health/ready) polled during the
-attack. Prints a table and writes JSON (bench/results/slow_bodies.json).
+pairs' ratios (beside / alone) is the result (target: at least 0.9). ``--attack budget``
+runs the budget-holding variant instead (issue 59, finding 1): 17 connections that each
+send all of a 16 MiB body but its last KiB, then trickle, holding the default 256 MiB of
+bodies being received. Also counted: the normal requests that were not answered 200
+(beside the attack: refused for overload, were slots or the budget taken by the slow
+bodies) and readiness (/v2/health/ready) polled during the attack. Prints a table and
+writes JSON (bench/results/slow_bodies.json).
 
-    python bench/load/slow_bodies.py [--slow 64] [--clients 8] [--seconds 2] [--rounds 3]
+    python bench/load/slow_bodies.py [--attack slots|budget] [--slow 64] [--clients 8]
+                                     [--seconds 2] [--rounds 3]
                                      [--max-inflight-requests N] [--out FILE]
                                      [--repo REPO --model NAME --body FILE]
 """
@@ -80,11 +84,22 @@ async def _client(port: int, request: bytes, stop: asyncio.Event, counts: dict) 
         writer.close()
 
 
-async def _slow_loop(port: int, interval: float, stop: asyncio.Event, state: dict) -> None:
+#: --attack budget: each connection declares the server's default body limit (16 MiB) and
+#: sends all of it but a KiB at once, then trickles: 17 of them hold the default 256 MiB of
+#: bodies being received (issue 59, finding 1)
+HOLD_DECLARED = 16 << 20
+HOLD_PREFIX = b"{" + b" " * (HOLD_DECLARED - 1024)
+
+
+async def _slow_loop(port: int, interval: float, stop: asyncio.Event, state: dict,
+                     hold: bool = False) -> None:
     """One slow-body connection: the head, then a byte every INTERVAL (never the whole
-    body); another when the server closes it (at its body deadline)."""
+    body); HOLD: all of a 16 MiB body but a KiB first. Another when the server closes it
+    (at its body deadline, or evicted)."""
+    declared = HOLD_DECLARED if hold else DECLARED
     head = (f"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
-            f"\r\nContent-Length: {DECLARED}\r\n\r\n").encode()
+            f"\r\nContent-Length: {declared}\r\n\r\n").encode()
+    first = head + (HOLD_PREFIX if hold else b"{")
     while not stop.is_set():
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -93,7 +108,7 @@ async def _slow_loop(port: int, interval: float, stop: asyncio.Event, state: dic
             continue
         state["open"] += 1
         try:
-            writer.write(head + b"{")
+            writer.write(first)
             while not stop.is_set() and not reader.at_eof():
                 try:
                     await asyncio.wait_for(stop.wait(), interval)
@@ -122,13 +137,13 @@ async def _readiness(port: int, stop: asyncio.Event, seen: dict) -> None:
 
 
 async def _phase(port: int, request: bytes, clients: int, seconds: float, slow: int,
-                 interval: float) -> dict:
+                 interval: float, hold: bool = False) -> dict:
     """One measurement: CLIENTS closed-loop clients for SECONDS, beside SLOW slow-body
     connections (opened first) when SLOW > 0."""
     stop_slow = asyncio.Event()
     state = {"open": 0, "cut": 0}
     ready: dict[str, int] = {}
-    attackers = [asyncio.create_task(_slow_loop(port, interval, stop_slow, state))
+    attackers = [asyncio.create_task(_slow_loop(port, interval, stop_slow, state, hold))
                  for _ in range(slow)]
     if slow:
         deadline = time.perf_counter() + 5
@@ -154,12 +169,12 @@ async def _phase(port: int, request: bytes, clients: int, seconds: float, slow: 
 
 
 async def measure(port: int, request: bytes, clients: int, seconds: float, rounds: int,
-                  slow: int, interval: float) -> dict:
+                  slow: int, interval: float, hold: bool = False) -> dict:
     await _phase(port, request, clients, min(seconds, 0.3), 0, interval)  # warm-up
     pairs = []
     for _ in range(rounds):
         alone = await _phase(port, request, clients, seconds, 0, interval)
-        beside = await _phase(port, request, clients, seconds, slow, interval)
+        beside = await _phase(port, request, clients, seconds, slow, interval, hold)
         pairs.append({"alone": alone, "beside": beside,
                       "ratio": beside["ok_per_s"] / max(alone["ok_per_s"], 1e-9)})
     return {"pairs": pairs, "ratio": statistics.median(p["ratio"] for p in pairs)}
@@ -167,7 +182,12 @@ async def measure(port: int, request: bytes, clients: int, seconds: float, round
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--slow", type=int, default=64, help="slow-body connections")
+    ap.add_argument("--attack", choices=("slots", "budget"), default="slots",
+                    help="slots: heads with a byte of body (each would hold a slot); "
+                         "budget: 16 MiB bodies sent but for their last KiB (together they "
+                         "hold the bodies-being-received budget)")
+    ap.add_argument("--slow", type=int, help="slow-body connections (default: 64 for "
+                                             "slots, 17 for budget)")
     ap.add_argument("--clients", type=int, default=8, help="normal keep-alive clients")
     ap.add_argument("--seconds", type=float, default=2.0, help="each measurement")
     ap.add_argument("--rounds", type=int, default=3, help="pairs (alone, beside)")
@@ -180,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the server's (default: its own, 64)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "slow_bodies.json"))
     args = ap.parse_args(argv)
+    hold = args.attack == "budget"
+    if args.slow is None:
+        args.slow = 17 if hold else 64
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(args.repo) if args.repo else build_repo(Path(tmp))
         body = Path(args.body).read_bytes() if args.body else json.dumps(
@@ -191,12 +214,14 @@ def main(argv: list[str] | None = None) -> int:
             server.wait_ready()
             result = asyncio.run(measure(server.port, request("POST", "/predict", body),
                                          args.clients, args.seconds, args.rounds,
-                                         args.slow, args.interval))
+                                         args.slow, args.interval, hold))
         finally:
             server.stop()
-    result.update({"slow": args.slow, "clients": args.clients, "seconds": args.seconds,
+    result.update({"attack": args.attack, "slow": args.slow, "clients": args.clients,
+                   "seconds": args.seconds,
                    "max_inflight_requests": args.max_inflight_requests or 64,
-                   "rounds": args.rounds, "declared_body_bytes": DECLARED,
+                   "rounds": args.rounds,
+                   "declared_body_bytes": HOLD_DECLARED if hold else DECLARED,
                    "machine": platform.machine(), "python": platform.python_version()})
     print(f"{'round':>5} {'alone/s':>9} {'beside/s':>9} {'ratio':>6} {'not 200':>8} "
           f"{'slow open':>9} {'ready':>12}")

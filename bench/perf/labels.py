@@ -1,6 +1,7 @@
 """What the labels route's id index costs (``service/labels.py``), in this process.
 
-N records of a digits classifier (T = 64, d = 1, 32-character ids), as capture writes
+N records of a digits classifier (T = 64, d = 1, ids of --id-length characters: 32 by
+default, a uuid's hex; 128, the longest an id may be, for the bound), as capture writes
 them, in segments of 50,000 under a temporary capture folder; then: the first full read
 of the index, its memory per id (tracemalloc, in a second pass: it slows the first),
 a read after 1,000 more records were appended to an open segment and a read with nothing
@@ -8,7 +9,7 @@ new (medians of five), and a batch of 10,000 labels checked (each record read ba
 its offset) and written. The package is a manifest only (the labels read nothing else).
 Prints a table and writes bench/results/labels.json.
 
-    python bench/perf/labels.py [--records 200000]
+    python bench/perf/labels.py [--records 200000] [--id-length 32]
 """
 
 from __future__ import annotations
@@ -39,8 +40,16 @@ MANIFEST = {"format": "orthornn-package/1", "name": "digits", "version": 1, "arc
             "labels": [str(i) for i in range(10)]}
 
 
+ID_LENGTH = 32
+
+
+def rid(i: int) -> str:
+    """Record I's id: its uuid's hex, padded to ID_LENGTH characters."""
+    return (uuid.UUID(int=i).hex + "-" * 128)[:ID_LENGTH]
+
+
 def record_line(i: int, encoded: dict) -> bytes:
-    return orjson.dumps({"id": uuid.UUID(int=i).hex, "time": 1.0, "route": "/predict",
+    return orjson.dumps({"id": rid(i), "time": 1.0, "route": "/predict",
                          "model": "digits", "version": 1, "inputs": [encoded],
                          "outputs": [{"label": "3", "index": 3, "probabilities": [0.1] * 10}],
                          "session": None, "position": None, "compute_ms": 0.5}) + b"\n"
@@ -85,12 +94,12 @@ def run(records: int, folder: Path) -> dict:
     store = LabelStore(root, repo, "bench")
     store._indexes["digits"] = index  # the index read above: the batch's cost alone
     step = max(1, records // 10_000)
-    items = [{"id": uuid.UUID(int=i).hex, "label": i % 10}
+    items = [{"id": rid(i), "label": i % 10}
              for i in range(0, records, step)][:10_000]
     start = time.perf_counter()
     store.add("digits", items)
     labelled = time.perf_counter() - start
-    return {"records": records, "segment_mib": round(size / 2**20, 1),
+    return {"records": records, "id_length": ID_LENGTH, "segment_mib": round(size / 2**20, 1),
             "full_read_s": round(full, 3), "mib_per_s": round(size / 2**20 / full, 1),
             "bytes_per_id": round(memory / records),
             "append_1000_ms": round(float(np.median(appended)) * 1e3, 2),
@@ -101,10 +110,15 @@ def run(records: int, folder: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--records", type=int, default=200_000)
+    parser.add_argument("--id-length", type=int, default=32)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "labels.json"))
     args = parser.parse_args()
     if args.records < 10_000:
         parser.error("--records: at least 10000")
+    if not 32 <= args.id_length <= 128:
+        parser.error(f"--id-length: 32 to 128 (an id's longest); got {args.id_length}")
+    global ID_LENGTH
+    ID_LENGTH = args.id_length
     with tempfile.TemporaryDirectory() as folder:
         result = run(args.records, Path(folder))
     width = max(map(len, result))

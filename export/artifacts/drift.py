@@ -83,17 +83,24 @@ def input_columns(feature_size: int) -> list[str]:
             + [f"var_{c}" for c in range(feature_size)])
 
 
+def next_tokens(tokens: np.ndarray, log_probabilities: np.ndarray) -> np.ndarray:
+    """A language model's answer to a sequence of TOKENS [T] as far as its summary needs
+    it: the log-probability [T - 1] it gave each next token (position t predicts token
+    t + 1), read from LOG_PROBABILITIES [T, V]."""
+    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    return np.asarray(log_probabilities, dtype=np.float64)[np.arange(len(tokens) - 1),
+                                                            tokens[1:]]
+
+
 def summarize(task: str, sequences: list[np.ndarray], outputs: list[np.ndarray],
               states: np.ndarray, projection: np.ndarray,
               token_ids: np.ndarray | None = None,
-              log_probabilities: bool = False) -> dict[str, np.ndarray]:
+              gathered: bool = False) -> dict[str, np.ndarray]:
     """The per-sequence summaries of N answered sequences: SEQUENCES (float [T, d] or token
     ids [T], as the model saw them), OUTPUTS (the graph's prediction per sequence: logits
     [C], lm logits [T, V], ...), STATES [N, S] (the graph's final ``state``). TOKEN_IDS:
-    the reference's counted tokens (token inputs). LOG_PROBABILITIES: a language model's
-    OUTPUTS are log-probabilities already (the service's batch computed them), so only the
-    next tokens' are read. Each sequence's summary has a fixed size, whatever its length
-    and vocabulary."""
+    the reference's counted tokens (token inputs). GATHERED: a language model's OUTPUTS are
+    ``next_tokens`` already (what the service keeps of its logits)."""
     n = len(sequences)
     lengths = np.array([len(s) for s in sequences], dtype=np.int64)
     out: dict[str, np.ndarray] = {}
@@ -123,11 +130,9 @@ def summarize(task: str, sequences: list[np.ndarray], outputs: list[np.ndarray],
         nll = np.full(n, np.nan)
         for i, (seq, logits) in enumerate(zip(sequences, outputs, strict=True)):
             tokens = np.asarray(seq, dtype=np.int64).reshape(-1)
-            if len(tokens) > 1:  # position t predicts token t + 1
-                logp = np.asarray(logits)[: len(tokens) - 1]
-                if not log_probabilities:
-                    logp = log_softmax(logp)
-                nll[i] = -logp[np.arange(len(tokens) - 1), tokens[1:]].mean()
+            if len(tokens) > 1:
+                nll[i] = -(logits if gathered else next_tokens(
+                    tokens, log_softmax(np.asarray(logits)[: len(tokens) - 1]))).mean()
         out["nll"] = nll
     out["projected"] = np.asarray(states, dtype=np.float64).reshape(n, -1) @ projection
     return out
@@ -426,10 +431,9 @@ class Reference:
         return out
 
     def summarize(self, sequences: list[np.ndarray], outputs: list[np.ndarray],
-                  states: np.ndarray, log_probabilities: bool = False
-                  ) -> dict[str, np.ndarray]:
+                  states: np.ndarray, gathered: bool = False) -> dict[str, np.ndarray]:
         return summarize(self.task, sequences, outputs, states, self.projection, self.token_ids,
-                         log_probabilities)
+                         gathered)
 
     def statistics(self, window: dict[str, np.ndarray]) -> dict[str, float]:
         """Each test's statistic of one window: -log10(p), or MMD^2 for ``state``."""

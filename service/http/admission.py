@@ -68,6 +68,11 @@ class Admission:
         #: body bytes being received before admission, over all requests (a bound of at
         #: least one full body; 0: max_inflight bodies, as many as the slots hold)
         self.max_receiving = max(max_receiving or max_inflight * max_body, max_body)
+        #: what the bodies still arriving (of more than one message) may hold together: a
+        #: body's worth is kept free, so that a request whose body came whole is never
+        #: refused for the slow ones (it holds nothing across an await)
+        self.max_arriving = self.max_receiving - max_body \
+            if self.max_receiving >= 2 * max_body else self.max_receiving
         self.receiving = 0
         self.min_body_rate = min_body_rate  # bytes a second, on average, after GRACE_S
         self._bodies: set[_Receiving] = set()  # the bodies of more than one message
@@ -144,12 +149,13 @@ class Admission:
         limit and, over all requests, by ``max_receiving``); None when it has been answered
         here (413, 408, 503) or the client has gone.
 
-        The shared budget cannot be owned: when a chunk does not fit, the bodies that have
-        been arriving for longer than GRACE_S and hold more than this one are evicted,
-        largest first (503 with Retry-After, the connection closed), before this one is
-        refused; and such a body must keep arriving at ``min_body_rate`` on average (else
-        408). Seventeen trickling connections holding 256 MiB turned every other request
-        away with 503 (issue 59, finding 1)."""
+        The shared budget cannot be owned: a body that came whole (one message) is never
+        refused for it (a body's worth is kept free: ``max_arriving``); when a chunk of one
+        still arriving does not fit, the bodies that have been arriving for longer than
+        GRACE_S and hold more than it are evicted, largest first (503 with Retry-After, the
+        connection closed), before it is refused; and such a body must keep arriving at
+        ``min_body_rate`` on average (else 408). Seventeen trickling connections holding
+        256 MiB turned every other request away with 503 (issue 59, finding 1)."""
         message = await receive()
         if message["type"] != "http.request":  # http.disconnect
             return None
@@ -158,11 +164,7 @@ class Admission:
             if len(chunk) > self.max_body:
                 await self._answer(scope, receive, send, start, self._too_large())
                 return None
-            if self.receiving + len(chunk) > self.max_receiving \
-                    and not self._make_room(len(chunk), 0):
-                await self._answer(scope, receive, send, start, self._full())
-                return None
-            return chunk
+            return chunk  # (in memory already, held across no await: the reserve's)
         body = _Receiving(0, time.monotonic(), asyncio.current_task())
         self._bodies.add(body)
         chunks: list[bytes] = []
@@ -174,7 +176,7 @@ class Admission:
                     answer = None
                     if body.taken > self.max_body:
                         answer = self._too_large()
-                    elif self.receiving > self.max_receiving \
+                    elif self.receiving > self.max_arriving \
                             and not self._make_room(0, body.taken):
                         answer = self._full()
                     elif self._too_slow(body):
@@ -219,14 +221,14 @@ class Admission:
         older = sorted((b for b in self._bodies if b.taken > holding and not b.evicted
                         and now - b.since > self.GRACE_S), key=lambda b: -b.taken)
         for victim in older:
-            if self.receiving + need <= self.max_receiving:
+            if self.receiving + need <= self.max_arriving:
                 break
             victim.evicted = True
             self.receiving -= victim.taken
             self.metrics.evicted.inc()
             if victim.task is not None:
                 victim.task.cancel()
-        return self.receiving + need <= self.max_receiving
+        return self.receiving + need <= self.max_arriving
 
     def _too_slow(self, body: _Receiving) -> bool:
         if not self.min_body_rate:

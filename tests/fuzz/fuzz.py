@@ -5,7 +5,9 @@ exception, a 5xx) is a crash.
 
     python tests/fuzz/fuzz.py TARGET [libFuzzer flags] [CORPUS_DIR...]
 
-TARGET: predict_json, oip_json, oip_binary or sessions. ``make fuzz`` runs each for
+TARGET: predict_json, oip_json, oip_binary, sessions, oip_fields (the OIP id and
+parameters, X-Request-Id) or trailers (a chunked body's trailers through the server's
+protocol: tests/fuzz/edges.py). ``make fuzz`` runs each for
 FUZZ_SECONDS (600) from tests/fuzz/corpus/TARGET, writing what it finds to fuzz-corpus/
 (ignored by git); tests/integration/test_fuzz.py runs a short smoke of each in make test. A
 crash leaves the input in crash-*; replay it as a test (tests/integration/test_fuzz.py keeps
@@ -57,7 +59,8 @@ def oip_binary_target(data: bytes) -> None:
 
 
 TARGETS = {"predict_json": predict_json_target, "oip_json": oip_json_target,
-           "oip_binary": oip_binary_target, "sessions": None}  # sessions: made at start
+           "oip_binary": oip_binary_target, "sessions": None,  # made at start, as are
+           "oip_fields": None, "trailers": None}  # these two (tests/fuzz/edges.py)
 
 
 def main() -> None:
@@ -69,6 +72,12 @@ def main() -> None:
             from tests.fuzz.sessions import setup
 
             target = setup()  # imports the app: instrumented too
+    elif name in ("oip_fields", "trailers"):
+        with atheris.instrument_imports(include=["orthornn.service"]):
+            from tests.fuzz import edges
+
+            target = edges.oip_fields_target if name == "oip_fields" else \
+                edges.trailers_setup()
     else:
         target = TARGETS[name]
     atheris.Setup(sys.argv, target)

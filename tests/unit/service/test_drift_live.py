@@ -95,17 +95,14 @@ def test_a_smaller_window_setting_scales_the_mmd_threshold_only(version):
 def test_a_window_spans_requests_so_that_two_cannot_fake_drift(version):
     """Issue 59, finding 7: two requests of 200 out-of-distribution sequences each made a
     window drift (and the retraining trigger fire). A request adds at most
-    per_request(window) sequences (a window spans MIN_REQUESTS requests at least), and
-    what it keeps of each is its fixed-size summary, never its inputs or outputs."""
+    per_request(window) sequences (a window spans MIN_REQUESTS requests at least)."""
     mv, _ = version
     d = Drift(Metrics())
     seqs, rows = answers(10 * WINDOW, shift=3.0)
     d.observe(mv, seqs[:5 * WINDOW], rows[:5 * WINDOW])
     d.observe(mv, seqs[5 * WINDOW:], rows[5 * WINDOW:])
     m = d.monitor(mv)
-    assert m.count == 2 * drift.per_request(WINDOW) < WINDOW and m.windows == 0
-    kept = sum(v.nbytes for summary in m.pending for v in summary.values())
-    assert kept < 2 * drift.per_request(WINDOW) * 200  # bytes a sequence: its summary's
+    assert len(m.pending) == 2 * drift.per_request(WINDOW) < WINDOW and m.windows == 0
     for k in range(drift.MIN_REQUESTS - 2):  # shifted traffic from enough requests alarms
         d.observe(mv, seqs[2 * k:2 * k + 2], rows[2 * k:2 * k + 2])
     wait_until(lambda: m.windows == 1, what="the window's test")
