@@ -47,7 +47,7 @@ images: $(VENV)/.installed-serve
 # they time are lower bounds, a hold or a deadline, which load only lengthens). ALONE,
 # last, in one process: what bounds a latency or a throughput from above, which a second
 # process beside it would disturb.
-ALONE = tests/integration/test_slow_clients.py tests/integration/test_service_limits.py
+ALONE = tests/integration/test_slow_clients.py
 BESIDE = tests/unit tests/integration/test_distributed.py \
 	tests/integration/test_reproducibility.py tests/integration/test_openapi_fuzz.py \
 	tests/integration/test_fuzz.py tests/integration/test_retraining_lm.py \
@@ -60,7 +60,7 @@ BESIDE = tests/unit tests/integration/test_distributed.py \
 
 # scripts/test.sh: the long background jobs (the quickstart's trainings, the images) start
 # first, then the dev extra, the tools, the lint and the docs, then the two phases.
-test: $(VENV)/.installed-serve
+test:
 	bash scripts/test.sh $(VENV) "$(BESIDE)" "$(ALONE)"
 
 # The quickstart's word model trained again under other CPU kernels, its docs answers

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# make test, once the train and serve extras are installed: the long background jobs
-# first (the quickstart's trainings, the service tests' packages, then the images' build;
+# make test: Debian's tools beside the venv's installs, then the long background jobs
+# (the quickstart's trainings, the service tests' packages, then the images' build;
 # tests/background.py), so that they use the cores the installs and the lint leave idle;
 # then the dev extra, the tools, the lint and the docs, and the three phases of the
 # Makefile: BESIDE on two workers, the rest but ALONE on two workers a file each (which
@@ -15,18 +15,30 @@ beside=$2
 alone=$3
 py="$venv/bin/python"
 jobs=build/background
+step() { echo "make test: $1 at $(( $(date +%s) - start )) s" >&2; }
+start=$(date +%s)
+
+# Debian's packages (apt's downloads) beside the venv's (pip's downloads and unzipping:
+# one core), waited for before the tools step; a no-op where every program is there
+mkdir -p build
+bash scripts/ci-debian.sh > build/ci-debian.log 2>&1 &
+debian=$!
+make --no-print-directory "$venv/.installed-serve"
+step "torch and the train and serve extras installed"
 export ORTHORNN_BACKGROUND=$PWD/$jobs
 rm -rf "$jobs"
 mkdir -p "$jobs"
 trap '"$py" -m tests.background stop "$jobs" || true' EXIT
-step() { echo "make test: $1 at $(( $(date +%s) - start )) s" >&2; }
-start=$(date +%s)
 
 # the quickstart's trainings and the service tests' packages need only torch and the
 # train extra
 "$py" -m tests.background start-quickstart "$jobs"
 "$py" -m tests.background start-packages "$jobs"
 step "quickstart trainings and packages started"
+debian_ok=0
+wait "$debian" || debian_ok=$?
+cat build/ci-debian.log >&2
+[ "$debian_ok" = 0 ] || exit "$debian_ok"
 make --no-print-directory "$venv/.installed" tools
 step "dev extra and tools installed"
 # the images need podman (the tools) and the wheel the venv builds

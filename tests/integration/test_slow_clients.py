@@ -377,3 +377,62 @@ def test_trickling_clients_are_cut_at_the_deadline_others_keep_their_throughput(
     print(f"throughput beside/alone {[round(r, 2) for r in ratios]}; {len(cuts)} "
           f"tricklers cut after {min(held):.2f}-{max(held):.2f} s")
     assert statistics.median(ratios) >= 0.5, ratios
+
+
+# -- a 64 MiB head beside liveness probes (from test_service_limits.py: it bounds a latency)
+
+def test_a_64_mib_head_gets_431_while_liveness_answers_within_100_ms(tmp_path):
+    """`orthornn serve` (a process of its own); a 64 MiB header sent on one connection is
+    refused with 431 (JSON, naming the limit) once 64 KiB of it have come, and read no
+    further; a probe of /v2/health/live on another connection meanwhile is answered within
+    100 ms each time."""
+    port = free_port()
+    (tmp_path / "repo").mkdir()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "orthornn", "serve", "--repo", str(tmp_path / "repo"),
+         "--port", str(port), "--log-level", "warning"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    result: dict = {}
+    try:
+        wait_ready(server, url, timeout=60)
+        probe = RawConnection(port, timeout=10)
+        probe.send(LIVE)
+        assert probe.answer()[0] == 200
+
+        # built before the probes start: making 64 MiB in this process would hold the GIL
+        # and delay the probe (CI measured 0.19 s for the first one so)
+        head = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (64 << 20) \
+            + b"\r\n\r\n"
+
+        def big_head():
+            c = RawConnection(port, timeout=20)
+            start = time.monotonic()
+            try:
+                c.send(head)
+            except OSError as error:  # (closed after its linger: a reset)
+                result["send"] = repr(error)
+            result["answer"] = c.answer(20)
+            result["took"] = time.monotonic() - start
+            c.close()
+
+        sender = threading.Thread(target=big_head)
+        sender.start()
+        latencies = []
+        while sender.is_alive() or len(latencies) < 20:
+            start = time.perf_counter()
+            probe.send(LIVE)
+            assert probe.answer(5)[0] == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.005)
+        sender.join()
+    finally:
+        server.kill()
+        server.wait(10)
+    status, headers, body = result["answer"]
+    assert status == 431 and headers["connection"] == "close"
+    assert "max_header_bytes" in json.loads(body)["error"]
+    print(f"431 after {result['took']:.3f} s; liveness meanwhile: {len(latencies)} probes, "
+          f"median {1000 * statistics.median(latencies):.1f} ms, "
+          f"max {1000 * max(latencies):.1f} ms")
+    assert max(latencies) < 0.1, latencies
