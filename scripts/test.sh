@@ -2,10 +2,10 @@
 # make test: Debian's tools beside the venv's installs, then the long background jobs
 # (the quickstart's trainings, the service tests' packages, then the images' build;
 # tests/background.py), so that they use the cores the installs and the lint leave idle;
-# then the dev extra, the tools, the lint and the docs, and the three phases of the
-# Makefile: BESIDE on two workers, the rest but ALONE on two workers a file each (which
-# adopts the jobs: ORTHORNN_BACKGROUND), ALONE in one process. The exit trap ends
-# whatever is still running.
+# then the dev extra and the tools, and the three phases of the Makefile: BESIDE on two
+# workers, the rest but ALONE on two workers a file each (the lint and the docs niced
+# beside those two; the phases adopt the jobs: ORTHORNN_BACKGROUND), ALONE in one
+# process. The exit trap ends whatever is still running.
 #
 #   bash scripts/test.sh VENV "BESIDE..." "ALONE..."
 set -euo pipefail
@@ -28,7 +28,8 @@ step "torch and the train and serve extras installed"
 export ORTHORNN_BACKGROUND=$PWD/$jobs
 rm -rf "$jobs"
 mkdir -p "$jobs"
-trap '"$py" -m tests.background stop "$jobs" || true' EXIT
+lint=""
+trap '[ -z "$lint" ] || kill "$lint" 2>/dev/null; "$py" -m tests.background stop "$jobs" || true' EXIT
 
 # the quickstart's trainings and the service tests' packages need only torch and the
 # train extra
@@ -44,8 +45,11 @@ step "dev extra and tools installed"
 # the images need podman (the tools) and the wheel the venv builds
 "$py" -m tests.background start-images "$jobs"
 step "images' build started"
-make --no-print-directory lint docs
-step "lint and docs done"
+# the lint and the docs at the lowest priority beside the first two phases: they take the
+# cycles those leave idle (a worker waiting for the other's last test, servers waiting
+# on each other), and are waited for before the third phase, which runs alone
+nice -n 19 make --no-print-directory lint docs > build/lint.log 2>&1 &
+lint=$!
 # shellcheck disable=SC2086  # BESIDE is a list of paths
 "$py" -m pytest -q -n 2 --dist worksteal $beside
 step "first phase done"
@@ -53,6 +57,11 @@ step "first phase done"
 "$py" -m pytest -q -n 2 --dist loadfile \
     $(for path in $beside $alone; do printf -- '--ignore=%s ' "$path"; done)
 step "second phase done"
+lint_ok=0
+wait "$lint" || lint_ok=$?
+cat build/lint.log >&2
+[ "$lint_ok" = 0 ] || exit "$lint_ok"
+step "lint and docs done"
 # shellcheck disable=SC2086  # ALONE is a list of paths
 "$py" -m pytest -q $alone
 step "third phase done"
