@@ -29,7 +29,7 @@ export ORTHORNN_BACKGROUND=$PWD/$jobs
 rm -rf "$jobs"
 mkdir -p "$jobs"
 lint=""
-trap '[ -z "$lint" ] || kill "$lint" 2>/dev/null; "$py" -m tests.background stop "$jobs" || true' EXIT
+trap '[ -z "$lint" ] || kill "$lint" 2>/dev/null || true; "$py" -m tests.background stop "$jobs" || true' EXIT
 
 # the quickstart's trainings and the service tests' packages need only torch and the
 # train extra
