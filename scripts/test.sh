@@ -16,6 +16,8 @@ alone=$3
 py="$venv/bin/python"
 jobs=build/background
 step() { echo "make test: $1 at $(( $(date +%s) - start )) s" >&2; }
+# the background command PID's log LOG, once it ended; its exit status
+finish() { local code=0; wait "$1" || code=$?; cat "$2" >&2; return "$code"; }
 start=$(date +%s)
 
 # Debian's packages (apt's downloads) beside the venv's (pip's downloads and unzipping:
@@ -36,10 +38,7 @@ trap '[ -z "$lint" ] || kill "$lint" 2>/dev/null || true; "$py" -m tests.backgro
 "$py" -m tests.background start-quickstart "$jobs"
 "$py" -m tests.background start-packages "$jobs"
 step "quickstart trainings and packages started"
-debian_ok=0
-wait "$debian" || debian_ok=$?
-cat build/ci-debian.log >&2
-[ "$debian_ok" = 0 ] || exit "$debian_ok"
+finish "$debian" build/ci-debian.log
 make --no-print-directory "$venv/.installed" tools
 step "dev extra and tools installed"
 # the images need podman (the tools) and the wheel the venv builds
@@ -57,10 +56,7 @@ step "first phase done"
 "$py" -m pytest -q -n 2 --dist loadfile \
     $(for path in $beside $alone; do printf -- '--ignore=%s ' "$path"; done)
 step "second phase done"
-lint_ok=0
-wait "$lint" || lint_ok=$?
-cat build/lint.log >&2
-[ "$lint_ok" = 0 ] || exit "$lint_ok"
+finish "$lint" build/lint.log
 step "lint and docs done"
 # shellcheck disable=SC2086  # ALONE is a list of paths
 "$py" -m pytest -q $alone

@@ -101,18 +101,15 @@ class Drift:
         if m.reference is None:
             return
         pending, cap = m.pending, drift.per_request(m.window)
-        if mv.spec.task == "lm":  # the batch's log-probabilities: the next tokens' only
-            for seq, row in zip(sequences, rows, strict=True):
-                if not isinstance(seq, Chunk) and cap > 0 and LOG_PROBABILITIES in row:
-                    pending.append((seq, drift.next_tokens(seq, row[LOG_PROBABILITIES]),
-                                    row["state"]))
-                    cap -= 1
-        else:
-            name = mv.spec.output_name
-            for seq, row in zip(sequences, rows, strict=True):
-                if not isinstance(seq, Chunk) and cap > 0:
-                    pending.append((seq, row[name], row["state"]))
-                    cap -= 1
+        lm = mv.spec.task == "lm"  # the batch's log-probabilities: the next tokens' only
+        name = LOG_PROBABILITIES if lm else mv.spec.output_name
+        for seq, row in zip(sequences, rows, strict=True):
+            if cap == 0:
+                break
+            if not isinstance(seq, Chunk) and name in row:
+                pending.append((seq, drift.next_tokens(seq, row[name]) if lm else row[name],
+                                row["state"]))
+                cap -= 1
         if len(pending) >= m.window:
             m.pending = []
             now = time.monotonic()

@@ -177,7 +177,7 @@ class Admission:
                     if body.taken > self.max_body:
                         answer = self._too_large()
                     elif self.receiving > self.max_arriving \
-                            and not self._make_room(0, body.taken):
+                            and not self._make_room(body.taken):
                         answer = self._full()
                     elif self._too_slow(body):
                         answer = error(408, "request not received in time: its body came "
@@ -213,22 +213,22 @@ class Admission:
             if not body.evicted:  # (an evicted body's bytes were given back then)
                 self.receiving -= body.taken
 
-    def _make_room(self, need: int, holding: int) -> bool:
+    def _make_room(self, holding: int) -> bool:
         """Evict the bodies received for over GRACE_S that hold more than HOLDING bytes
-        (the body asking, which needs NEED more), largest first, until the budget has room
-        again; whether it has."""
+        (the body asking, its latest chunk counted), largest first, until the budget has
+        room again; whether it has."""
         now = time.monotonic()
         older = sorted((b for b in self._bodies if b.taken > holding and not b.evicted
                         and now - b.since > self.GRACE_S), key=lambda b: -b.taken)
         for victim in older:
-            if self.receiving + need <= self.max_arriving:
+            if self.receiving <= self.max_arriving:
                 break
             victim.evicted = True
             self.receiving -= victim.taken
             self.metrics.evicted.inc()
             if victim.task is not None:
                 victim.task.cancel()
-        return self.receiving + need <= self.max_arriving
+        return self.receiving <= self.max_arriving
 
     def _too_slow(self, body: _Receiving) -> bool:
         if not self.min_body_rate:
