@@ -82,7 +82,7 @@ class BodyTooLarge(ServiceError):
     status = 413
 
     def __init__(self, limit: int):
-        super().__init__(f"body: larger than the limit of {limit} bytes")
+        super().__init__(f"body: larger than the limit of {limit} bytes (max_body_bytes)")
 
 
 class Overloaded(ServiceError):
@@ -98,6 +98,14 @@ class QueueFull(Overloaded):
 
 class SessionLimit(Overloaded):
     """Too many open sessions (429)."""
+
+
+class OutputsFull(ServiceError):
+    """The answers being made or sent hold max_output_bytes_in_flight: come back in a
+    second (503, the deployment's load: a rollout never counts it)."""
+
+    status = 503
+    headers = {"Retry-After": "1"}  # noqa: RUF012 (read only)
 
 
 class StoreUnavailable(ServiceError):

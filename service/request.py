@@ -6,7 +6,7 @@ one request")."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -32,6 +32,10 @@ class Scope:
     route_key: bytes | None = None
     compute_s: float | None = None
     candidate_refused: bool = False
+    # the per-step output bytes the request holds of max_output_bytes_in_flight, given
+    # back (give_back) once its answer is built (service.dataplane.in_flight)
+    output_bytes: int = 0
+    give_back: Callable[[Scope], None] | None = None
 
 
 _current: ContextVar[Scope | None] = ContextVar("orthornn_request", default=None)
@@ -46,9 +50,19 @@ def opened() -> Iterator[Scope]:
         yield scope
     finally:
         _current.reset(token)
+        answered(scope)
 
 
 def current() -> Scope:
     """The scope of the request being answered (outside one, a scope nobody reads)."""
     scope = _current.get()
     return scope if scope is not None else Scope()
+
+
+def answered(scope: Scope) -> None:
+    """SCOPE's answer is built (encoded, or an error): what it holds is given back (once).
+    Its bytes waiting to be sent are the connection's: a client that does not read cannot
+    hold what other requests need."""
+    if scope.give_back is not None:
+        give_back, scope.give_back = scope.give_back, None
+        give_back(scope)

@@ -17,6 +17,10 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 #: providers that run on an NVIDIA GPU (TensorRT needs the CUDA provider's libraries too)
 GPU_PROVIDERS = (CUDA, "TensorrtExecutionProvider")
+#: the bounds of the default body limit (Settings.body_limit): the labels and repository
+#: routes' bodies fit the floor (10,000 labels), the ceiling is the fixed limit it replaced
+MIN_BODY_BYTES = 4 * 1024 * 1024
+MAX_BODY_BYTES = 16 * 1024 * 1024
 Device = Literal["auto", "cpu", "cuda"]
 DEVICES: tuple[str, ...] = get_args(Device)
 
@@ -222,8 +226,12 @@ class Settings(BaseSettings):
         description="at most one drift test per version per this many seconds; windows that "
                     "fill sooner are skipped (bounds the tests' CPU at any request rate; 0: "
                     "test every window)")
-    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 31,
-                                description="request body limit (413 beyond it)")
+    max_body_bytes: int | None = Field(
+        None, ge=1024, le=1 << 31,
+        description="request body limit (413 beyond it); unset: the largest request the "
+                    "loaded models take, written as JSON (max_request_sequences sequences "
+                    "of max_length steps, 32 bytes a number), at least 4 MiB (the labels "
+                    "and repository routes) and at most 16 MiB")
     max_header_bytes: int = Field(
         64 * 1024, ge=1024, le=1 << 26,
         description="request head limit (request line and headers); beyond it 431 and the "
@@ -246,6 +254,13 @@ class Settings(BaseSettings):
         description="budget of a request's per-step outputs (language models: B x T x "
                     "vocabulary x 4 bytes of logits); beyond it 413 before the model runs; "
                     "/generate reads a longer prompt in pieces within it (0: no limit)")
+    max_output_bytes_in_flight: int = Field(
+        256 * 1024 * 1024, ge=0, le=1 << 40,
+        description="per-step output bytes of the answers being made at once (from a "
+                    "request's checks to its encoded answer), over all requests, each "
+                    "counted as max_lm_output_bytes counts it (OIP JSON answers as "
+                    "written: 17 bytes a value); beyond it 503 with Retry-After, one "
+                    "request is always let in (0: no limit)")
     header_timeout_s: float = Field(
         10.0, ge=0, le=3600,
         description="longest time to receive a request's head (request line and headers), "
@@ -305,12 +320,19 @@ class Settings(BaseSettings):
                            "traceparent, exported as the OTEL_* variables say (OTLP over "
                            "HTTP to OTEL_EXPORTER_OTLP_ENDPOINT); needs the otel extra")
 
+    def body_limit(self, largest: int) -> int:
+        """The request body limit: max_body_bytes, or when unset LARGEST (the JSON body of
+        the loaded models' largest request) within [MIN_BODY_BYTES, MAX_BODY_BYTES]."""
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return min(max(largest, MIN_BODY_BYTES), MAX_BODY_BYTES)
+
     def body_timeout(self) -> float:
-        """body_timeout_s, or when unset one that scales with the body limit: the limit at
-        64 KiB/s (a slow but legitimate upload), at least 30 s."""
+        """body_timeout_s, or when unset one that scales with the body limit (the largest
+        it can be): the limit at 64 KiB/s (a slow but legitimate upload), at least 30 s."""
         if self.body_timeout_s is not None:
             return self.body_timeout_s
-        return max(30.0, self.max_body_bytes / (64 * 1024))
+        return max(30.0, (self.max_body_bytes or MAX_BODY_BYTES) / (64 * 1024))
 
     @field_validator("models", "providers", mode="before")
     @classmethod

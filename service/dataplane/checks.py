@@ -72,31 +72,44 @@ def _check_length(spec: ModelSpec, n: int, field: str) -> None:
                           f"(the model's max_length); got {n}")
 
 
-def per_step_bytes(spec: ModelSpec, per_step: bool = False) -> int:
+#: the most bytes one float32 output value takes in a JSON answer, its comma counted:
+#: orjson writes the shortest form that reads back, in decimals between 1e-7 and 1e16
+#: ("-0.0000010000131," is the longest of every negative float32); an OIP output tensor
+#: sent as binary data takes 4
+JSON_VALUE_BYTES = 17
+
+
+def per_step_bytes(spec: ModelSpec, per_step: bool = False, value_bytes: int = 4) -> int:
     """Bytes of output per sequence and time step that a request makes the model build (a
     language model's logits: the vocabulary; seq2seq: its classes; per_step: every
-    output), 0 when only the last step's output is built."""
+    output), VALUE_BYTES a value (4: float32; JSON_VALUE_BYTES: as a JSON answer writes
+    them), 0 when only the last step's output is built."""
     if spec.task in ("lm", "seq2seq") or per_step:
-        return 4 * spec.output_size
+        return value_bytes * spec.output_size
     return 0
 
 
 def check_output_budget(spec: ModelSpec, batch: int, steps: int, budget: int,
-                        per_step: bool = False) -> None:
-    """413 before the model runs when BATCH sequences of STEPS steps would make per-step
-    outputs (B x T x V x 4 bytes of a language model's logits) beyond BUDGET (0: none)."""
-    size = batch * steps * per_step_bytes(spec, per_step)
+                        per_step: bool = False, value_bytes: int = 4) -> int:
+    """The bytes of per-step outputs that BATCH sequences of STEPS steps make (B x T x V x
+    VALUE_BYTES of a language model's logits); 413 before the model runs when they are
+    beyond BUDGET (0: none)."""
+    size = batch * steps * per_step_bytes(spec, per_step, value_bytes)
     if budget and size > budget:
+        written = "as JSON" if value_bytes != 4 else "float32"
         raise ClientError(
             f"inputs: the answer's per-step outputs would take {size} bytes ({batch} "
-            f"sequences x {steps} steps x {spec.output_size} outputs x 4 bytes), over the "
-            f"limit of {budget} bytes (max_lm_output_bytes); send fewer or shorter "
-            f"sequences, or carry state across requests", 413)
+            f"sequences x {steps} steps x {spec.output_size} outputs x {value_bytes} bytes "
+            f"{written}), over the limit of {budget} bytes (max_lm_output_bytes); send "
+            f"fewer or shorter sequences, ask for binary outputs, or carry state across "
+            f"requests", 413)
+    return size
 
 
 def predict_sequences(spec: ModelSpec, req: Prediction, max_sequences: int,
                       output_budget: int = 0) -> list[np.ndarray]:
-    """The request's sequences as arrays: float32 [T, d] or int64 [T] token ids."""
+    """The request's sequences as arrays: float32 [T, d] or int64 [T] token ids (their
+    per-step outputs within OUTPUT_BUDGET bytes: ``check_output_budget``)."""
     if (req.inputs is None) == (req.text is None):
         raise ClientError("inputs: give exactly one of 'inputs' or 'text'"
                           if spec.kind == "tokens" else "inputs: required")
@@ -168,10 +181,19 @@ def _model_tensor(inp: InputTensor, expected_dtype: str) -> np.ndarray:
     return inp.data.reshape(inp.shape)
 
 
+def output_value_bytes(spec: ModelSpec, req: Inference) -> int:
+    """Bytes a value of the model's main output takes in the answer to REQ: 4 as binary
+    data, JSON_VALUE_BYTES in JSON (a 39 MiB tensor went back as 110 MiB of JSON when
+    the budget counted 4: issue 59, finding 3)."""
+    binary = req.binary_outputs()
+    return 4 if spec.output_name in binary or "*" in binary else JSON_VALUE_BYTES
+
+
 def infer_sequences(spec: ModelSpec, req: Inference, io: GraphIO, max_sequences: int,
                     output_budget: int = 0) -> tuple[list[np.ndarray | Chunk], int]:
     """The sequences of an OIP request (x or tokens [B, T, ...] with optional lengths [B])
-    and T."""
+    and T; the per-step outputs within OUTPUT_BUDGET as the answer will write them (JSON,
+    or binary data: ``output_value_bytes``)."""
     declared = {i.name: i for i in io.inputs}
     seen: dict[str, InputTensor] = {}
     for inp in req.inputs:
@@ -199,7 +221,8 @@ def infer_sequences(spec: ModelSpec, req: Inference, io: GraphIO, max_sequences:
     if rank == 3 and x_in.shape[2] != spec.feature_size:
         raise ClientError(f"inputs[{main}].shape[2]: feature_size is {spec.feature_size}; "
                           f"got {x_in.shape[2]}")
-    check_output_budget(spec, batch, steps, output_budget)
+    check_output_budget(spec, batch, steps, output_budget,
+                        value_bytes=output_value_bytes(spec, req))
     x = _model_tensor(x_in, declared[main].datatype)
     if spec.kind == "tokens":
         vocab = len(spec.vocabulary or ())

@@ -35,7 +35,15 @@ from ..sessions.store import open_store
 from ..sessions.tokens import decode_state, encode_state, state_version
 from ..settings import Settings
 from . import generate
-from .checks import infer_sequences, predict_sequences, range_warning, version_param
+from .checks import (
+    infer_sequences,
+    output_value_bytes,
+    per_step_bytes,
+    predict_sequences,
+    range_warning,
+    version_param,
+)
+from .in_flight import OutputsInFlight
 from .messages import (
     Document,
     Inference,
@@ -82,6 +90,7 @@ class DataPlane:
         # capture (create_app's: the batchers record with it too), and the labels of the
         # captures, written beside them as the replica capture claimed
         self.capture = capture
+        self.outputs = OutputsInFlight(settings.max_output_bytes_in_flight)
         self.label_store = None if settings.capture is None or capture is None else \
             LabelStore(settings.capture, settings.repo, capture.replica, metrics)
 
@@ -226,8 +235,12 @@ class DataPlane:
                              session_secret=applied.secret)
 
     def _sequences(self, mv: ModelVersion, req: Prediction) -> list[np.ndarray]:
-        return self._checked(mv, lambda spec: predict_sequences(
+        seqs = self._checked(mv, lambda spec: predict_sequences(
             spec, req, self.settings.max_request_sequences, self.settings.max_lm_output_bytes))
+        # padded to the longest: what the batch's graph output holds
+        self.outputs.take(len(seqs) * max(len(s) for s in seqs)
+                          * per_step_bytes(mv.spec, bool(req.per_step)))
+        return seqs
 
     def _checked(self, mv: ModelVersion, check: Callable[[ModelSpec], Any]) -> Any:
         """CHECK(MV's spec): the request's inputs as MV takes them. A rollout's candidate
@@ -358,9 +371,12 @@ class DataPlane:
         return state[0]
 
     def _infer_sequences(self, mv: ModelVersion, req: Inference) -> tuple[list, int]:
-        return self._checked(mv, lambda spec: infer_sequences(
+        seqs, steps = self._checked(mv, lambda spec: infer_sequences(
             spec, req, spec.io["model"], self.settings.max_request_sequences,
             self.settings.max_lm_output_bytes))
+        self.outputs.take(len(seqs) * steps * per_step_bytes(
+            mv.spec, value_bytes=output_value_bytes(mv.spec, req)))
+        return seqs, steps
 
     async def _infer_run(self, mv: ModelVersion, req: Inference, seqs: list, steps: int,
                          tag: request.Scope | None = None) -> list[OutputTensor]:

@@ -61,6 +61,15 @@ class Inference:
     sequence: Sequence | None = None  # None: stateless
     session_secret: str | None = None  # the parameter (the header comes beside it)
 
+    def binary_outputs(self) -> set[str]:
+        """The outputs the request wants as binary data ("*": all): ``binary_data`` per
+        output, else the request's ``binary_data_output``."""
+        binary_all = bool(self.parameters.get("binary_data_output"))
+        if not self.outputs:  # every output
+            return {"*"} if binary_all else set()
+        return {o.name for o in self.outputs
+                if (o.parameters or {}).get("binary_data", binary_all)}
+
 
 @dataclass(frozen=True)
 class OutputTensor:

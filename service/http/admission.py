@@ -60,19 +60,14 @@ class Admission:
     GRACE_S = 5.0
 
     def __init__(self, app: ASGIApp, table: RouteTable, metrics: Metrics,
-                 counts: RequestCounts, max_body: int, max_inflight: int,
+                 counts: RequestCounts, max_body: Callable[[], int], max_inflight: int,
                  max_receiving: int = 0, draining: Callable[[], bool] | None = None,
                  min_body_rate: float = 0.0):
         self.app, self.table, self.metrics, self.counts = app, table, metrics, counts
-        self.max_body, self.max_inflight = max_body, max_inflight
-        #: body bytes being received before admission, over all requests (a bound of at
-        #: least one full body; 0: max_inflight bodies, as many as the slots hold)
-        self.max_receiving = max(max_receiving or max_inflight * max_body, max_body)
-        #: what the bodies still arriving (of more than one message) may hold together: a
-        #: body's worth is kept free, so that a request whose body came whole is never
-        #: refused for the slow ones (it holds nothing across an await)
-        self.max_arriving = self.max_receiving - max_body \
-            if self.max_receiving >= 2 * max_body else self.max_receiving
+        # the body limit, asked per request: by default it follows the loaded models
+        # (Settings.body_limit)
+        self.body_limit, self.max_inflight = max_body, max_inflight
+        self._max_receiving = max_receiving
         self.receiving = 0
         self.min_body_rate = min_body_rate  # bytes a second, on average, after GRACE_S
         self._bodies: set[_Receiving] = set()  # the bodies of more than one message
@@ -84,6 +79,25 @@ class Admission:
                                       "retry later",
                                  headers={"Retry-After": str(self.RETRY_AFTER_S)})
 
+    @property
+    def max_body(self) -> int:
+        return self.body_limit()
+
+    @property
+    def max_receiving(self) -> int:
+        """Body bytes being received before admission, over all requests (a bound of at
+        least one full body; 0: max_inflight bodies, as many as the slots hold)."""
+        max_body = self.max_body
+        return max(self._max_receiving or self.max_inflight * max_body, max_body)
+
+    @property
+    def max_arriving(self) -> int:
+        """What the bodies still arriving (of more than one message) may hold together: a
+        body's worth is kept free, so that a request whose body came whole is never
+        refused for the slow ones (it holds nothing across an await)."""
+        total, max_body = self.max_receiving, self.max_body
+        return total - max_body if total >= 2 * max_body else total
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
@@ -91,26 +105,27 @@ class Admission:
         if self.draining is not None and self.draining():
             send = _closing(send)
         received = 0
+        max_body = self.max_body
 
         async def limited_receive() -> Message:
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_body:
-                    raise BodyTooLarge(self.max_body)
+                if received > max_body:
+                    raise BodyTooLarge(max_body)
             return message
 
         # health and metrics neither wait for a slot nor take one: they cost next to
         # nothing, and a probe must not turn a request away while a slot is free
         limited = not scope["path"].startswith(self.EXEMPT)
-        refused = self.refuse(scope)
+        refused = self.refuse(scope, max_body)
         if refused is not None:  # (no slot: nothing of it is read)
             await refused(scope, receive, send)
             return self._record(scope, refused.status_code, start)
         if limited:
             # the body first: a slot is taken for the work, not for a slow upload
-            body = await self._body(scope, receive, send, start)
+            body = await self._body(scope, receive, send, start, max_body)
             if body is None:  # answered (413, 503) or the client gone
                 return
             receive = _replay(body, receive)
@@ -143,8 +158,8 @@ class Admission:
                 self._free_slot()
             self.metrics.inflight.dec()
 
-    async def _body(self, scope: Scope, receive: Receive, send: Send, start: float
-                    ) -> bytes | None:
+    async def _body(self, scope: Scope, receive: Receive, send: Send, start: float,
+                    max_body: int) -> bytes | None:
         """The request's whole body, read before it takes a slot (bounded by the body
         limit and, over all requests, by ``max_receiving``); None when it has been answered
         here (413, 408, 503) or the client has gone.
@@ -161,8 +176,8 @@ class Admission:
             return None
         chunk = message.get("body", b"")
         if not message.get("more_body", False):  # the common case: one message
-            if len(chunk) > self.max_body:
-                await self._answer(scope, receive, send, start, self._too_large())
+            if len(chunk) > max_body:
+                await self._answer(scope, receive, send, start, self._too_large(max_body))
                 return None
             return chunk  # (in memory already, held across no await: the reserve's)
         body = _Receiving(0, time.monotonic(), asyncio.current_task())
@@ -174,8 +189,8 @@ class Admission:
                     body.taken += len(chunk)
                     self.receiving += len(chunk)
                     answer = None
-                    if body.taken > self.max_body:
-                        answer = self._too_large()
+                    if body.taken > max_body:
+                        answer = self._too_large(max_body)
                     elif self.receiving > self.max_arriving \
                             and not self._make_room(body.taken):
                         answer = self._full()
@@ -236,8 +251,9 @@ class Admission:
         elapsed = time.monotonic() - body.since
         return elapsed > self.GRACE_S and body.taken < self.min_body_rate * elapsed
 
-    def _too_large(self) -> JSON:
-        return error(413, f"body: larger than the limit of {self.max_body} bytes")
+    @staticmethod
+    def _too_large(max_body: int) -> JSON:
+        return error(413, f"body: larger than the limit of {max_body} bytes (max_body_bytes)")
 
     def _full(self) -> JSON:
         return error(503, f"overloaded: request bodies of {self.max_receiving} bytes being "
@@ -268,11 +284,11 @@ class Admission:
                 return
         self.inflight -= 1
 
-    def refuse(self, scope: Scope) -> JSON | None:
-        """413 at once when Content-Length says the body is too large."""
+    def refuse(self, scope: Scope, max_body: int) -> JSON | None:
+        """413 at once when Content-Length says the body is larger than MAX_BODY."""
         length = header(scope, b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body):
-            return error(413, f"body: larger than the limit of {self.max_body} bytes")
+        if length is not None and (not length.isdigit() or int(length) > max_body):
+            return self._too_large(max_body)
         return None
 
     def _record(self, scope: Scope, status: int, start: float) -> None:

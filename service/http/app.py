@@ -84,7 +84,7 @@ def create_app(settings: Settings, providers: ProviderChoice | None = None) -> F
     app.add_middleware(Routes, table=table, counts=counts, labels=dataplane.labels,
                        observe=dataplane.observe)
     app.add_middleware(Admission, table=table, metrics=metrics, counts=counts,
-                       max_body=settings.max_body_bytes,
+                       max_body=lambda: settings.body_limit(registry.catalog.largest_body),
                        max_inflight=settings.max_inflight_requests,
                        max_receiving=settings.max_receiving_bytes,
                        draining=lambda: app.state.draining,

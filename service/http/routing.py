@@ -193,6 +193,7 @@ class Routes:
             response = await route.handler(Call(body, scope, params))
         except Exception as exc:
             response = error_response(exc, f"{scope['method']} {scope['path']}")
+        request.answered(request.current())  # built: its output budget goes back
         await response(scope, receive, send)
         return response.status_code
 

@@ -97,8 +97,13 @@ def model_names(repo: Path) -> list[str]:
 
 class Catalog:
     def __init__(self, repo: Path, metrics: Metrics, configured: set[str],
-                 on_release: ReleaseHook):
+                 on_release: ReleaseHook, max_sequences: int = 1):
         self.repo = repo
+        #: the JSON body of the largest request a version served since start takes
+        #: (``ModelSpec.largest_body``, MAX_SEQUENCES sequences): the body limit's default;
+        #: it never shrinks, so that a session's chunk to a retired version still fits
+        self.largest_body = 0
+        self.max_sequences = max_sequences
         self.metrics = metrics
         self.on_release = on_release  # on the event loop, once a retired version is free
         self.lock = threading.RLock()  # the table and every version's leases
@@ -279,6 +284,7 @@ class Catalog:
                     free.append(mv)
         for mv in added:
             self.metrics.model_loaded(mv.manifest)
+            self.largest_body = max(self.largest_body, mv.spec.largest_body(self.max_sequences))
         if before is not None and after is not None and after != before:
             self.metrics.swaps.labels(name).inc()
             log.info("%s: version %d now serves (was %d)", name, after, before)

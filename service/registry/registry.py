@@ -34,7 +34,8 @@ __all__ = ["ModelVersion", "Registry"]
 class Registry:
     def __init__(self, settings: Settings, metrics: Metrics, providers: list[str], *,
                  on_load: LoadHook, on_release: ReleaseHook):
-        self.catalog = Catalog(Path(settings.repo), metrics, set(settings.models), on_release)
+        self.catalog = Catalog(Path(settings.repo), metrics, set(settings.models), on_release,
+                               settings.max_request_sequences)
         self.loader = Loader(settings, metrics, providers, on_load)
         self.pins = SessionPins(self.catalog, self.loader, metrics)
         self.rollouts = Rollouts(metrics)

@@ -14,6 +14,10 @@ from orthornn.export.artifacts.vocabulary import UNK, words
 #: an input is far outside the training range when it lies beyond min - m (max - min) or
 #: max + m (max - min) of its feature (m (|max| or 1) for a feature constant in training)
 RANGE_MARGIN = 0.5
+#: the most bytes one input number takes in a request body as clients write it: a
+#: float64's 17 significant digits with sign, point, exponent, comma and a space
+#: ("-1.2345678901234567e-308, " is 26)
+NUMBER_BYTES = 32
 
 # Training's word tokenizer (export.vocabulary). Unlike training, no "<eos>" is appended:
 # a request's text is a prefix, not a finished paragraph.
@@ -78,6 +82,17 @@ class ModelSpec:
             spec.input_high_min = float(spec.input_high.min())
             spec.training_min, spec.training_max = stats["min"], stats["max"]
         return spec
+
+    def largest_body(self, max_sequences: int) -> int:
+        """An upper bound of the JSON body of the largest request this model takes:
+        MAX_SEQUENCES sequences of max_length steps, a step's values at NUMBER_BYTES each
+        (text: the longest word and a space, every character written as a 6-byte \\u
+        escape), and each sequence's state (the body limit's default: Settings.body_limit)."""
+        step = NUMBER_BYTES * self.feature_size
+        if self.kind == "tokens":
+            longest = max((len(w) for w in self.vocabulary or ()), default=1)
+            step = max(NUMBER_BYTES, 6 * (longest + 1))
+        return max_sequences * (self.max_length * step + NUMBER_BYTES * self.state_size)
 
     @property
     def unk_id(self) -> int | None:

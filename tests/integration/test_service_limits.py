@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from orthornn.service.dataplane.checks import JSON_VALUE_BYTES
 
 from ..service_helpers import LiveServer, RawConnection, make_repo
 
@@ -296,8 +297,9 @@ def test_an_lm_request_over_the_output_budget_gets_413_before_it_runs(repo):
         vocab, steps = spec.output_size, spec.max_length
         tokens = np.ones((256, steps), dtype=np.int64)
         body, headers = _binary_infer(tokens)
-        size = 256 * steps * vocab * 4
-        # 14 MiB of logits (vocabulary 14): built, stacked and encoded, it cost +70 MiB RSS
+        # 14 MiB of logits (vocabulary 14): built, stacked and encoded, it cost +70 MiB
+        # RSS; the answer is JSON, counted as written
+        size = 256 * steps * vocab * JSON_VALUE_BYTES
         assert size > 8 * budget
         for _ in range(2):  # warm: the first request's allocations are the codecs' too
             assert http.post("/v2/models/words/infer", content=body,

@@ -31,7 +31,7 @@ BODY = json.dumps({"model": "digits", "inputs": [[0.1, 0.2, 0.3]]}).encode()
 
 def _admission(app, max_inflight: int = 1) -> Admission:
     metrics = Metrics()
-    return Admission(app, RouteTable([]), metrics, RequestCounts(metrics), max_body=1024,
+    return Admission(app, RouteTable([]), metrics, RequestCounts(metrics), max_body=lambda: 1024,
                      max_inflight=max_inflight)
 
 def post(body: bytes = BODY, path: str = "/predict") -> bytes:

@@ -35,7 +35,7 @@ def decode(body: bytes, header_length: str | None, name: str, version: str | Non
 def encode(inference: Inference, result: InferenceResult) -> tuple[bytes, list[bytes]]:
     """The JSON header and the binary outputs' blobs (none when no output asked for
     binary data: then the header is the whole JSON answer)."""
-    answer, blobs = oip_json.document(result, oip_json.binary_outputs(inference))
+    answer, blobs = oip_json.document(result, inference.binary_outputs())
     return orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY), blobs
 
 

@@ -91,16 +91,6 @@ def sequence_of(params: dict) -> Sequence | None:
     return Sequence(str(sid), bool(start), bool(end), position)
 
 
-def binary_outputs(inference: Inference) -> set[str]:
-    """The outputs the request wants as binary data (``binary_data`` per output, else the
-    request's ``binary_data_output``)."""
-    binary_all = bool(inference.parameters.get("binary_data_output"))
-    if not inference.outputs:  # every output
-        return {"*"} if binary_all else set()
-    return {o.name for o in inference.outputs
-            if (o.parameters or {}).get("binary_data", binary_all)}
-
-
 def document(result: InferenceResult, binary: set[str]) -> tuple[dict, list[bytes]]:
     """The answer's JSON document and the blobs of the outputs named in BINARY ("*":
     all), in order."""
