@@ -1,5 +1,5 @@
-"""``orthornn labels import`` (labels in bulk, ``service.labels``) and ``orthornn capture
-dataset`` (a training set from the labelled captures, ``service.dataset``): the loop's
+"""``orthornn labels import`` (labels in bulk, ``service.loop.labels``) and ``orthornn capture
+dataset`` (a training set from the labelled captures, ``export.artifacts.loop.dataset``): the loop's
 commands. Torch-free; the command package hands in its one ``--no-progress`` definition
 (``training.flags``, which service/ does not import)."""
 
@@ -87,7 +87,7 @@ def _number(flag: str, text: str) -> float:
 
 
 def run_dataset(args: argparse.Namespace) -> int:
-    from .dataset import holdout_path, write_dataset
+    from orthornn.export.artifacts.loop.dataset import holdout_path, write_dataset
 
     share = _number("--holdout-share", args.holdout_share)
     summary = write_dataset(Path(args.capture), args.name, Path(args.out),
@@ -167,7 +167,7 @@ def read_label_file(path: Path) -> tuple[list[dict], list[int]]:
 
 def run_import(args: argparse.Namespace) -> int:
     from .errors import ServiceError
-    from .labels import LabelError, LabelStore
+    from .loop.labels import LabelError, LabelStore
 
     path = Path(args.file)
     items, numbers = read_label_file(path)

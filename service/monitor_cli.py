@@ -7,7 +7,7 @@ version's graph (onnxruntime, from the repository): the outputs and states, and 
 windows' scores, are those the service computed. Windows are per version (each has its own
 reference), of whole sequences (a session's chunks are left out, as the service leaves
 them out); only full windows are tested. Once labels arrive, the labelled error rate of
-each version and ADWIN's change in it (``service.error_rate``) are reported too.
+each version and ADWIN's change in it (``export.artifacts.loop.error_rate``) are reported too.
 ``--exit-code``: 1 when the newest window drifts or the error rate of the newest captured
 version rose, 0 when neither (or nothing is full or labelled yet), 2 on bad input.
 """
@@ -24,8 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from orthornn.export.artifacts import drift
-from orthornn.export.artifacts.captures import array, first_labels, read_records
+from orthornn.export.artifacts.loop import drift
+from orthornn.export.artifacts.loop.captures import (
+    array,
+    first_labels,
+    parse_since,
+    progress_bar,
+    read_records,
+)
+from orthornn.export.artifacts.loop.error_rate import error_rates
 from orthornn.export.artifacts.package import (
     PackageError,
     check_hashes,
@@ -34,7 +41,6 @@ from orthornn.export.artifacts.package import (
     session,
 )
 from orthornn.export.artifacts.repository import check_name
-from orthornn.service.error_rate import error_rates
 
 DRIFTS_EXIT = 1  # --exit-code: the newest window drifts
 
@@ -89,19 +95,6 @@ class Window:
 
 def _iso(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="seconds")
-
-
-def parse_since(value: str | None) -> float | None:
-    if value is None:
-        return None
-    try:
-        when = dt.datetime.fromisoformat(value)
-    except ValueError:
-        raise ValueError(f"--since: {value!r} is not a date (YYYY-MM-DD) or an ISO 8601 "
-                         f"time") from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.UTC)
-    return when.timestamp()
 
 
 def parse_window(value: str | None) -> int | None:
@@ -161,7 +154,7 @@ def monitor(records: list[dict], repo: Path, name: str, since: float | None = No
             notes.append(f"version {version}: {len(items)} sequences, no full window of "
                          f"{size} yet")
             continue
-        bar = _bar(full, f"version {version}", progress)
+        bar = progress_bar(full, f"version {version}", "window", progress)
         for k in range(full):
             part = items[k * size:(k + 1) * size]
             seqs = [s for _, s in part]
@@ -177,16 +170,6 @@ def monitor(records: list[dict], repo: Path, name: str, since: float | None = No
                          f"for a full window")
     windows.sort(key=lambda w: w.end)
     return windows, notes
-
-
-def _bar(total: int, desc: str, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ModuleNotFoundError:  # the serve image has no tqdm: no bar
-        return None
-    return tqdm(total=total, desc=desc, unit="window", file=sys.stderr)
 
 
 def table(windows: list[Window]) -> str:
@@ -242,7 +225,8 @@ def run_monitor(args: argparse.Namespace) -> int:
     repo = Path(repo_value)
     if not (repo / name).is_dir():
         raise ValueError(f"--repo, --name: no model {name!r} in {str(repo)!r}")
-    since, window = parse_since(args.since), parse_window(args.window)
+    start, window = parse_since(args.since), parse_window(args.window)
+    since = None if start is None else start.timestamp()
     if args.plot:
         import matplotlib  # noqa: F401  # a missing train extra: one line, before the work
     records, torn = read_records(capture, name)  # once, for the windows and the labels

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class Scope:
-    # capture (service.capture): the id the client gave (checked on the event loop),
+    # capture (service.loop.capture): the id the client gave (checked on the event loop),
     # whether the sample is still to be decided, the route it is recorded under, and the
     # id its record is kept under once it is decided in the sample
     given: bytes | str | None = None

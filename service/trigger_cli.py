@@ -118,7 +118,7 @@ def monitor_check(capture: Path, repo: Path, name: str) -> DriftCheck:
 def count_labels(capture: Path, name: str, since: float | None) -> int:
     """Labels of NAME under the capture folder that arrived after ``since`` (Unix seconds;
     every label when None)."""
-    from orthornn.export.artifacts.captures import read_labels
+    from orthornn.export.artifacts.loop.captures import read_labels
 
     return sum(1 for label in read_labels(capture, name)
                if since is None or (isinstance(label.get("time"), int | float)

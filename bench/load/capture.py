@@ -286,7 +286,7 @@ async def _send(port: int, bodies: list[bytes], ids: list[str], concurrency: int
 
 
 def nothing_lost(args: argparse.Namespace, work: Path, repo: Path) -> dict:
-    from orthornn.service.capture import read_records
+    from orthornn.export.artifacts.loop.captures import read_records
 
     folder = work / "captured"
     extra = ["--capture", str(folder), "--capture-replica", "pod-0"]

@@ -56,7 +56,8 @@ def record_line(i: int, encoded: dict) -> bytes:
 
 
 def run(records: int, folder: Path) -> dict:
-    from orthornn.service.labels import CaptureIndex, LabelStore
+    from orthornn.service.loop.index import CaptureIndex
+    from orthornn.service.loop.labels import LabelStore
 
     root, repo = folder / "captures", folder / "models"
     (repo / "digits" / "1").mkdir(parents=True)

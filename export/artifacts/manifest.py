@@ -188,7 +188,7 @@ class Manifest:
     #: labelled records} when it learned from ``orthornn capture dataset`` files (absent
     #: otherwise and in older manifests)
     lineage: dict | None = None
-    #: the drift reference file (``export.artifacts.drift``: summaries of the validation
+    #: the drift reference file (``export.artifacts.loop.drift``: summaries of the validation
     #: split and the tests' calibrated thresholds); None for packages before it, or when
     #: the validation data could not be rebuilt: the service then measures no drift
     reference: str | None = None

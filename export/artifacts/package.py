@@ -5,7 +5,7 @@
         steps.onnx       classify / regress: the output after every step
         step.onnx        language models: one step, state in and out
         vocab.txt        language models: one token per line
-        reference.npz    the drift reference (``export.artifacts.drift``; optional)
+        reference.npz    the drift reference (``export.artifacts.loop.drift``; optional)
         golden.npz       "<graph>/<tensor>" inputs and the outputs torch computed
         manifest.json    what the package is (``Manifest`` below), with the sha256 of
                          every other file

@@ -27,7 +27,8 @@ from orthornn.training.progress import progress_bar
 
 from orthornn import __version__
 
-from ..artifacts import drift, gate, package, repository
+from ..artifacts import gate, package, repository
+from ..artifacts.loop import drift
 from ..artifacts.package import INITIAL_LOGITS, INITIAL_STATE
 from . import evaluation
 from .onnx_export import MODES, build_graph

@@ -1,4 +1,4 @@
-"""The drift reference of a package (``export.artifacts.drift``), computed at export from
+"""The drift reference of a package (``export.artifacts.loop.drift``), computed at export from
 the run's validation split through the exported graph with onnxruntime, as the service
 runs it: each validation sequence alone from the zero state (a language model's
 validation stream cut into windows of the training length), its summaries, then the
@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..artifacts import drift, package
+from ..artifacts import package
+from ..artifacts.loop import drift
 
 if TYPE_CHECKING:
     import onnxruntime as ort

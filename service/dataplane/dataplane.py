@@ -15,8 +15,6 @@ import numpy as np
 from orthornn.export.artifacts.package import INITIAL_STATE
 
 from .. import request
-from ..capture import Capture, keep_answer
-from ..drift import Drift
 from ..errors import (
     SECRET_HEADER,
     ClientError,
@@ -25,7 +23,9 @@ from ..errors import (
     ServiceError,
     StateConflict,
 )
-from ..labels import LabelStore
+from ..loop.capture import Capture, keep_answer
+from ..loop.drift import Drift
+from ..loop.labels import LabelStore
 from ..metrics import UNKNOWN, Metrics
 from ..registry.registry import ModelVersion, Registry
 from ..registry.runtime import Chunk
@@ -144,7 +144,7 @@ class DataPlane:
 
     async def label(self, name: str, body: bytes) -> dict:
         """POST /v2/models/{name}/labels: the body's labels of captured requests, all or
-        none (``service.labels``); 409 when capture is off (nothing to label)."""
+        none (``service.loop.labels``); 409 when capture is off (nothing to label)."""
         if self.label_store is None:
             raise Conflict("labels: capture is off; labels are taken for captured requests "
                            "only (orthornn serve --capture DIR)")

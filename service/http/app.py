@@ -16,10 +16,10 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..capture import open_capture
 from ..dataplane.dataplane import DataPlane
 from ..dataplane.metadata import server_version
 from ..errors import ServiceError
+from ..loop.capture import open_capture
 from ..metrics import Metrics
 from ..registry.batching import Batching
 from ..registry.devices import ProviderChoice, select_providers

@@ -16,7 +16,6 @@ import orjson
 from fastapi.responses import Response
 
 from .. import request
-from ..capture import given_id
 from ..dataplane.checks import version_param
 from ..dataplane.dataplane import DataPlane
 from ..dataplane.messages import Served
@@ -38,7 +37,8 @@ from ..dataplane.schemas import (
     parse,
 )
 from ..errors import POSITION_HEADER, SECRET_HEADER, ClientError, ServiceError
-from ..labels import LabelsRequest, LabelsResponse
+from ..loop.ids import given_id
+from ..loop.labels import LabelsRequest, LabelsResponse
 from ..metrics import Metrics
 from ..settings import Settings, is_loopback
 from ..tracing import open_tracing

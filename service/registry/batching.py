@@ -48,7 +48,7 @@ def prepare_rows(spec: ModelSpec, rows: list[dict]) -> None:
 
 
 class Recorder(Protocol):
-    """Capture, as the batchers see it (``service.capture.Capture``)."""
+    """Capture, as the batchers see it (``service.loop.capture.Capture``)."""
 
     def recorder(self, spec: ModelSpec, model: str, version: int, graph: str, timed: bool
                  ) -> Callable[[list[Any]], None]: ...

@@ -37,9 +37,9 @@ def oip_fields_target(data: bytes) -> None:
     input's and output's): refused with a 4xx, or taken with an id that an answer header
     and a capture record can hold and parameters of OIP's value kinds; the X-Request-Id
     header through capture's check likewise."""
-    from orthornn.service.capture import given_id
     from orthornn.service.errors import ServiceError
     from orthornn.service.http.codecs import oip_json
+    from orthornn.service.loop.ids import given_id
 
     fdp = atheris.FuzzedDataProvider(data)
     body: dict[str, Any] = {"inputs": [{"name": "x", "shape": [1, 2, 1], "datatype": "FP32",

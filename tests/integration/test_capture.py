@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from orthornn.service.capture import read_records
+from orthornn.export.artifacts.loop.captures import read_records
 from orthornn.service.http.app import create_app
 from orthornn.service.settings import Settings
 
@@ -195,7 +195,7 @@ def test_a_squatted_id_pairs_no_clients_input_with_anothers_label(repo, tmp_path
     2 sequences made the real label fail with 422). Now an id captured for requests with
     different inputs is ambiguous: its label is refused (409, saying why), the data set
     leaves it out, and a retry (the same inputs again) is still labelled once."""
-    from orthornn.service.labels import read_labels
+    from orthornn.export.artifacts.loop.captures import read_labels
 
     from ..helpers import orthornn_here
     from ..service_helpers import LiveServer

@@ -1,5 +1,5 @@
 """Drift on the digits model (issue 43's acceptance): the windows computed exactly as the
-service computes them (``service.drift.test_window`` on onnxruntime outputs of the exported
+service computes them (``service.loop.drift.test_window`` on onnxruntime outputs of the exported
 graph), against the reference the export recorded; then live, through the app's /metrics.
 
 A digits classifier trained well enough to mean something (an LSTM, hidden 32, 300 steps:
@@ -37,7 +37,8 @@ def digits_package(tmp_path_factory) -> Path:
 def served(digits_package):
     """The test split's sequences, labels and their (logits, state) through the
     package's graph, as the service's batcher hands them over."""
-    from orthornn.export.artifacts import drift, package
+    from orthornn.export.artifacts import package
+    from orthornn.export.artifacts.loop import drift
     from orthornn.training.tasks import make_task
 
     manifest = package.read_manifest(digits_package)
@@ -57,7 +58,7 @@ def served(digits_package):
 
 def _alarms(served, stream) -> list[bool]:
     """Whether each full window of STREAM (a list of (sequence, output, state)) alarms."""
-    from orthornn.service.drift import test_window
+    from orthornn.service.loop.drift import test_window
 
     return [max(test_window(served.reference, stream[i:i + WINDOW]).values()) >= 1
             for i in range(0, len(stream) - WINDOW + 1, WINDOW)]

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import simdjson
-from orthornn.export.artifacts.captures import REQUEST_ID_RULE, is_request_id
+from orthornn.export.artifacts.loop.captures import REQUEST_ID_RULE, is_request_id
 from orthornn.export.artifacts.numbers import is_integer
 from orthornn.export.artifacts.package import DATATYPES
 from pydantic import ValidationError

@@ -1,4 +1,4 @@
-"""The drift reference an export records (export.artifacts.drift, export.builder.reference):
+"""The drift reference an export records (export.artifacts.loop.drift, export.builder.reference):
 its summaries against a numpy recomputation from the validation split through onnxruntime,
 the tests' statistics against scipy's own functions, the package hash that covers the file,
 and packages without one (exported before it) that still load, with drift off."""
@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from fastapi.testclient import TestClient
-from orthornn.export.artifacts import drift
+from orthornn.export.artifacts.loop import drift, drift_statistics
 from orthornn.export.artifacts.package import PackageError, verify_package
 from orthornn.service.http.app import create_app
 from orthornn.service.settings import Settings
@@ -66,29 +66,29 @@ def test_the_statistics_are_scipys():
     window[0, :50, 1] = reference[0, :50, 1]  # ties across the samples
     for j in range(2):
         exact = ks_2samp(reference[0, :, j], window[0, :, j])
-        assert drift.ks_statistic(reference[..., j], window[..., j])[0] == \
+        assert drift_statistics.ks_statistic(reference[..., j], window[..., j])[0] == \
             pytest.approx(exact.statistic, abs=1e-12)
         # Stephens' scaling of the asymptotic distribution, against scipy's exact p-value
-        assert drift.ks_mlog10p(reference[..., j], window[..., j])[0] == \
+        assert drift_statistics.ks_mlog10p(reference[..., j], window[..., j])[0] == \
             pytest.approx(-math.log10(exact.pvalue), rel=0.05)
     lam = np.array([0.2, 0.6, 1.0, 1.7, 4.0, 9.0])  # both series of the distribution
-    np.testing.assert_allclose(drift.kolmogorov_mlog10(lam),
+    np.testing.assert_allclose(drift_statistics.kolmogorov_mlog10(lam),
                                -kstwobign.logsf(lam) / math.log(10), rtol=1e-9, atol=1e-12)
     a, b = rng.integers(0, 30, (4, 6)), rng.integers(0, 30, (4, 6))
     a[:, 3] = b[:, 3] = 0  # an empty class: out of the table
     expected = [-math.log10(chi2_contingency(np.stack([x, y])[:, (x + y) > 0],
                                              correction=False).pvalue)
                 for x, y in zip(a, b, strict=True)]
-    np.testing.assert_allclose(drift.chi2_mlog10p(a, b), expected, rtol=1e-9)
+    np.testing.assert_allclose(drift_statistics.chi2_mlog10p(a, b), expected, rtol=1e-9)
     stat, dof = np.array([0.5, 30.0, 900.0]), np.array([1, 9, 4])  # both branches, deep tail
-    np.testing.assert_allclose(drift.chi2_mlog10_sf(stat, dof),
+    np.testing.assert_allclose(drift_statistics.chi2_mlog10_sf(stat, dof),
                                -chi2.logsf(stat, dof) / math.log(10), rtol=1e-9)
     # MMD^2 (biased, Gaussian kernel): the formula written out
     x, y, h = rng.normal(size=(5, 3)), rng.normal(size=(7, 3)), 1.3
 
     def k(u, v):
         return np.exp(-((u[:, None] - v[None]) ** 2).sum(-1) / (2 * h * h)).mean()
-    assert drift.mmd2(x, y, h) == pytest.approx(k(x, x) + k(y, y) - 2 * k(x, y))
+    assert drift_statistics.mmd2(x, y, h) == pytest.approx(k(x, x) + k(y, y) - 2 * k(x, y))
 
 
 def test_the_package_hash_covers_the_reference(digits, tmp_path):
@@ -139,13 +139,13 @@ def test_the_mmd_null_is_mmd2_of_each_calibration_draw():
     rng = np.random.default_rng(5)
     n, rounds = 120, 40
     states = rng.normal(size=(n, drift.PROJECTION))
-    bandwidth = drift.median_distance(states)
+    bandwidth = drift_statistics.median_distance(states)
     found = drift.calibrate(("state",), {"projected": states}, bandwidth, 1, rounds=rounds)
     draw = np.random.default_rng(drift.SEED)  # the calibration's draws, again
     orders = np.stack([draw.permutation(n) for _ in range(rounds)])
     a, b = orders[:, :n // 2], orders[:, n // 2:]
     drawn = np.take_along_axis(b, draw.integers(n - n // 2, size=(rounds, drift.WINDOW)), 1)
-    null = [drift.mmd2(states[drawn[r]], states[a[r, :drift.MAX_KERNEL]], bandwidth)
+    null = [drift_statistics.mmd2(states[drawn[r]], states[a[r, :drift.MAX_KERNEL]], bandwidth)
             for r in range(rounds)]
     assert found["null_quantiles"]["state"] == pytest.approx(
         [float(np.quantile(null, q)) for q in (0.5, 0.9, 0.99)], rel=1e-9, abs=1e-12)

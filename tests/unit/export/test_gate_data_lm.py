@@ -17,8 +17,8 @@ import numpy as np
 import onnxruntime as ort
 import orjson
 import pytest
+from orthornn.export.artifacts.loop.dataset import write_dataset
 from orthornn.export.builder.exporter import export_run
-from orthornn.service.dataset import write_dataset
 from orthornn.training.config import TrainConfig
 from orthornn.training.trainer import train
 

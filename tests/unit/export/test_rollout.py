@@ -502,7 +502,7 @@ def test_ids_no_header_can_hold_are_refused_and_never_roll_back_a_rollout(repo, 
         r = client.post("/v2/models/adding/infer", json={"id": "order-40", "inputs": [x]},
                         headers={"X-Routing-Key": keys[0]})
         assert r.status_code == 200 and r.json()["id"] == "order-40", r.text
-    from orthornn.export.artifacts.captures import read_records
+    from orthornn.export.artifacts.loop.captures import read_records
 
     records, torn = read_records(captures, "adding")
     assert [record["id"] for record in records] == ["order-40"] and torn == 0, records

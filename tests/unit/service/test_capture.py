@@ -19,18 +19,13 @@ import types
 import numpy as np
 import orjson
 import pytest
-from orthornn.service import capture as capture_module
+from orthornn.export.artifacts.loop.captures import array, read_records
 from orthornn.service import request
-from orthornn.service.capture import (
-    Capture,
-    array,
-    given_id,
-    keep_answer,
-    read_records,
-    request_id,
-    sampled,
-)
 from orthornn.service.errors import ClientError
+from orthornn.service.loop import capture as capture_module
+from orthornn.service.loop.capture import Capture, keep_answer
+from orthornn.service.loop.disk import fallocate
+from orthornn.service.loop.ids import given_id, request_id, sampled
 from orthornn.service.metrics import Metrics
 from orthornn.service.registry.runtime import Chunk
 
@@ -185,7 +180,7 @@ def _space(path) -> int:
     return os.stat(path).st_blocks * 512
 
 
-needs_fallocate = pytest.mark.skipif(capture_module._fallocate() is None,
+needs_fallocate = pytest.mark.skipif(fallocate() is None,
                                      reason="no fallocate(2) here")
 
 
@@ -217,8 +212,9 @@ def test_a_full_disk_refuses_at_the_reservation_and_costs_no_encoding(tmp_path, 
         ctypes.set_errno(errno.ENOSPC)
         return -1
     c._reserve_space = full
-    real_line = capture_module._line
-    monkeypatch.setattr(capture_module, "_line", lambda *a: lines.append(1) or real_line(*a))
+    real_line = capture_module.request_line
+    monkeypatch.setattr(capture_module, "request_line",
+                        lambda *a: lines.append(1) or real_line(*a))
     x = np.arange(6, dtype=np.float32).reshape(3, 2)
     with request.opened() as scope:
         for i in range(1000):
@@ -228,7 +224,7 @@ def test_a_full_disk_refuses_at_the_reservation_and_costs_no_encoding(tmp_path, 
         assert dropped(metrics, "disk_full") == 1000
         path = tmp_path / "m" / "1" / "2026-09-21" / "a-1.jsonl.open"
         assert path.stat().st_size == 0
-        c._reserve_space = capture_module._fallocate()  # the disk has room again
+        c._reserve_space = fallocate()  # the disk has room again
         now[0] += 1.0
         scope.id = "q-back"
         keep_answer(c, "/predict", "m", 1, [x], [{"index": 0}])
@@ -280,7 +276,7 @@ def test_a_segment_cut_by_sigkill_recovers_to_exactly_the_written_records(tmp_pa
 import os, signal, sys
 sys.path[:0] = {sys.path!r}
 import numpy as np
-from orthornn.service.capture import Capture
+from orthornn.service.loop.capture import Capture
 c = Capture({str(tmp_path)!r}, 1.0, replica="a", clock=lambda: {T0!r})
 for i in range(200):
     c.keep({{"id": f"r{{i}}", "model": "m", "version": 1, "x": [i]}})
@@ -341,7 +337,7 @@ def test_old_days_are_deleted_past_each_midnight_off_the_request_path(tmp_path, 
             assert armed.wait(10)
             return 0.0
         return 3600.0
-    monkeypatch.setattr(capture_module, "_until_next_check", until)
+    monkeypatch.setattr(capture_module, "until_next_check", until)
     now = [T0]  # 2026-09-21
     c = Capture(tmp_path, 1.0, replica="a", retention_days=30, clock=lambda: now[0])
     old = tmp_path / "m" / "1" / "2026-08-25"  # within 30 days of 09-21, not of 09-26
@@ -362,10 +358,10 @@ def test_old_days_are_deleted_past_each_midnight_off_the_request_path(tmp_path, 
 def test_the_retention_check_is_a_minute_past_the_next_midnight_utc():
     midnight = 1_790_035_200.0  # 2026-09-22 00:00 UTC
     assert dt.datetime.fromtimestamp(midnight, dt.UTC).strftime("%H:%M") == "00:00"
-    assert capture_module._until_next_check(midnight - 3600) == 3600 + 60
-    assert capture_module._until_next_check(midnight) == 60
-    assert capture_module._until_next_check(midnight + 60) == 86_400  # just checked
-    assert capture_module._until_next_check(midnight + 61) == 86_400 - 1
+    assert capture_module.until_next_check(midnight - 3600) == 3600 + 60
+    assert capture_module.until_next_check(midnight) == 60
+    assert capture_module.until_next_check(midnight + 60) == 86_400  # just checked
+    assert capture_module.until_next_check(midnight + 61) == 86_400 - 1
 
 
 def test_two_writers_of_one_name_never_share_a_segment(tmp_path):

@@ -10,8 +10,8 @@ import re
 import numpy as np
 import orjson
 import pytest
-from orthornn.service.dataset import build, holdout_path, write_dataset
-from orthornn.service.labels import read_labels
+from orthornn.export.artifacts.loop.captures import read_labels
+from orthornn.export.artifacts.loop.dataset import build, holdout_path, write_dataset
 from orthornn.training.tasks.user import load_npz
 
 from ...helpers import orthornn_here
@@ -286,7 +286,7 @@ def word_captures(service_packages, tmp_path):
                  for _ in tokens[rid]]
         if i == 3:
             nexts[0][-1] = 99
-        labels[rid] = nexts if i == 9 else nexts[0]  # as service.labels normalises them
+        labels[rid] = nexts if i == 9 else nexts[0]  # as service.loop.labels normalises them
     retry = {**records[4], "time": records[4]["time"] + 1.0}  # the same inputs
     write_segment(root, "a", records, model="words")
     write_segment(root, "b", [retry], model="words")

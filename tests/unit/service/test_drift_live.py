@@ -1,4 +1,4 @@
-"""The service's live drift monitor (service.drift): what a window counts, when it is
+"""The service's live drift monitor (service.loop.drift): what a window counts, when it is
 tested, and the gauges it sets, against the reference's own scores of the same window."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from orthornn.export.artifacts import drift
-from orthornn.service.drift import Drift
+from orthornn.export.artifacts.loop import drift
+from orthornn.service.loop.drift import Drift
 from orthornn.service.metrics import Metrics
 from orthornn.service.registry.runtime import Chunk
 

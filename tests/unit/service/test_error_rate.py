@@ -1,6 +1,7 @@
 """The labelled error rate of the captures and river's ADWIN over it
-(``service.error_rate``), and ``orthornn monitor`` reporting it: the rates against numpy's
-means of the planted streams, the change where the stream's rate was planted to change."""
+(``export.artifacts.loop.error_rate``), and ``orthornn monitor`` reporting it: the rates
+against numpy's means of the planted streams, the change where the stream's rate was
+planted to change."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from orthornn.export.artifacts.captures import first_labels, read_records
-from orthornn.service.error_rate import error_rates, predicted, streams
+from orthornn.export.artifacts.loop.captures import first_labels, read_records
+from orthornn.export.artifacts.loop.error_rate import error_rates, predicted, streams
 
 DAY = "2026-11-28"
 T0 = 1_795_800_000.0

@@ -10,8 +10,10 @@ import numpy as np
 import orjson
 import pytest
 from fastapi.testclient import TestClient
+from orthornn.export.artifacts.loop.captures import read_labels
 from orthornn.service.http.app import create_app
-from orthornn.service.labels import MAX_LABELS, CaptureIndex, LabelStore, read_labels
+from orthornn.service.loop.index import CaptureIndex
+from orthornn.service.loop.labels import MAX_LABELS, LabelStore
 from orthornn.service.settings import Settings
 
 from ...service_helpers import make_repo
@@ -276,7 +278,7 @@ def test_any_json_body_gets_a_4xx_with_an_error_never_a_5xx(repo, tmp_path):
 
 
 def test_label_days_past_the_capture_retention_are_deleted_with_the_captures(tmp_path):
-    from orthornn.service.capture import Capture
+    from orthornn.service.loop.capture import Capture
 
     for day in ("2026-08-01", "2026-11-20"):
         (tmp_path / "m" / "labels" / day).mkdir(parents=True)

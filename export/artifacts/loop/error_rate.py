@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from orthornn.export.artifacts.captures import array
+from orthornn.export.artifacts.loop.captures import array
 from orthornn.export.artifacts.package import PackageError, read_manifest
 
 # ADWIN's confidence (river's default): a change is declared when two sub-windows' means

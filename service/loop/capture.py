@@ -31,127 +31,34 @@ import errno
 import fcntl
 import logging
 import os
-import random
 import re
 import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
-import pybase64
-from orthornn.export.artifacts.captures import (  # noqa: F401 (re-exported)
+from orthornn.export.artifacts.loop.captures import (
     OPEN,
-    REQUEST_ID_RULE,
-    array,
-    is_request_id,
-    read_records,
+    replica_name,
 )
-from orthornn.export.artifacts.repository import check_name
-from orthornn.export.artifacts.rollout.plan import bucket
-from orthornn.export.artifacts.scoring import log_softmax
 
-from . import request
-from .errors import ClientError
-from .metrics import Metrics
-from .registry.batching import LOG_PROBABILITIES
-from .registry.runtime import Chunk
-from .registry.spec import ModelSpec
+from .. import request
+from ..metrics import Metrics
+from ..registry.spec import ModelSpec
+from .disk import KEEP_SIZE, REASONS, RESERVE, day_start, fallocate, until_next_check
+from .ids import request_id
+from .records import Captured, batch_line, request_line
 
 log = logging.getLogger("orthornn.service")
 
 _DUMP = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
 
 
-def given_id(headers: Sequence[tuple[bytes, bytes]], oip_id: str | None = None
-             ) -> bytes | str | None:
-    """(Event loop.) The id the client gave the request: its first X-Request-Id header's
-    bytes (400 unless 1-128 printable ASCII characters, no spaces), else the OIP
-    request's ``id``, else None. Only checked here: the sample is decided with the
-    request's batch (``request_id``), where a batch's requests run the same few lines one
-    after another instead of each on a loop that runs the rest of the service between."""
-    for key, value in headers:
-        if key == b"x-request-id":
-            if not is_request_id(value):
-                raise ClientError(f"X-Request-Id: {REQUEST_ID_RULE}")
-            return value
-    return oip_id or None  # (checked by its codec: oip_json.to_inference)
-
-
-def request_id(given: bytes | str | None, share: float = 1.0) -> str | None:
-    """The id a request that was given GIVEN (``given_id``) is captured under at SHARE,
-    None when it is not in the sample: a given id is sampled by its hash (``sampled``);
-    without one, with chance SHARE, a new one. (A new id is random, so its hash falls in
-    the sample with chance SHARE too: the ids of requests not kept are never made.) A
-    request not in the sample costs nothing more: no record, no id in its answer."""
-    if not given:
-        if share < 1.0 and random.random() >= share:
-            return None
-        return os.urandom(16).hex()  # a fifth of uuid4's cost
-    if share < 1.0 and not sampled(given, share):
-        return None
-    return given.decode("ascii") if isinstance(given, bytes) else given
-
-
-def _check_replica(name: str) -> str:
-    """NAME, a replica's name in segment and lock file names, checked like a model's name
-    (no "..", no leading dot: ``--capture-replica ..`` named a folder; ValueError naming
-    the setting)."""
-    try:
-        return check_name(name)
-    except ValueError:
-        raise ValueError(f"capture_replica: {name!r} is not 1-128 of A-Z a-z 0-9 . _ -, "
-                         "starting with a letter or digit, without '..'") from None
-
-
-def sampled(request: bytes | str, share: float) -> bool:
-    """Whether the request with id REQUEST is captured at SHARE (0 < share <= 1): decided by
-    the id's hash (the rollout's ``bucket``), so a retry and every replica decide alike."""
-    return bucket(request if isinstance(request, bytes) else request.encode()) < share * 100
-
-
-#: the retention's check runs this long past each midnight (UTC), in a thread of its own
-RETENTION_CHECK_AFTER_S = 60.0
-
-
-def _day_start(now: float) -> dt.datetime:
-    """Midnight (UTC) that began NOW's day: the day folders' and the retention's day."""
-    return dt.datetime.fromtimestamp(now, dt.UTC).replace(hour=0, minute=0, second=0,
-                                                          microsecond=0)
-
-
-def _until_next_check(now: float) -> float:
-    """Seconds from NOW to the next retention check (a minute past midnight, UTC)."""
-    check = _day_start(now).timestamp() + RETENTION_CHECK_AFTER_S  # today's
-    return (check if now < check else check + 86_400) - now  # a UTC day: 86,400 s
-
-
-RESERVE = 4 << 20  # disk space reserved ahead for an open segment (bytes)
-_KEEP_SIZE = 1  # FALLOC_FL_KEEP_SIZE: the blocks are reserved, the file's length stays
-_REASONS = {errno.ENOSPC: "disk_full", errno.EDQUOT: "disk_full", errno.EROFS: "read_only",
-            errno.EACCES: "read_only", errno.EPERM: "read_only"}
-
-
-def _fallocate() -> Callable[[int, int, int, int], int] | None:
-    """libc's fallocate(2) (Linux), else None: then no space is reserved ahead."""
-    try:
-        f = ctypes.CDLL(None, use_errno=True).fallocate
-    except (AttributeError, OSError):
-        return None
-    f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    f.restype = ctypes.c_int
-    return f
-
-
-#: what a batch hands its recorder, per tagged request: its scope (``Capture.tag``: the id
-#: the client gave, the route; where the sample's decision and the id go), its sequences
-#: (arrays or Chunks), its output rows, its compute time (queue and inference, seconds)
-Captured = tuple[request.Scope, Sequence[Any], Sequence[dict], float]
 
 
 @dataclass
@@ -176,12 +83,12 @@ class Capture:
         #: are dropped, unencoded, and why
         self._failed: dict[tuple[str, int], tuple[float, str]] = {}
         self._segments: dict[tuple[str, int], _Segment] = {}
-        self._reserve_space = _fallocate()
+        self._reserve_space = fallocate()
         # the event loop (sessions' records, the sample's admission) and the inference
         # threads (batches' records) both write; uncontended it costs 0.1 µs
         self._lock = threading.RLock()
         self._warned = -60.0  # when a failed write was last logged (time.monotonic)
-        name = _check_replica(replica or socket.gethostname())
+        name = replica_name(replica, socket.gethostname())
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self.replica, self._lock_fd = self._claim(name)
@@ -259,7 +166,7 @@ class Capture:
                     c[0].id = None
                 return
             try:
-                line = _batch_line(now, model, version, spec, graph, timed, captured)
+                line = batch_line(now, model, version, spec, graph, timed, captured)
             except (TypeError, ValueError) as error:  # outputs this cannot write
                 self._warn(f"capture: a batch of {model} version {version} dropped: {error}")
                 self._dropped("error", len(captured))
@@ -311,7 +218,7 @@ class Capture:
             if segment is not None:  # a partial line cut: the next record starts whole
                 with contextlib.suppress(OSError):
                     os.ftruncate(segment.fd, segment.size)
-            reason = _REASONS.get(error.errno or 0, "error")
+            reason = REASONS.get(error.errno or 0, "error")
             self._warn(f"capture: a record of {model} version {version} dropped: {error}")
             self._dropped(reason, count)
             self._failed[key] = (now + 1.0, reason)  # tried again in a second
@@ -324,7 +231,7 @@ class Capture:
 
     def _new_day(self, now: float) -> None:
         """Close yesterday's segments; the day's folder name and end."""
-        start = _day_start(now)
+        start = day_start(now)
         self._day = start.strftime("%Y-%m-%d")
         self._day_ends = (start + dt.timedelta(days=1)).timestamp()
         for key in list(self._segments):
@@ -339,7 +246,7 @@ class Capture:
             return
         target = max(end, min(segment.reserved + RESERVE, self.segment_bytes))
         target = -(-target // 4096) * 4096
-        if self._reserve_space(segment.fd, _KEEP_SIZE, segment.reserved,
+        if self._reserve_space(segment.fd, KEEP_SIZE, segment.reserved,
                                target - segment.reserved) != 0:
             code = ctypes.get_errno()
             if code in (errno.EOPNOTSUPP, errno.ENOSYS):  # a file system without it
@@ -393,7 +300,7 @@ class Capture:
         folder = self.root / ".replicas"
         folder.mkdir(exist_ok=True)
         for candidate in (name, f"{name}-{os.getpid()}"):
-            _check_replica(candidate)
+            replica_name(candidate, name)
             fd = os.open(folder / candidate, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -427,7 +334,7 @@ class Capture:
 
     def _expire_daily(self) -> None:
         """(The retention thread.) ``_expire`` a minute past each midnight until the close."""
-        while not self._stopped.wait(_until_next_check(self.clock())):
+        while not self._stopped.wait(until_next_check(self.clock())):
             try:
                 self._expire()
             except OSError as error:  # the folder unreadable: tried again the next day
@@ -454,6 +361,9 @@ def open_capture(settings: Any, metrics: Metrics | None) -> Capture | None:
                    retention_days=settings.capture_retention_days)
 
 
+
+
+
 def keep_answer(capture: Capture | None, route: str, model: str, version: int,
                 inputs: list, outputs: Any, session: str | None = None,
                 position: int | None = None) -> None:
@@ -472,93 +382,10 @@ def keep_answer(capture: Capture | None, route: str, model: str, version: int,
         scope.id = None  # dropped: its answer carries no id
         return
     try:
-        line = _line(rid, now, route, model, version, inputs, outputs, session, position,
+        line = request_line(rid, now, route, model, version, inputs, outputs, session, position,
                      scope.compute_s)
     except (TypeError, ValueError) as error:  # outputs orjson cannot write
         capture._warn(f"capture: a record of {model} version {version} dropped: {error}")
         capture._dropped("error")
         return
     capture.write(model, version, line, now)
-
-
-def _line(rid: str, now: float, route: str, model: str, version: int, inputs: list,
-          outputs: Any, session: str | None, position: int | None,
-          compute_s: float | None) -> bytes:
-    """A record's JSON line, encoded straight to bytes: the fields around the arrays by
-    orjson, each array spliced in as ``_array_json`` writes it (a dict of base64 strings
-    for orjson to copy again cost a fifth more; ``round`` alone a microsecond)."""
-    head = orjson.dumps({"id": rid, "time": int(now * 1e6 + 0.5) / 1e6, "route": route,
-                         "model": model, "version": version})
-    tail = orjson.dumps({"session": session, "position": position,
-                         "compute_ms": None if compute_s is None
-                         else int(compute_s * 1e6 + 0.5) / 1e3})
-    if isinstance(outputs, dict):  # the OIP's output tensors by name
-        out = b"{" + b",".join([orjson.dumps(str(name)) + b":" + _array_json(value)
-                                for name, value in outputs.items()]) + b"}"
-    else:
-        out = orjson.dumps(outputs, option=orjson.OPT_SERIALIZE_NUMPY)
-    arrays = b",".join([_array_json(s.data if isinstance(s, Chunk) else s) for s in inputs])
-    return b"".join((head[:-1], b',"inputs":[', arrays, b'],"outputs":', out, b",",
-                     tail[1:], b"\n"))
-
-
-def _batch_line(now: float, model: str, version: int, spec: ModelSpec, graph: str,
-                timed: bool, captured: list[Captured]) -> bytes:
-    """One line for a batch's sampled requests (``captures.records_of`` reads it back): the
-    requests' ids, routes, sequence counts and compute times as lists, every sequence's
-    inputs in one array (their lengths apart), the outputs in another: ``kind``
-    "classify" the logits [N, C] (read back as the probabilities /predict answers, numpy's
-    float64 softmax of them; top-k is their order), "lm" each sequence's log-likelihood of
-    its tokens after the first [N], "steps" the graph's rows per step after one another
-    (TIMED), else "rows" its row per sequence [N, ...]. Per batch, not per record:
-    numpy's ``np.array`` of the rows, one concatenation, two base64 (pybase64)."""
-    seqs = [s.data if isinstance(s, Chunk) else s for _, group, _, _ in captured for s in group]
-    rows = [r for _, _, group, _ in captured for r in group]
-    name = spec.output_name
-    head = orjson.dumps({
-        "ids": [c[0].id for c in captured], "routes": [c[0].route for c in captured],
-        "sequences": [len(c[1]) for c in captured],
-        "compute_ms": [int(c[3] * 1e6 + 0.5) / 1e3 for c in captured],
-        "time": int(now * 1e6 + 0.5) / 1e6, "model": model, "version": version,
-        "lengths": [len(x) for x in seqs]})
-    if graph == "model" and spec.task == "lm":
-        kind, out = "lm", np.array([_log_likelihood(r, name, x)
-                                    for r, x in zip(rows, seqs, strict=True)])
-    elif timed:
-        kind, out = "steps", np.concatenate([r[name] for r in rows])
-    else:  # np.array of the rows: a third of np.stack's time on a batch of small arrays
-        kind, out = "classify" if spec.task == "classify" else "rows", \
-            np.array([r[name] for r in rows])
-    return b"".join((head[:-1], b',"inputs":', _array_json(np.concatenate(seqs)),
-                     b',"outputs":{"kind":"', kind.encode(), b'","name":', orjson.dumps(name),
-                     b',"value":', _array_json(out), b"}}\n"))
-
-
-def _log_likelihood(row: dict, name: str, tokens: np.ndarray) -> float:
-    """A language model's log-likelihood of TOKENS after the first (the batch's prepare
-    step's log-probabilities when /predict asked for them)."""
-    logp = row.get(LOG_PROBABILITIES)
-    if logp is None:
-        logp = log_softmax(row[name].astype(np.float64))
-    scored = len(tokens) - 1
-    return float(logp[np.arange(scored), tokens[1:]].sum()) if scored > 0 else 0.0
-
-
-_DTYPES: dict[np.dtype, bytes] = {}  # a dtype's '"dtype":"<f4"' (dtype.str costs 0.3 µs)
-
-
-def _array_json(a: np.ndarray) -> bytes:
-    """An array as a record holds it, as JSON bytes: its dtype, shape and bytes (in the
-    dtype's byte order) in base64 (exact, and ten times cheaper to write than its numbers
-    as text); a contiguous one is not copied."""
-    a = np.asarray(a)
-    if not a.flags.c_contiguous:
-        a = np.ascontiguousarray(a)
-    dtype = _DTYPES.get(a.dtype)
-    if dtype is None:
-        if a.dtype.hasobject or a.dtype.names is not None:
-            raise TypeError(f"an array of {a.dtype} is not captured")
-        dtype = _DTYPES[a.dtype] = b'{"dtype":' + orjson.dumps(a.dtype.str)
-    return b"".join((dtype, b',"shape":', orjson.dumps(a.shape), b',"b64":"',
-                     pybase64.b64encode(a),  # type: ignore[arg-type]  # SIMD: 18 KB in 3 µs
-                     b'"}'))

@@ -9,7 +9,10 @@ retrain-trigger), which run in the training image: numpy and orjson only, no ser
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import hashlib
+import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +20,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from .scoring import softmax
+from ..repository import check_name
+from ..scoring import softmax
 
 OPEN = ".open"  # the suffix of the segment a replica is writing
 LABELS = "labels"  # DIR/<model>/labels/: beside the version folders
@@ -61,7 +65,7 @@ def array(value: dict[str, Any] | np.ndarray) -> np.ndarray:
 
 def records_of(value: Any) -> list[dict[str, Any]]:
     """The records of one parsed line, one per request: a line of one request (a session's
-    chunk) as it is; a batch's line (``ids``: its sampled requests, service.capture) split
+    chunk) as it is; a batch's line (``ids``: its sampled requests, service.loop.capture) split
     into theirs, each with the fields a request's line has: ``inputs`` a list of arrays,
     ``outputs`` one item per sequence (a classifier's ``index`` and ``probabilities``, a
     language model's ``log_likelihood``, else the graph's output by its name). A value
@@ -103,11 +107,61 @@ def line_records(line: bytes) -> list[dict[str, Any]] | None:
         return None
 
 
-def segments(root: Path, model: str) -> list[Path]:
+def segments(root: Path, model: str, since: dt.datetime | None = None) -> list[Path]:
     """MODEL's segments under ROOT, closed and open, in name order (version folders only:
-    the labels folder beside them is not one)."""
+    the labels folder beside them is not one); SINCE: of its UTC day and later."""
+    day = None if since is None else since.astimezone(dt.UTC).date().isoformat()
     return sorted(p for p in (Path(root) / model).glob("*/*/*.jsonl*")
-                  if p.parent.parent.name.isdigit())
+                  if p.parent.parent.name.isdigit()
+                  and (p.name.endswith(".jsonl") or p.name.endswith(".jsonl" + OPEN))
+                  and (day is None or p.parent.name >= day))
+
+
+def replica_name(given: str | None, default: str) -> str:
+    """A replica's name in segment, label and lock file names: GIVEN checked like a
+    model's name (no "..", no leading dot: ``--capture-replica ..`` named a folder;
+    ValueError naming the setting), else DEFAULT (the host name, an import's own) made to
+    fit that rule."""
+    if given is None:
+        fitted = re.sub(r"[^A-Za-z0-9._-]", "_", default).replace("..", "__")[:128]
+        return fitted if fitted[:1].isalnum() else f"r{fitted}"[:128]
+    try:
+        return check_name(given)
+    except ValueError:
+        raise ValueError(f"capture_replica: {given!r} is not 1-128 of A-Z a-z 0-9 . _ -, "
+                         "starting with a letter or digit, without '..'") from None
+
+
+def segment_name(path: Path, root: Path) -> str:
+    """A segment's name relative to ROOT, without ``.open`` (it keeps it when it closes)."""
+    rel = path.relative_to(root).as_posix()
+    return rel[:-len(OPEN)] if rel.endswith(OPEN) else rel
+
+
+def parse_since(value: str | None) -> dt.datetime | None:
+    """``--since`` of the loop's commands: a UTC day (YYYY-MM-DD) or an ISO 8601 time (UTC
+    unless it says otherwise); None when not given."""
+    if value is None:
+        return None
+    try:
+        when = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(f"--since: {value!r} is not a date (YYYY-MM-DD) or an ISO 8601 "
+                         f"time") from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
+
+
+def progress_bar(total: int, desc: str, unit: str, show: bool) -> Any:
+    """A tqdm bar on stderr (rate and ETA), or None: with SHOW false, or without tqdm (it
+    comes with the train extra; the serving image has none)."""
+    if not show:
+        return None
+    try:
+        from tqdm import tqdm
+    except ModuleNotFoundError:
+        return None
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", file=sys.stderr,
+                mininterval=0.5 if sys.stderr.isatty() else 5.0)
 
 
 def read_records(root: Path, model: str) -> tuple[list[dict[str, Any]], int]:

@@ -1,5 +1,5 @@
 """Live drift (docs/drift.md): the sequences each version answers, gathered in windows and
-tested against the reference its package recorded at export (``export.artifacts.drift``),
+tested against the reference its package recorded at export (``export.artifacts.loop.drift``),
 off the request path.
 
 The request path only appends each answered sequence to its version's window: its input
@@ -33,13 +33,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-from orthornn.export.artifacts import drift
+from orthornn.export.artifacts.loop import drift
 from orthornn.export.artifacts.package import package_file
 
-from .metrics import Metrics
-from .registry.batching import LOG_PROBABILITIES
-from .registry.catalog import ModelVersion
-from .registry.runtime import Chunk
+from ..metrics import Metrics
+from ..registry.batching import LOG_PROBABILITIES
+from ..registry.catalog import ModelVersion
+from ..registry.runtime import Chunk
 
 log = logging.getLogger("orthornn.service")
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime as dt
 import io
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,12 +25,15 @@ from typing import Any
 
 import numpy as np
 import orjson
-from orthornn.export.artifacts.captures import (
-    OPEN,
+from orthornn.export.artifacts.loop.captures import (
     array,
     fingerprint,
     first_labels,
     line_records,
+    parse_since,
+    progress_bar,
+    segment_name,
+    segments,
 )
 from orthornn.export.artifacts.package import Manifest, read_manifest, read_vocabulary
 from orthornn.export.artifacts.records import atomic_write
@@ -74,37 +76,6 @@ class Summary:
                 f"train {self.train} sequences, holdout {self.holdout}"]
 
 
-def check_since(since: str | None) -> str | None:
-    """--since as YYYY-MM-DD (a UTC day), or None."""
-    if since is None:
-        return None
-    try:
-        return dt.date.fromisoformat(since).isoformat()
-    except ValueError:
-        raise ValueError(f"--since: a date YYYY-MM-DD (UTC); got {since!r}") from None
-
-
-def segments(root: Path, model: str, since: str | None = None) -> list[Path]:
-    """MODEL's capture segments (closed and open) of every version, day >= SINCE."""
-    return sorted(p for p in (Path(root) / model).glob("*/*/*.jsonl*")
-                  if p.parent.parent.name.isdigit()
-                  and (p.name.endswith(".jsonl") or p.name.endswith(".jsonl" + OPEN))
-                  and (since is None or p.parent.name >= since))
-
-
-def _progress(total: int, show: bool) -> Any:
-    """A tqdm bar over the records' bytes (tqdm comes with the train extra; without it, or
-    with --no-progress, none)."""
-    if not show:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="B", unit_scale=True, desc="capture dataset: records",
-                file=sys.stderr, mininterval=0.5 if sys.stderr.isatty() else 5.0)
-
-
 def _records(paths: list[Path], root: Path, summary: Summary, show: bool
              ) -> Iterator[tuple[str, dict]]:
     """(segment name relative to ROOT, without .open; record) of every whole line."""
@@ -114,11 +85,10 @@ def _records(paths: list[Path], root: Path, summary: Summary, show: bool
             sizes[p] = p.stat().st_size
         except FileNotFoundError:  # renamed from .open since the listing: read below
             sizes[p] = 0
-    bar = _progress(sum(sizes.values()), show)
+    bar = progress_bar(sum(sizes.values()), "capture dataset: records", "B", show)
     try:
         for path in paths:
-            name = path.relative_to(root).as_posix()
-            name = name[:-len(OPEN)] if name.endswith(OPEN) else name
+            name = segment_name(path, root)
             try:
                 data = path.read_bytes()
             except FileNotFoundError:  # closed by rename meanwhile
@@ -140,7 +110,7 @@ def _records(paths: list[Path], root: Path, summary: Summary, show: bool
 
 @dataclass
 class _Labelled:
-    """A captured record joined to its label (as service.labels normalised it)."""
+    """A captured record joined to its label (as service.loop.labels normalised it)."""
 
     id: str
     time: float
@@ -163,7 +133,8 @@ class _Row:
     y: int = -1  # classify: the class index
 
 
-def _join(root: Path, model: str, since: str | None, window_days: float, summary: Summary,
+def _join(root: Path, model: str, since: dt.datetime | None, window_days: float,
+          summary: Summary,
           progress: bool) -> list[_Labelled]:
     """MODEL's captured records with a label in the window, each id once, counted."""
     labels, summary.duplicates = first_labels(root, model)
@@ -171,6 +142,8 @@ def _join(root: Path, model: str, since: str | None, window_days: float, summary
     ambiguous: set[str] = set()
     joined: list[_Labelled] = []
     for segment, record in _records(segments(root, model, since), root, summary, progress):
+        if since is not None and float(record.get("time") or 0.0) < since.timestamp():
+            continue  # (a day's segment holds the hours before a --since time too)
         summary.records += 1
         rid = record["id"]
         if rid in seen:  # the same request captured twice (a retry): the first kept;
@@ -366,7 +339,7 @@ def build(root: Path, model: str, *, since: str | None = None, window_days: floa
     bad argument or too few labelled records."""
     root = Path(root)
     check_name(model)
-    since = check_since(since)
+    start = parse_since(since)
     if not (isinstance(window_days, int | float) and window_days > 0):
         raise ValueError(f"--window: days > 0; got {window_days!r}")
     if not (isinstance(holdout_share, int | float) and 0 <= holdout_share < 1):
@@ -374,7 +347,7 @@ def build(root: Path, model: str, *, since: str | None = None, window_days: floa
     if not (root / model).is_dir():
         raise ValueError(f"--capture: no captures of model {model!r} in {str(root)!r}")
     summary = Summary()
-    joined = _join(root, model, since, window_days, summary, progress)
+    joined = _join(root, model, start, window_days, summary, progress)
     manifests = _manifests(repo, model, {j.version for j in joined})
     summary.task = _task(joined, manifests, model)
     if summary.task == "lm":
