@@ -1,7 +1,7 @@
 """The ``orthornn`` console script: composes the stages' subcommands.
 
-Each stage exposes its own parser (``training.cli``, ``export.cli``, ``service.cli``,
-``service.rollout_cli``), importable without torch or the server's packages; a stage's
+Each stage exposes its own parsers (``training.cli``, ``export.cli``, the modules of
+``service.commands``), importable without torch or the server's packages; a stage's
 heavy modules are imported only when its command runs. A command whose extra is not
 installed ends with one line naming the extra (exit 2), never a traceback.
 """
@@ -123,11 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(run=_bench)
     from orthornn.export.cli import add_export_parser
     from orthornn.quickstart import add_quickstart_parser
-    from orthornn.service.cli import add_serve_parsers
-    from orthornn.service.loop_cli import add_loop_parsers
-    from orthornn.service.monitor_cli import add_monitor_parser
-    from orthornn.service.rollout_cli import add_rollout_parser
-    from orthornn.service.trigger_cli import add_trigger_parser
+    from orthornn.service.commands.capture import add_capture_parser
+    from orthornn.service.commands.labels import add_labels_parser
+    from orthornn.service.commands.monitor import add_monitor_parser
+    from orthornn.service.commands.predict import add_predict_parser
+    from orthornn.service.commands.rollout import add_rollout_parser
+    from orthornn.service.commands.serve import add_serve_parser
+    from orthornn.service.commands.trigger import add_trigger_parser
     from orthornn.training.cli import add_plot_parser, add_train_parser
     from orthornn.training.flags import add_progress_flag
 
@@ -137,8 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_rollout_parser(sub)
     add_monitor_parser(sub)
     add_trigger_parser(sub)
-    add_serve_parsers(sub)
-    add_loop_parsers(sub, add_progress_flag)
+    add_serve_parser(sub)
+    add_predict_parser(sub)
+    add_labels_parser(sub)
+    add_capture_parser(sub, add_progress_flag)
     add_quickstart_parser(sub)
     return parser
 

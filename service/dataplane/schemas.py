@@ -8,10 +8,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    RootModel,
+    Strict,
+    ValidationError,
+)
 from pydantic_core import PydanticCustomError
 
 from ..errors import ClientError
+from ..loop.labels import MAX_LABELS
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -296,3 +305,24 @@ class RollbackResponse(BaseModel):
     model: str
     promoted: int = Field(description="the version now promoted (and serving)")
     previous: int = Field(description="the version promoted before")
+
+
+# -- the labels route (for the OpenAPI document: the route parses the body itself, in one
+#    pass, with messages that name the item: service.loop.labels) -----------------------
+
+class Label(BaseModel):
+    id: str = Field(description="a captured request's id (its X-Request-Id)",
+                    min_length=1, max_length=128)
+    label: int | str | list[int | str | list[int | str]] = Field(
+        description="classify: a class index or name (a list, one per sequence, for a "
+                    "request of several sequences); lm: the next tokens (token ids, words, "
+                    "or text)")
+
+
+class LabelsRequest(RootModel[list[Label]]):
+    root: list[Label] = Field(max_length=MAX_LABELS)
+
+
+class LabelsResponse(BaseModel):
+    model: str
+    accepted: int = Field(description="labels written (all of the request's)")

@@ -25,6 +25,8 @@ from ..dataplane.schemas import (
     GenerateResponse,
     InferenceRequest,
     InferenceResponse,
+    LabelsRequest,
+    LabelsResponse,
     ModelMetadata,
     PredictRequest,
     PredictResponse,
@@ -38,7 +40,6 @@ from ..dataplane.schemas import (
 )
 from ..errors import POSITION_HEADER, SECRET_HEADER, ClientError, ServiceError
 from ..loop.ids import given_id
-from ..loop.labels import LabelsRequest, LabelsResponse
 from ..metrics import Metrics
 from ..settings import Settings, is_loopback
 from ..tracing import open_tracing

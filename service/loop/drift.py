@@ -152,4 +152,4 @@ def test_window(reference: drift.Reference, window: list, gathered: bool = False
     sequences = [np.asarray(s) for s, _, _ in window]
     outputs = [o for _, o, _ in window]
     states = np.stack([s for _, _, s in window])
-    return reference.scores(reference.summarize(sequences, outputs, states, gathered))
+    return reference.window_scores(sequences, outputs, states, gathered)

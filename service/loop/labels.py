@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from orthornn.export.artifacts.loop.captures import (
@@ -34,11 +34,12 @@ from orthornn.export.artifacts.manifest import Manifest
 from orthornn.export.artifacts.package import read_manifest
 from orthornn.export.artifacts.repository import check_name
 from orthornn.export.artifacts.vocabulary import UNK, words
-from pydantic import BaseModel, Field, RootModel
 
 from ..errors import ClientError, NotFound
-from ..metrics import Metrics
 from .index import MAX_INDEXED_IDS, CaptureIndex
+
+if TYPE_CHECKING:  # (the store runs without prometheus_client too: orthornn labels import)
+    from ..metrics import Metrics
 
 MAX_LABELS = 10_000  # labels in one request (or one import batch)
 MAX_TOKENS = 4_096  # next tokens in one language-model label (per sequence)
@@ -53,27 +54,6 @@ class LabelError(ClientError):
         self.index, self.field, self.reason = index, field, message
         where = "" if index is None else f"[{index}]" + (f".{field}" if field else "")
         super().__init__(f"{where}: {message}" if where else message, status)
-
-
-# -- the OpenAPI document's schemas (the route parses the body itself: one pass, and
-#    messages that name the item) --------------------------------------------------------
-
-class Label(BaseModel):
-    id: str = Field(description="a captured request's id (its X-Request-Id)",
-                    min_length=1, max_length=128)
-    label: int | str | list[int | str | list[int | str]] = Field(
-        description="classify: a class index or name (a list, one per sequence, for a "
-                    "request of several sequences); lm: the next tokens (token ids, words, "
-                    "or text)")
-
-
-class LabelsRequest(RootModel[list[Label]]):
-    root: list[Label] = Field(max_length=MAX_LABELS)
-
-
-class LabelsResponse(BaseModel):
-    model: str
-    accepted: int = Field(description="labels written (all of the request's)")
 
 
 # -- reading -------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def test_bench_rejects_unknown_names(capsys):
 def test_serve_flags_are_generated_from_every_setting():
     """One list: every Settings field is a flag whose help shows the field's own default,
     except the admin token (environment only), and a flag's value reaches Settings."""
-    from orthornn.service.cli import ENV_ONLY, settings_from_args
+    from orthornn.service.commands.serve import ENV_ONLY, settings_from_args
     from orthornn.service.settings import Settings
 
     from orthornn.cli import build_parser

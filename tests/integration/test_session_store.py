@@ -825,7 +825,7 @@ def test_good_session_store_values(value):
 
 
 def test_session_store_settings_from_the_environment_and_flags(monkeypatch):
-    from orthornn.service.cli import settings_from_args
+    from orthornn.service.commands.serve import settings_from_args
 
     from orthornn.cli import build_parser
 

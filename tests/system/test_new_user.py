@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from orthornn.export.artifacts.package import PackageError, read_manifest
-from orthornn.service.client import _request_body
+from orthornn.service.commands.predict import _request_body
 from orthornn.service.http.app import create_app
 from orthornn.service.settings import Settings
 
@@ -69,7 +69,7 @@ def test_predict_client_defaults_to_the_local_service_and_one_line_per_sequence(
         tmp_path, monkeypatch, capsys):
     """Without --url the client asks the quickstart's address; it prints a line per
     sequence (--verbose: the whole answer), whatever the model's task."""
-    from orthornn.service import client as predict_client
+    from orthornn.service.commands import predict as predict_client
 
     asked = []
     answer = {"model": "m", "version": 3, "outputs": [

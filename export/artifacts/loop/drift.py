@@ -303,6 +303,13 @@ class Reference:
         return summarize(self.task, sequences, outputs, states, self.projection, self.token_ids,
                          gathered)
 
+    def window_scores(self, sequences: list[np.ndarray], outputs: list[np.ndarray],
+                      states: np.ndarray, gathered: bool = False) -> dict[str, float]:
+        """The scores of one window (its sequences, their prediction outputs and final
+        states): what the service computes when a live window fills and what ``orthornn
+        monitor`` computes from the captures."""
+        return self.scores(self.summarize(sequences, outputs, states, gathered))
+
     def statistics(self, window: dict[str, np.ndarray]) -> dict[str, float]:
         """Each test's statistic of one window: -log10(p), or MMD^2 for ``state``."""
         batch = {k: v[None] for k, v in window.items()}

@@ -153,7 +153,7 @@ def test_the_command_prints_the_summary_and_exits_2_on_bad_input(captures, tmp_p
     assert len(np.load(tmp_path / "held.npz")["y"]) == 11
     r = orthornn_here("capture", "dataset", "--capture", root, "--name", "m", "--out", out,
                       "--window", "soon", code=2)
-    assert r.stderr.strip() == "orthornn capture: error: --window: a number; got 'soon'"
+    assert r.stderr.strip() == "orthornn capture: error: --window must be a number; got 'soon'"
 
 
 # -- orthornn labels import ----------------------------------------------------------------

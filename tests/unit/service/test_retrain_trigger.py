@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 from orthornn.export.artifacts import repository
-from orthornn.service import trigger_cli
-from orthornn.service.trigger_cli import decide
+from orthornn.export.artifacts.loop import trigger as trigger_decision
+from orthornn.export.artifacts.loop.trigger import decide
+from orthornn.service.commands import trigger as trigger_cli
 
 from tests.helpers import orthornn_here as orthornn
 
@@ -113,7 +114,7 @@ def test_no_version_yet_fires_to_train_the_first(tmp_path):
 def test_the_command_line_exit_statuses_and_reason_file(setting, tmp_path, monkeypatch):
     capture, model_dir = setting
     repo, reason = model_dir.parent, tmp_path / "reason"
-    monkeypatch.setattr(trigger_cli.time, "time", lambda: NOW)
+    monkeypatch.setattr(trigger_decision.time, "time", lambda: NOW)
     base = ["retrain-trigger", "--capture", capture, "--repo", repo, "--name", "m",
             "--reason-file", reason, "--cooldown", "1"]
     out = orthornn(*base, "--no-drift", "--min-labels", "4", code=0).stdout

@@ -332,7 +332,7 @@ def test_otel_variables_the_service_cannot_follow_are_one_line(env, message):
 
 
 def test_off_by_default_on_by_flag_or_variable(monkeypatch):
-    from orthornn.service.cli import settings_from_args
+    from orthornn.service.commands.serve import settings_from_args
 
     from orthornn.cli import build_parser
 

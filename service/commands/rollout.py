@@ -18,7 +18,7 @@ from orthornn.export.artifacts.repository import add_model_flags, model_dir_of
 from orthornn.export.artifacts.rollout import Plan, RolloutError
 from orthornn.export.artifacts.rollout.flags import add_rollout_flags, flags_named, plan_options
 
-from .registry.controller import Controller
+from ..registry.controller import Controller
 
 #: exit status of a rollout that ended without promoting its candidate (as a gate refusal)
 NOT_PROMOTED_EXIT = 3

@@ -1,22 +1,19 @@
-"""``orthornn labels import`` (labels in bulk, ``service.loop.labels``) and ``orthornn capture
-dataset`` (a training set from the labelled captures, ``export.artifacts.loop.dataset``): the loop's
-commands. Torch-free; the command package hands in its one ``--no-progress`` definition
-(``training.flags``, which service/ does not import)."""
+"""``orthornn labels import``: labels in bulk from a JSON-lines or CSV file, through the
+store the labels route uses (``service.loop.labels``: the same checks, all or nothing).
+Torch-free, and without the serving stack (no FastAPI, pydantic or prometheus_client)."""
 
 from __future__ import annotations
 
 import argparse
 import csv
 import io
-from collections.abc import Callable
 from pathlib import Path
 
 MAX_IMPORT_BYTES = 256 << 20  # an import file's size (its labels are held while checked: about
 # 5 million labels, a few GiB as Python objects at most)
 
 
-def add_loop_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser],
-                     add_progress_flag: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_labels_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     labels = sub.add_parser("labels", help="labels of captured requests (import in bulk)",
                             description="Labels of captured requests, as POST "
                                         "/v2/models/NAME/labels takes them, from a file.")
@@ -40,68 +37,6 @@ def add_loop_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                      help="the model repository (the manifest of the version that answered "
                           "each id)")
     imp.set_defaults(run=run_import)
-
-    capture = sub.add_parser("capture", help="the captured requests (a training set from "
-                                             "the labelled ones)")
-    actions = capture.add_subparsers(dest="action", metavar="ACTION", required=True)
-    data = actions.add_parser(
-        "dataset", help="labelled captures -> an .npz for orthornn train --task classify "
-                        "--data, or a text corpus for --task lm --corpus",
-        description="Joins the labels to the captured records by id (a label later than "
-                    "--window days after its record is not used; an id captured twice is "
-                    "kept once), splits by time (the newest --holdout-share of the "
-                    "labelled records is held out) and writes FILE and FILE2 in the format "
-                    "orthornn train --task classify --data reads, with the provenance "
-                    "arrays ids, times, segments and versions; a language model's as the "
-                    "text corpus --task lm --corpus reads (a line per sequence: its input "
-                    "tokens, then its labelled next tokens, as words of the vocabulary of "
-                    "the version that answered; needs --repo), the provenance in FILE.json.")
-    data.add_argument("--capture", metavar="DIR", required=True, help="the capture folder")
-    data.add_argument("--name", required=True, help="the model's name")
-    data.add_argument("--since", metavar="DATE",
-                      help="only the captures of this UTC day (YYYY-MM-DD) and later")
-    data.add_argument("--window", metavar="DAYS", default="7",
-                      help="a label counts when it came at most DAYS after its record "
-                           "(default 7)")
-    data.add_argument("--holdout-share", metavar="F", default="0.2",
-                      help="the newest share of the labelled records held out (0 <= F < 1, "
-                           "default 0.2; 0: no FILE2)")
-    data.add_argument("--out", metavar="FILE", required=True,
-                      help="the training part (.npz; a language model's: a text corpus)")
-    data.add_argument("--holdout", metavar="FILE2",
-                      help="the held-out part (default: <FILE stem>-holdout.npz beside FILE; "
-                           "a language model's: <FILE stem>-holdout<FILE's suffix or .txt>)")
-    data.add_argument("--repo", metavar="REPO",
-                      help="the model repository: the class names (or a language model's "
-                           "vocabulary, required then) from the manifests of the versions "
-                           "that answered (default: as the records' answers name them)")
-    add_progress_flag(data)
-    data.set_defaults(run=run_dataset)
-
-
-def _number(flag: str, text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"{flag}: a number; got {text!r}") from None
-
-
-def run_dataset(args: argparse.Namespace) -> int:
-    from orthornn.export.artifacts.loop.dataset import holdout_path, write_dataset
-
-    share = _number("--holdout-share", args.holdout_share)
-    summary = write_dataset(Path(args.capture), args.name, Path(args.out),
-                            None if args.holdout is None else Path(args.holdout),
-                            since=args.since, window_days=_number("--window", args.window),
-                            holdout_share=share,
-                            repo=None if args.repo is None else Path(args.repo),
-                            progress=not args.no_progress)
-    for line in summary.lines():
-        print(f"{args.name}: {line}")
-    held = "" if share == 0 else \
-        f", {args.holdout or holdout_path(Path(args.out), summary.task)} ({summary.holdout})"
-    print(f"wrote {args.out} ({summary.train}){held}")
-    return 0
 
 
 def _csv_label(text: str) -> object:
@@ -166,8 +101,8 @@ def read_label_file(path: Path) -> tuple[list[dict], list[int]]:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from .errors import ServiceError
-    from .loop.labels import LabelError, LabelStore
+    from ..errors import ServiceError
+    from ..loop.labels import LabelError, LabelStore
 
     path = Path(args.file)
     items, numbers = read_label_file(path)

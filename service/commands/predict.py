@@ -10,7 +10,47 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import POSITION_HEADER, SECRET_HEADER
+from ..errors import POSITION_HEADER, SECRET_HEADER
+
+DEFAULT_URL = "http://127.0.0.1:8000"  # where orthornn serve and the quickstart listen
+
+
+def add_predict_parser(sub: Any) -> None:
+    predict = sub.add_parser(
+        "predict", help="send a file to a running service's /predict and print the answers",
+        description="Send FILE to a running service's /predict and print one line per "
+                    "sequence: '0: 4 (p=0.98)' for a classifier (with --top-k, the k "
+                    "likeliest labels on the same line), the value of a regressor, the "
+                    "labels of a seq2seq model, the likeliest next tokens of a language "
+                    "model; --verbose prints the whole JSON answer. FILE: .json (a list of "
+                    "sequences, or a whole /predict body), .npy (the array x) or .npz "
+                    "(arrays x and optional lengths [N]), x [N, T, d] numbers ([N, T] for "
+                    "one feature, or token ids), or .txt (one text per line, for language "
+                    "models).")
+    predict.add_argument("file", metavar="FILE", help="the sequences to send (formats above)")
+    predict.add_argument("--url", default=DEFAULT_URL,
+                         help=f"service base URL (default {DEFAULT_URL}, where orthornn serve "
+                              f"and the quickstart listen)")
+    predict.add_argument("--model", required=True, help="the model's name in the repository")
+    predict.add_argument("--version", type=int, help="a loaded version (default: the promoted "
+                                                      "one, else the newest)")
+    predict.add_argument("--top-k", type=int,
+                         help="classifiers: also the k likeliest labels; language models: "
+                              "next tokens listed (default 5)")
+    predict.add_argument("--timeout", type=float, default=60.0,
+                         help="seconds to wait for each answer (default 60)")
+    predict.add_argument("--verbose", "-v", action="store_true",
+                         help="print the whole JSON answer (with --stream: one JSON line per "
+                              "chunk) instead of a line per sequence")
+    predict.add_argument("--stream", action="store_true",
+                         help="send each sequence in chunks through a server-side session and "
+                              "print a line per chunk (the answer after it); each chunk names "
+                              "the session's position, and one whose connection broke is sent "
+                              "once more (the service applies it exactly once)")
+    predict.add_argument("--chunk-size", type=int, default=8,
+                         help="with --stream: time steps (or words of a text) per chunk "
+                              "(default 8)")
+    predict.set_defaults(run=run_predict)
 
 
 def _request_body(path: Path, model: str, version: int | None, top_k: int | None) -> dict:

@@ -1,6 +1,6 @@
-"""The ``orthornn serve`` and ``orthornn predict`` parsers (one flag per setting) and
-``orthornn serve`` itself. Torch-free; the server's modules, and the predict client
-(``service.client``), are imported only when their command runs."""
+"""``orthornn serve``: its parser (one flag per setting, generated from ``Settings``) and
+the command, thin over ``server.launch``. Torch-free; the server's modules are imported
+only when the command runs."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # imported when a command runs (the serve extra may be missing)
     from pydantic import BaseModel
 
-    from .settings import Settings
-
-DEFAULT_URL = "http://127.0.0.1:8000"  # where orthornn serve and the quickstart listen
+    from ..settings import Settings
 
 #: settings with no flag: a secret must not appear in a process list or shell history
 ENV_ONLY = {"admin_token": "ORTHORNN_ADMIN_TOKEN",
@@ -65,7 +63,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_class: type[Bas
                             help=text)
 
 
-def add_serve_parsers(sub: Any) -> None:
+def add_serve_parser(sub: Any) -> None:
     serve = sub.add_parser(
         "serve", help="serve a model repository over HTTP (/predict, Open Inference Protocol)",
         description="orthornn serve --repo REPO [--host H --port P ...]. Every flag can also "
@@ -74,7 +72,7 @@ def add_serve_parsers(sub: Any) -> None:
                     "environment variable (ORTHORNN_ADMIN_TOKEN), so it never shows in a "
                     "process list.")
     try:
-        from .settings import Settings
+        from ..settings import Settings
     except ModuleNotFoundError as missing:  # no serve extra: `orthornn serve` says which
         serve.add_argument("ignored", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
@@ -85,47 +83,11 @@ def add_serve_parsers(sub: Any) -> None:
         add_settings_flags(serve, Settings)
         serve.set_defaults(run=run_serve)
 
-    predict = sub.add_parser(
-        "predict", help="send a file to a running service's /predict and print the answers",
-        description="Send FILE to a running service's /predict and print one line per "
-                    "sequence: '0: 4 (p=0.98)' for a classifier (with --top-k, the k "
-                    "likeliest labels on the same line), the value of a regressor, the "
-                    "labels of a seq2seq model, the likeliest next tokens of a language "
-                    "model; --verbose prints the whole JSON answer. FILE: .json (a list of "
-                    "sequences, or a whole /predict body), .npy (the array x) or .npz "
-                    "(arrays x and optional lengths [N]), x [N, T, d] numbers ([N, T] for "
-                    "one feature, or token ids), or .txt (one text per line, for language "
-                    "models).")
-    predict.add_argument("file", metavar="FILE", help="the sequences to send (formats above)")
-    predict.add_argument("--url", default=DEFAULT_URL,
-                         help=f"service base URL (default {DEFAULT_URL}, where orthornn serve "
-                              f"and the quickstart listen)")
-    predict.add_argument("--model", required=True, help="the model's name in the repository")
-    predict.add_argument("--version", type=int, help="a loaded version (default: the promoted "
-                                                      "one, else the newest)")
-    predict.add_argument("--top-k", type=int,
-                         help="classifiers: also the k likeliest labels; language models: "
-                              "next tokens listed (default 5)")
-    predict.add_argument("--timeout", type=float, default=60.0,
-                         help="seconds to wait for each answer (default 60)")
-    predict.add_argument("--verbose", "-v", action="store_true",
-                         help="print the whole JSON answer (with --stream: one JSON line per "
-                              "chunk) instead of a line per sequence")
-    predict.add_argument("--stream", action="store_true",
-                         help="send each sequence in chunks through a server-side session and "
-                              "print a line per chunk (the answer after it); each chunk names "
-                              "the session's position, and one whose connection broke is sent "
-                              "once more (the service applies it exactly once)")
-    predict.add_argument("--chunk-size", type=int, default=8,
-                         help="with --stream: time steps (or words of a text) per chunk "
-                              "(default 8)")
-    predict.set_defaults(run=_run_predict)
-
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     from pydantic import ValidationError
 
-    from .settings import Settings
+    from ..settings import Settings
 
     values = {name: getattr(args, name) for name in Settings.model_fields
               if name not in ENV_ONLY}
@@ -140,13 +102,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def run_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    from .server.launch import serve
+    from ..server.launch import serve
 
     return serve(settings)
-
-
-def _run_predict(args: argparse.Namespace) -> int:
-    from .client import run_predict
-
-    return run_predict(args)
-

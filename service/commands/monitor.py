@@ -15,32 +15,22 @@ version rose, 0 when neither (or nothing is full or labelled yet), 2 on bad inpu
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-from orthornn.export.artifacts.loop import drift
 from orthornn.export.artifacts.loop.captures import (
-    array,
     first_labels,
     parse_since,
-    progress_bar,
     read_records,
 )
 from orthornn.export.artifacts.loop.error_rate import error_rates
-from orthornn.export.artifacts.package import (
-    PackageError,
-    check_hashes,
-    package_file,
-    read_manifest,
-    session,
-)
+from orthornn.export.artifacts.loop.monitor import Window, iso, monitor
 from orthornn.export.artifacts.repository import check_name
+
+from .flags import number
 
 DRIFTS_EXIT = 1  # --exit-code: the newest window drifts
 
@@ -76,107 +66,17 @@ def add_monitor_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     parser.set_defaults(run=run_monitor)
 
 
-@dataclass
-class Window:
-    version: int
-    start: float  # the time of its first and last record (Unix seconds)
-    end: float
-    sequences: int
-    scores: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def drifts(self) -> bool:
-        return any(s >= 1 for s in self.scores.values())
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "start": _iso(self.start), "end": _iso(self.end),
-                "sequences": self.sequences, "scores": self.scores, "drift": self.drifts}
-
-
-def _iso(t: float) -> str:
-    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="seconds")
-
 
 def parse_window(value: str | None) -> int | None:
-    if value is None:
-        return None
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if not 20 <= n <= 100_000:
-        raise ValueError(f"--window must be an integer in [20, 100000]; got {value!r}")
-    return n
+    return None if value is None else int(number("--window", value, 20, 100_000, integer=True))
 
-
-def _sequences(records: list[dict], since: float | None) -> dict[int, list[tuple]]:
-    """Per version, (time, its whole sequences) of every request in time order."""
-    out: dict[int, list[tuple]] = {}
-    for r in sorted(records, key=lambda r: r.get("time", 0)):
-        if r.get("session") is not None or (since is not None and r.get("time", 0) < since):
-            continue
-        try:
-            version = int(r["version"])
-            seqs = [array(v) for v in r["inputs"]]
-        except (KeyError, TypeError, ValueError):
-            continue  # not a record this reads
-        out.setdefault(version, []).append((float(r["time"]), seqs))
-    return out
-
-
-def monitor(records: list[dict], repo: Path, name: str, since: float | None = None,
-            window: int | None = None, progress: bool = False) -> tuple[list[Window], list[str]]:
-    """The tested windows of NAME's captured RECORDS (all versions, by their end time), and
-    notes (versions left out, and why)."""
-    notes: list[str] = []
-    windows: list[Window] = []
-    for version, requests in sorted(_sequences(records, since).items()):
-        path = repo / name / str(version)
-        try:
-            manifest = read_manifest(path)
-            check_hashes(path, manifest)
-            if manifest.reference is None:
-                notes.append(f"version {version}: its package has no drift reference "
-                             f"(exported before it); {sum(len(q) for _, q in requests)} "
-                             f"sequences not tested")
-                continue
-            reference = drift.read(package_file(path, "reference", manifest.reference))
-            sess = session(path / manifest.graphs["model"])
-        except (PackageError, ValueError, OSError) as error:
-            notes.append(f"version {version}: not tested: {error}")
-            continue
-        size = window or reference.window
-        # as the service counts them: at most per_request(size) sequences of one request
-        cap = drift.per_request(size)
-        items = [(t, s) for t, seqs in requests for s in seqs[:cap]]
-        full = len(items) // size
-        if full == 0:
-            notes.append(f"version {version}: {len(items)} sequences, no full window of "
-                         f"{size} yet")
-            continue
-        bar = progress_bar(full, f"version {version}", "window", progress)
-        for k in range(full):
-            part = items[k * size:(k + 1) * size]
-            seqs = [s for _, s in part]
-            outputs, states = drift.run_graph(sess, manifest.output_name, seqs)
-            scores = reference.scores(reference.summarize(seqs, outputs, states))
-            windows.append(Window(version, part[0][0], part[-1][0], size, scores))
-            if bar is not None:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
-        if len(items) % size:
-            notes.append(f"version {version}: the last {len(items) % size} sequences wait "
-                         f"for a full window")
-    windows.sort(key=lambda w: w.end)
-    return windows, notes
 
 
 def table(windows: list[Window]) -> str:
     tests = list(dict.fromkeys(t for w in windows for t in w.scores))
     head = ["window", "version", "from", "to", "seqs", *tests, "drift"]
-    rows = [[str(i), str(w.version), _iso(w.start)[:16].replace("T", " "),
-             _iso(w.end)[:16].replace("T", " "),
+    rows = [[str(i), str(w.version), iso(w.start)[:16].replace("T", " "),
+             iso(w.end)[:16].replace("T", " "),
              str(w.sequences), *(f"{w.scores[t]:.2f}" if t in w.scores else "-" for t in tests),
              "DRIFT" if w.drifts else "no"] for i, w in enumerate(windows)]
     widths = [max(len(r[j]) for r in [head, *rows]) for j in range(len(head))]
@@ -248,7 +148,7 @@ def run_monitor(args: argparse.Namespace) -> int:
         newest = windows[-1]
         verdict.append(f"{len(windows)} windows, {sum(w.drifts for w in windows)} "
                        f"drifting; the newest (version {newest.version}, to "
-                       f"{_iso(newest.end)}) {'DRIFTS' if newest.drifts else 'does not drift'}")
+                       f"{iso(newest.end)}) {'DRIFTS' if newest.drifts else 'does not drift'}")
     for rate in rates:
         print(f"labels: {rate.line()}")
     # the labels speak for the version serving now (the newest captured), not a past one
