@@ -77,6 +77,17 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._request_metrics(r)
+        self._loop_metrics(r)
+        self._session_metrics(r)
+        self._model_metrics(r)
+        self._rollout_metrics(r)
+        self._promoted: dict[str, str] = {}  # model -> its orthornn_model_promoted version
+        # the process's CPU, memory and file descriptors (orthornn_process_*; Linux only)
+        ProcessCollector(namespace="orthornn", registry=r)
+
+    def _request_metrics(self, r: CollectorRegistry) -> None:
+        """Requests, their latency and batches, admission's refusals."""
         self.requests = Counter(
             "orthornn_requests", "HTTP requests by model, version, endpoint and status",
             ["model", "version", "endpoint", "status"], registry=r)
@@ -99,26 +110,6 @@ class Metrics:
             "an Orthornn-Input-Warning header)", ["model", "version"], registry=r)
         self.inflight = Gauge("orthornn_inflight_requests", "requests being answered",
                               registry=r)
-        self.capture_records = Tally(
-            "orthornn_capture_records", "answered requests whose record capture wrote "
-            "(--capture)", "model", r)
-        self.capture_dropped = Tally(
-            "orthornn_capture_dropped", "sampled records capture did not write, by reason: "
-            "disk_full, read_only, error; torn: a killed writer's last line, cut "
-            "at the restart", "reason", r)
-        # the loop (issue 43): labels given back, drift of live windows against the
-        # reference the package recorded at export (docs/drift.md)
-        self.labels_received = Counter(
-            "orthornn_labels_received", "labels accepted by POST /v2/models/{name}/labels",
-            ["model"], registry=r)
-        self.drift_score = Gauge(
-            "orthornn_drift_score", "the latest window's drift test statistic over its "
-            "calibrated alarm threshold (>= 1: this test alarms), per test",
-            ["model", "version", "test"], registry=r)
-        self.drift_detected = Gauge(
-            "orthornn_drift_detected", "1 while the latest live window of the version "
-            "alarms on any drift test (after the multiple-test correction), else 0",
-            ["model", "version"], registry=r)
         self.held = Counter(
             "orthornn_held_connections",
             "connections refused with 503 and then held (not read) until their Retry-After "
@@ -133,6 +124,30 @@ class Metrics:
             "did not arrive within header_timeout_s or body_timeout_s", ["phase"], registry=r)
         self.queue_depth = Gauge("orthornn_queue_depth", "sequences waiting for a batch",
                                  ["model"], registry=r)
+
+    def _loop_metrics(self, r: CollectorRegistry) -> None:
+        """The loop: capture's records and drops, labels, live drift (docs/drift.md)."""
+        self.capture_records = Tally(
+            "orthornn_capture_records", "answered requests whose record capture wrote "
+            "(--capture)", "model", r)
+        self.capture_dropped = Tally(
+            "orthornn_capture_dropped", "sampled records capture did not write, by reason: "
+            "disk_full, read_only, error; torn: a killed writer's last line, cut "
+            "at the restart", "reason", r)
+        self.labels_received = Counter(
+            "orthornn_labels_received", "labels accepted by POST /v2/models/{name}/labels",
+            ["model"], registry=r)
+        self.drift_score = Gauge(
+            "orthornn_drift_score", "the latest window's drift test statistic over its "
+            "calibrated alarm threshold (>= 1: this test alarms), per test",
+            ["model", "version", "test"], registry=r)
+        self.drift_detected = Gauge(
+            "orthornn_drift_detected", "1 while the latest live window of the version "
+            "alarms on any drift test (after the multiple-test correction), else 0",
+            ["model", "version"], registry=r)
+
+    def _session_metrics(self, r: CollectorRegistry) -> None:
+        """Server-side sessions and their store."""
         self.sessions_active = Gauge("orthornn_sessions_active",
                                      "open server-side sessions (state kept in the service)",
                                      registry=r)
@@ -164,6 +179,9 @@ class Metrics:
             "on demand, by result: loaded, refused (did not verify), missing (gone from "
             "the repository; those two end the session with 409)", ["model", "result"],
             registry=r)
+
+    def _model_metrics(self, r: CollectorRegistry) -> None:
+        """Model versions: loads, promotion, swaps, evaluation, the transition's spectrum."""
         self.loaded = Gauge(
             "orthornn_model_loaded", "1 for every loaded (served) model version",
             ["model", "version", "arch", "mode"], registry=r)
@@ -208,7 +226,9 @@ class Metrics:
             "orthornn_transition_orthogonality_error",
             "||W^T W - I||_2 of the transition matrix (from the manifest)",
             ["model", "version"], registry=r)
-        # rollouts (export.artifacts.rollout): this replica's view of the running one
+
+    def _rollout_metrics(self, r: CollectorRegistry) -> None:
+        """Rollouts (export.artifacts.rollout): this replica's view of the running one."""
         self.rollout_stage = Gauge(
             "orthornn_rollout_stage", "the running rollout's stage: 0 is the first (shadow, "
             "when it has one), then one per canary step", ["model", "candidate"], registry=r)
@@ -223,9 +243,6 @@ class Metrics:
         self.shadow_skipped = Counter(
             "orthornn_shadow_skipped", "shadow runs skipped because the inference queue was "
             "busy", ["model"], registry=r)
-        self._promoted: dict[str, str] = {}  # model -> its orthornn_model_promoted version
-        # the process's CPU, memory and file descriptors (orthornn_process_*; Linux only)
-        ProcessCollector(namespace="orthornn", registry=r)
 
     @staticmethod
     def _evaluation(manifest: Manifest) -> tuple[str, float] | None:

@@ -7,12 +7,19 @@ Roles: ``promote`` (what ``orthornn export`` does last: repository.promote), ``r
 (``orthornn rollback --to V`` and the admin API: repository.rollback), ``rollout`` (start
 a rollout and let the controller finish it: rollout.start, then rollout.step), and
 ``loop`` (promote and write the plan for ever, to be SIGKILLed at random points).
+
+A writer other than ``loop`` says it is ready and waits for a line on stdin (the test's
+start barrier: every writer has imported and is about to write when the first begins).
+ORTHORNN_TEST_NO_LOCK=1 replaces the model's lock by a no-op: the planted bug the
+concurrent-writers test must catch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -27,7 +34,11 @@ def say(**fields: object) -> None:
 def main(role: str, model_dir: Path, rounds: int, seed: int, tag: str) -> None:
     rng = random.Random(seed)
     on_disk = repository.versions(model_dir)
+    if os.environ.get("ORTHORNN_TEST_NO_LOCK") == "1":  # the planted bug
+        records.locked = lambda model_dir: contextlib.nullcontext()  # type: ignore[assignment]
     say(ready=True)
+    if role != "loop":
+        sys.stdin.readline()  # the start barrier
     if role == "loop":
         i = 0
         while True:  # killed by the test

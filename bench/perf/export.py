@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from orthornn.export.artifacts.package import session_from_bytes
-from orthornn.export.builder.exporter import choose_recurrence
+from orthornn.export.builder.golden import choose_recurrence
 from orthornn.export.builder.onnx_export import build_graph
 from orthornn.models import ARCHITECTURES, build_model
 

@@ -196,6 +196,29 @@ def _lstm(g: Graph, layer: LSTMLayer, x: str, lengths32: str, state: str) -> tup
 
 # -- the model ------------------------------------------------------------------------------
 
+def _recurrence(g: Graph, model: SequenceModel, mode: str, recurrence: str, per_step: bool,
+                x: str, lengths: str, h0: str, used: set[str]) -> tuple[str, str]:
+    """(the states of every step [B, T, S], zero past each length, or what the head reads
+    of them; the last state [B, S]): ONNX's LSTM for an LSTM, its RNN operator where it
+    can run the cell and RECURRENCE asks for it, else a Scan over one step; W dense or
+    factored (MODE: ``ai.orthornn`` functions, their names added to USED)."""
+    layer = model.layer
+    lengths32 = g.op("Cast", lengths, to=TensorProto.INT32)
+    if isinstance(layer, LSTMLayer):
+        return _lstm(g, layer, x, lengths32, h0)
+    p = layer.transition
+    w = g.const(_np(p.matrix()), "W") if mode == "dense" else factored_matrix(g, p, used)
+    usable_rnn = layer.gates is None and layer.activation.kind in RNN_ACTIVATIONS
+    if recurrence == "rnn" and usable_rnn:
+        return _rnn_op(g, layer, w, x, lengths32, h0)
+    u = g.op("Add", g.op("MatMul", x, g.const(_np(layer.input.weight).T, "W_in_T")),
+             g.const(_np(layer.input.bias), "b_in"))
+    ys, last = _scan(g, layer, g.op("Transpose", w, perm=[1, 0]), u, lengths, h0)
+    if model.task in ("classify", "regress") and not per_step:
+        return ys, last  # classify/regress read `last` only
+    return _zero_padded_steps(g, ys, lengths), last
+
+
 def build_graph(model: SequenceModel, mode: str = "dense", *, step: bool = False,
                 per_step: bool = False, recurrence: str = "scan",
                 opset: int = functions.DEFAULT_OPSET) -> onnx.ModelProto:
@@ -208,7 +231,7 @@ def build_graph(model: SequenceModel, mode: str = "dense", *, step: bool = False
         raise ValueError(f"recurrence must be 'scan' or 'rnn'; got {recurrence!r}")
     if not hasattr(model, "layer"):
         raise ValueError(f"{model.arch} is not recurrent: export takes recurrent models only")
-    layer, task = model.layer, model.task
+    task = model.task
     g, used = Graph(), set[str]()
     lm = task == "lm"
     x_in = value("tokens", TensorProto.INT64, ["batch", 1 if step else "time"]) if lm else \
@@ -235,22 +258,8 @@ def build_graph(model: SequenceModel, mode: str = "dense", *, step: bool = False
             [model.state_size], "n", "int64"), axis=0))
     if lm:
         x = g.op("Gather", g.const(_np(model.embedding.weight), "embedding"), x, axis=0)
-    lengths32 = g.op("Cast", lengths, to=TensorProto.INT32)
 
-    if isinstance(layer, LSTMLayer):
-        states, last = _lstm(g, layer, x, lengths32, h0)
-    else:
-        p = layer.transition
-        w = g.const(_np(p.matrix()), "W") if mode == "dense" else factored_matrix(g, p, used)
-        usable_rnn = layer.gates is None and layer.activation.kind in RNN_ACTIVATIONS
-        if recurrence == "rnn" and usable_rnn:
-            states, last = _rnn_op(g, layer, w, x, lengths32, h0)
-        else:
-            u = g.op("Add", g.op("MatMul", x, g.const(_np(layer.input.weight).T, "W_in_T")),
-                     g.const(_np(layer.input.bias), "b_in"))
-            ys, last = _scan(g, layer, g.op("Transpose", w, perm=[1, 0]), u, lengths, h0)
-            states = ys if task in ("classify", "regress") and not per_step else \
-                _zero_padded_steps(g, ys, lengths)  # classify/regress read `last` only
+    states, last = _recurrence(g, model, mode, recurrence, per_step, x, lengths, h0, used)
 
     head_w = g.const(_np(model.head.weight).T, "head_W_T")
     head_b = g.const(_np(model.head.bias), "head_b")

@@ -10,9 +10,10 @@ import numpy as np
 from orthornn.export.artifacts.package import INITIAL_STATE, GraphIO
 
 from ..errors import ClientError, NotFound
+from ..registry.catalog import ModelVersion
 from ..registry.runtime import Chunk
 from ..registry.spec import ModelSpec
-from .messages import Inference, InputTensor, Prediction
+from .messages import Inference, InputTensor, OutputTensor, Prediction
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -259,3 +260,27 @@ def version_param(value: object) -> int | None:
             not 1 <= int(value) < 2**62:
         raise NotFound(f"version must be a positive integer; got {value!r}")
     return int(value)
+
+
+def session_sequence(seqs: list) -> np.ndarray:
+    """The one sequence of a session's chunk (a session keeps its own state)."""
+    if len(seqs) != 1:
+        raise ClientError(f"a session takes one sequence per request; got {len(seqs)}")
+    if isinstance(seqs[0], Chunk):
+        raise ClientError("inputs[initial_state]: not with a sequence_id (the session "
+                          "keeps its state)")
+    return seqs[0]
+
+
+def check_streaming(mv: ModelVersion) -> None:
+    """400 unless MV's graphs take an initial state (what sessions and states need)."""
+    if not mv.spec.streaming:
+        raise ClientError(f"model {mv.name!r} version {mv.version} was exported before "
+                          f"streaming (its graphs take no initial state); export it again "
+                          f"to continue sequences across requests")
+
+
+def state_of(tensors: list[OutputTensor]) -> np.ndarray:
+    """The final state of a one-sequence answer's tensors."""
+    (state,) = [t.data for t in tensors if t.name == "state"]
+    return state[0]

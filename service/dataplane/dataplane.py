@@ -36,11 +36,14 @@ from ..sessions.tokens import decode_state, encode_state, state_version
 from ..settings import Settings
 from . import generate
 from .checks import (
+    check_streaming,
     infer_sequences,
     output_value_bytes,
     per_step_bytes,
     predict_sequences,
     range_warning,
+    session_sequence,
+    state_of,
     version_param,
 )
 from .in_flight import OutputsInFlight
@@ -197,7 +200,7 @@ class DataPlane:
                 if len(req.states) != len(seqs):
                     raise ClientError(f"states: one per sequence ({len(seqs)}); got "
                                       f"{len(req.states)}")
-                self._check_streaming(mv)
+                check_streaming(mv)
                 batch: list[np.ndarray | Chunk] = [
                     Chunk(s, decode_state(st, mv.name, mv.version, mv.spec.state_size,
                                           f"states[{i}]"))
@@ -217,8 +220,8 @@ class DataPlane:
 
         async def chunk(mv: ModelVersion, state: np.ndarray | None
                         ) -> tuple[tuple[list[dict], str | None, np.ndarray], np.ndarray, int]:
-            self._check_streaming(mv)
-            seq = self._session_sequence(self._sequences(mv, req))
+            check_streaming(mv)
+            seq = session_sequence(self._sequences(mv, req))
             warning = self._range_warning(mv, [seq], "inputs")
             outputs, states, _ = await self._run(mv, [Chunk(seq, state)], req)
             return (outputs, warning, seq), states[0], len(seq)
@@ -286,15 +289,6 @@ class DataPlane:
 
     # -- sessions (server-side state, /predict and OIP sequences alike: service.streaming) --
 
-    @staticmethod
-    def _session_sequence(seqs: list) -> np.ndarray:
-        if len(seqs) != 1:
-            raise ClientError(f"a session takes one sequence per request; got {len(seqs)}")
-        if isinstance(seqs[0], Chunk):
-            raise ClientError("inputs[initial_state]: not with a sequence_id (the session "
-                              "keeps its state)")
-        return seqs[0]
-
     def _range_warning(self, mv: ModelVersion, seqs: list, field: str) -> str | None:
         """Inputs far outside the training range are answered, with a warning (a response
         header) and a count: usually the client skipped the model's preprocessing."""
@@ -303,13 +297,6 @@ class DataPlane:
         if warning is not None and self.metrics is not None:
             self.metrics.inputs_out_of_range.labels(mv.name, str(mv.version)).inc()
         return warning
-
-    @staticmethod
-    def _check_streaming(mv: ModelVersion) -> None:
-        if not mv.spec.streaming:
-            raise ClientError(f"model {mv.name!r} version {mv.version} was exported before "
-                              f"streaming (its graphs take no initial state); export it again "
-                              f"to continue sequences across requests")
 
     # -- Open Inference Protocol ------------------------------------------------------------
 
@@ -325,12 +312,12 @@ class DataPlane:
 
             async def chunk(mv: ModelVersion, state: np.ndarray | None) -> tuple[
                     tuple[list[OutputTensor], str | None, list], np.ndarray, int]:
-                self._check_streaming(mv)
+                check_streaming(mv)
                 seqs, steps = self._infer_sequences(mv, req)
-                seq = self._session_sequence(seqs)
+                seq = session_sequence(seqs)
                 warning = self._range_warning(mv, [seq], "inputs[x]")
                 tensors = await self._infer_run(mv, req, [Chunk(seq, state)], steps)
-                return (tensors, warning, [seq]), self._state_of(tensors), len(seq)
+                return (tensors, warning, [seq]), state_of(tensors), len(seq)
             request.current().route_key = sid.encode()  # a sequence is placed by its id
             applied = await self.sessions.chunk(
                 sid, name, chunk, version=version_param(version), start=req.sequence.start,
@@ -364,11 +351,6 @@ class DataPlane:
                         {t.name: t.data for t in outputs}, req.sequence.id, position)
         return InferenceResult(served, outputs, req.id, position=position,
                                session_secret=given)
-
-    @staticmethod
-    def _state_of(tensors: list[OutputTensor]) -> np.ndarray:
-        (state,) = [t.data for t in tensors if t.name == "state"]
-        return state[0]
 
     def _infer_sequences(self, mv: ModelVersion, req: Inference) -> tuple[list, int]:
         seqs, steps = self._checked(mv, lambda spec: infer_sequences(

@@ -42,7 +42,7 @@ from ..errors import POSITION_HEADER, SECRET_HEADER, ClientError, ServiceError
 from ..loop.ids import given_id
 from ..metrics import Metrics
 from ..settings import Settings, is_loopback
-from ..tracing import open_tracing
+from ..tracing import Tracer, open_tracing
 from . import auth
 from .codecs import oip_binary, predict_json
 from .responses import JSON, error, header
@@ -118,12 +118,23 @@ def _admin_body(body: bytes) -> None:
 def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
                    draining: Callable[[], bool]) -> list[Route]:
     """The route table's rows, their handlers bound to DATAPLANE; DRAINING says whether
-    the server is shutting down (readiness answers 503 then)."""
-    admin = auth.admin(settings.admin_token, is_loopback(settings.host))
+    the server is shutting down (readiness answers 503 then). In the order the OpenAPI
+    document lists them: inference, metadata and health, the repository API."""
+    tracer = open_tracing(settings.tracing)  # None: off (ValueError: the extra is missing)
+    rows = [*_inference_routes(dataplane, settings, tracer),
+            *_metadata_routes(dataplane, metrics, draining),
+            *_repository_routes(dataplane, settings)]
+    if tracer is not None:
+        rows = [dataclasses.replace(row, tracer=tracer) for row in rows]
+    return rows
+
+
+def _inference_routes(dataplane: DataPlane, settings: Settings, tracer: Tracer | None
+                      ) -> list[Route]:
+    """/predict, /generate, the OIP infer routes and the labels route."""
     # labels: the admin token or the labels token, and the repository API's other checks
     label_check = auth.admin(settings.admin_token, is_loopback(settings.host),
                              settings.labels_token, "the labels route")
-    tracer = open_tracing(settings.tracing)  # None: off (ValueError: the extra is missing)
     decode_predict, encode_predict = predict_json.decode, predict_json.encode
     decode_infer, encode_infer = oip_binary.decode, oip_binary.encode
     if tracer is not None:
@@ -165,6 +176,36 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         return Response(head + b"".join(blobs), media_type="application/octet-stream",
                         headers={**headers, oip_binary.HEADER_LENGTH: str(len(head))})
 
+    async def labels(call: Call) -> Response:
+        name = call.params["name"]
+        _names(name)
+        label_check(call.scope, True)
+        return JSON(await dataplane.label(name, call.body))
+
+    return [
+        Route("POST", "/predict", predict, "predict from sequences or text (optionally "
+              "continuing from states or a session)", PredictResponse, PredictRequest,
+              errors=INFER_ERRORS),
+        Route("POST", "/generate", generate_text, "language models: sample text, carrying "
+              "the hidden state", GenerateResponse, GenerateRequest, errors=INFER_ERRORS),
+        Route("POST", "/v2/models/{name}/infer", infer, "inference (the promoted version, "
+              "else the newest loaded; "
+              "sequence_id / sequence_start / sequence_end parameters for sequences, "
+              "sequence_position to make a chunk exactly-once)",
+              InferenceResponse, InferenceRequest, errors=INFER_ERRORS),
+        Route("POST", "/v2/models/{name}/versions/{version}/infer", infer,
+              "inference on one version", InferenceResponse, InferenceRequest,
+              errors=INFER_ERRORS),
+        Route("POST", "/v2/models/{name}/labels", labels, "labels of captured requests "
+              "(by their X-Request-Id), all or none, checked against the version that "
+              "answered; capture on only (bearer: the admin or the labels token)",
+              LabelsResponse, LabelsRequest, errors=LABEL_ERRORS, admin=True),
+    ]
+
+
+def _metadata_routes(dataplane: DataPlane, metrics: Metrics, draining: Callable[[], bool]
+                     ) -> list[Route]:
+    """Server and model metadata, health and readiness, the model config, /metrics."""
     async def server_metadata(call: Call) -> Response:
         return JSON(dataplane.metadata.server_metadata())
 
@@ -197,6 +238,34 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         _names(name)
         result = dataplane.metadata.model_config(name)
         return JSON(result.body)
+
+    async def prometheus(call: Call) -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    ready_errors: ErrorTable = {**ERRORS, 503: {"model": ErrorResponse}}
+    return [
+        Route("GET", "/v2", server_metadata, "server metadata", ServerMetadata),
+        Route("GET", "/v2/health/live", live, "liveness"),
+        Route("GET", "/v2/health/ready", ready, "readiness: every configured model loaded "
+              "and warm, not shutting down", errors=ready_errors),
+        Route("GET", "/v2/models/{name}", model_metadata, "model metadata (the version a "
+              "request without one gets: the promoted one, else the newest loaded)",
+              ModelMetadata),
+        Route("GET", "/v2/models/{name}/versions/{version}", model_metadata,
+              "model version metadata", ModelMetadata),
+        Route("GET", "/v2/models/{name}/ready", model_ready, "model readiness",
+              errors=ready_errors),
+        Route("GET", "/v2/models/{name}/versions/{version}/ready", model_ready,
+              "version readiness", errors=ready_errors),
+        Route("GET", "/v2/models/{name}/config", model_config, "Triton-style model "
+              "configuration (for tritonclient)"),
+        Route("GET", "/metrics", prometheus, "Prometheus metrics", media_type="text/plain"),
+    ]
+
+
+def _repository_routes(dataplane: DataPlane, settings: Settings) -> list[Route]:
+    """The repository API: index, load, unload, rollback and rollouts (bearer token)."""
+    admin = auth.admin(settings.admin_token, is_loopback(settings.host))
 
     async def repository_index(call: Call) -> Response:
         admin(call.scope, False)  # reads only
@@ -236,49 +305,7 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         _admin_body(call.body)
         return JSON(await dataplane.repository.unload(call.params["name"]))
 
-    async def labels(call: Call) -> Response:
-        name = call.params["name"]
-        _names(name)
-        label_check(call.scope, True)
-        return JSON(await dataplane.label(name, call.body))
-
-    async def prometheus(call: Call) -> Response:
-        return Response(metrics.render(), media_type=metrics.content_type)
-
-    ready_errors: ErrorTable = {**ERRORS, 503: {"model": ErrorResponse}}
-    rows = [
-        Route("POST", "/predict", predict, "predict from sequences or text (optionally "
-              "continuing from states or a session)", PredictResponse, PredictRequest,
-              errors=INFER_ERRORS),
-        Route("POST", "/generate", generate_text, "language models: sample text, carrying "
-              "the hidden state", GenerateResponse, GenerateRequest, errors=INFER_ERRORS),
-        Route("GET", "/v2", server_metadata, "server metadata", ServerMetadata),
-        Route("GET", "/v2/health/live", live, "liveness"),
-        Route("GET", "/v2/health/ready", ready, "readiness: every configured model loaded "
-              "and warm, not shutting down", errors=ready_errors),
-        Route("GET", "/v2/models/{name}", model_metadata, "model metadata (the version a "
-              "request without one gets: the promoted one, else the newest loaded)",
-              ModelMetadata),
-        Route("GET", "/v2/models/{name}/versions/{version}", model_metadata,
-              "model version metadata", ModelMetadata),
-        Route("GET", "/v2/models/{name}/ready", model_ready, "model readiness",
-              errors=ready_errors),
-        Route("GET", "/v2/models/{name}/versions/{version}/ready", model_ready,
-              "version readiness", errors=ready_errors),
-        Route("GET", "/v2/models/{name}/config", model_config, "Triton-style model "
-              "configuration (for tritonclient)"),
-        Route("POST", "/v2/models/{name}/infer", infer, "inference (the promoted version, "
-              "else the newest loaded; "
-              "sequence_id / sequence_start / sequence_end parameters for sequences, "
-              "sequence_position to make a chunk exactly-once)",
-              InferenceResponse, InferenceRequest, errors=INFER_ERRORS),
-        Route("POST", "/v2/models/{name}/versions/{version}/infer", infer,
-              "inference on one version", InferenceResponse, InferenceRequest,
-              errors=INFER_ERRORS),
-        Route("POST", "/v2/models/{name}/labels", labels, "labels of captured requests "
-              "(by their X-Request-Id), all or none, checked against the version that "
-              "answered; capture on only (bearer: the admin or the labels token)",
-              LabelsResponse, LabelsRequest, errors=LABEL_ERRORS, admin=True),
+    return [
         Route("POST", "/v2/repository/index", repository_index, "every model version in the "
               "repository with its state", list[RepositoryModel], RepositoryIndexRequest,
               body_required=False, errors=ADMIN_ERRORS, admin=True),
@@ -304,8 +331,4 @@ def service_routes(dataplane: DataPlane, settings: Settings, metrics: Metrics,
         Route("POST", "/v2/repository/models/{name}/rollout/abort", rollout_abort,
               "stop the running rollout; the promoted version stays", errors=ROLLBACK_ERRORS,
               admin=True),
-        Route("GET", "/metrics", prometheus, "Prometheus metrics", media_type="text/plain"),
     ]
-    if tracer is not None:
-        rows = [dataclasses.replace(row, tracer=tracer) for row in rows]
-    return rows

@@ -151,25 +151,32 @@ def deadlined(protocol_class: type, deadlines: Deadlines, server: uvicorn.Server
 
         def _expired(self) -> None:
             self._timer = None
-            transport = self.transport
-            if transport.is_closing() or getattr(self, "head_refused", False):
-                return  # (a 431 lingering: closed when its linger ends)
-            phase = self._phase
-            closed(phase)
-            if phase is HEAD:
-                answer = self._heard
-            else:  # nothing of an answer sent, none before it still being sent
-                answer = not self.cycle.response_started and not getattr(self, "pipeline", ())
-            if answer:
-                transport.write(TIMEOUT_ANSWERS[phase])
-            if transport.get_write_buffer_size():  # a client that reads nothing either
-                transport.abort()
-            else:
-                transport.close()
+            _close_late(self, closed)
 
     Deadlined.deadlines = deadlines
     Deadlined.__name__ = Deadlined.__qualname__ = f"Deadlined{protocol_class.__name__}"
     return Deadlined
+
+
+def _close_late(protocol: Any, closed: Callable[[str], None]) -> None:
+    """PROTOCOL's deadline passed: counted (CLOSED), answered 408 when the client can
+    still read one (a byte of the head came; nothing of an answer sent, none before it
+    still being sent), and the connection closed (aborted when it reads nothing either)."""
+    transport = protocol.transport
+    if transport.is_closing() or getattr(protocol, "head_refused", False):
+        return  # (a 431 lingering: closed when its linger ends)
+    phase = protocol._phase
+    closed(phase)
+    if phase is HEAD:
+        answer = protocol._heard
+    else:
+        answer = not protocol.cycle.response_started and not getattr(protocol, "pipeline", ())
+    if answer:
+        transport.write(TIMEOUT_ANSWERS[phase])
+    if transport.get_write_buffer_size():
+        transport.abort()
+    else:
+        transport.close()
 
 
 def _head_too_large(limit: int) -> bytes:
@@ -178,6 +185,19 @@ def _head_too_large(limit: int) -> bytes:
     return (b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
             b"content-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n" % len(body)) + body
+
+
+def _answer_refused(protocol: Any, answer: bytes) -> None:
+    """ANSWER (431) on PROTOCOL's connection, unless an answer is being sent: a head past
+    the limit, or a request's trailers, whose request is then ended for the app as if the
+    client had gone."""
+    cycle = protocol.cycle
+    if cycle is None or cycle.response_complete:  # no answer being sent
+        protocol.transport.write(answer)
+    elif protocol._in_body and not cycle.response_started:  # its trailers
+        cycle.disconnected = True
+        cycle.message_event.set()
+        protocol.transport.write(answer)
 
 
 def head_bounded(protocol_class: type, limit: int) -> type:
@@ -244,14 +264,7 @@ def head_bounded(protocol_class: type, limit: int) -> type:
         def _refuse_head(self) -> None:
             self.head_refused = True
             log.debug("a request head or trailer over max_header_bytes (%d): 431", limit)
-            cycle = self.cycle
-            if cycle is None or cycle.response_complete:  # no answer being sent
-                self.transport.write(answer)
-            elif self._in_body and not cycle.response_started:  # its trailers: the request
-                # is ended for the app as if the client had gone, and answered here
-                cycle.disconnected = True
-                cycle.message_event.set()
-                self.transport.write(answer)
+            _answer_refused(self, answer)
             self.flow.resume_reading()
             self._linger = self.loop.call_later(LINGER_S, self.transport.close)
 

@@ -53,7 +53,7 @@ def served(digits_package):
     reference = drift.read(digits_package / manifest.reference)
     return SimpleNamespace(x=list(x), y=test.y.numpy(), rows=rows(list(x)),
                            inverted=inverted, inverted_rows=rows(inverted),
-                           reference=reference, manifest=manifest)
+                           reference=reference, manifest=manifest, package=digits_package)
 
 
 def _alarms(served, stream) -> list[bool]:
@@ -102,6 +102,7 @@ def test_inverted_digits_are_detected_within_200_sequences(served):
     rng = np.random.default_rng(1)
     delays = [_delay(served, rng, np.arange(len(served.x)), shifted=True) for _ in range(20)]
     assert np.median(delays) <= 200, delays
+    assert max(delays) < 10**9, delays  # every trial detects it
 
 
 def test_a_class_prior_shift_is_detected_within_1000_sequences(served):
@@ -109,7 +110,61 @@ def test_a_class_prior_shift_is_detected_within_1000_sequences(served):
     few = np.flatnonzero(np.isin(served.y, [0, 1, 2]))  # only three classes
     delays = [_delay(served, rng, few, shifted=False) for _ in range(20)]
     assert np.median(delays) <= 1000, delays
+    assert max(delays) < 10**9, delays  # every trial detects it
     print(json.dumps({"class_prior_delays": delays}))
+
+
+@pytest.mark.parametrize("window", [50, 200, 400])
+def test_null_windows_alarm_each_test_within_its_share_of_alpha(served, window):
+    """2,000 windows of unshifted requests at each window size: each test alarms in at
+    most its share of alpha (alpha / k, the Bonferroni split over the k tests) plus three
+    binomial standard deviations (the bound written here from the binomial law, not from
+    the module)."""
+    rng = np.random.default_rng(window)
+    pool = [(x, *row) for x, row in zip(served.x, served.rows, strict=True)]
+    thresholds = served.reference.thresholds_for(window)
+    rounds, alpha, k = 2000, served.reference.meta["alpha"], len(thresholds)
+    p = alpha / k
+    bound = rounds * p + 3 * np.sqrt(rounds * p * (1 - p))
+    alarms = dict.fromkeys(thresholds, 0)
+    from orthornn.service.loop.drift import test_window
+
+    for _ in range(rounds):
+        window_rows = [pool[i] for i in rng.integers(len(pool), size=window)]
+        for test, score in test_window(served.reference, window_rows).items():
+            alarms[test] += score >= 1
+    print(json.dumps({"window": window, "alarms": alarms, "bound": bound}))
+    assert all(n <= bound for n in alarms.values()), (alarms, bound)
+
+
+def test_a_shift_only_the_model_sees_is_found_by_its_tests_not_the_inputs(served):
+    """Time-reversed digits keep each sequence's length and each channel's mean and
+    variance (what the inputs test summarises), so only the model's tests (the predicted
+    classes, their entropy, the final state) can see them: in each of 20 trials one of
+    them alarms within six windows, and the inputs test alarms in none of them."""
+    from orthornn.export.artifacts import package
+    from orthornn.export.artifacts.loop import drift
+    from orthornn.service.loop.drift import test_window
+
+    reversed_x = [s[::-1].copy() for s in served.x]
+    for s, r in zip(served.x, reversed_x, strict=True):  # what the inputs test reads: equal
+        np.testing.assert_allclose(r.mean(0), s.mean(0), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(r.var(0), s.var(0), rtol=1e-5, atol=1e-7)
+    sess = package.session(served.package / "model.onnx")
+    outputs, states = drift.run_graph(sess, "logits", reversed_x)
+    pool = list(zip(reversed_x, outputs, states, strict=True))
+    rng = np.random.default_rng(5)
+    detected = []
+    for _ in range(20):
+        windows = [test_window(served.reference,
+                               [pool[i] for i in rng.integers(len(pool), size=WINDOW)])
+                   for _ in range(6)]
+        assert all(w["inputs"] < 1 for w in windows), windows
+        detected.append(next((k for k, w in enumerate(windows)
+                              if max(w[t] for t in ("classes", "entropy", "state")) >= 1),
+                             None))
+    print(json.dumps({"reversed_detected_in_window": detected}))
+    assert None not in detected, detected
 
 
 def _metric(text: str, name: str, **labels: str) -> float | None:

@@ -237,12 +237,20 @@ def test_the_loop_unattended(tmp_path):
             learned, segments = len(f["y"]), sorted(str(s) for s in f["segments"])
         # every replica's segments of the shift taught it (the names they keep once closed)
         assert {s.split("/")[-1].split("-")[0] for s in segments} == {"r0", "r1"}
+        with np.load(runs / "captured.npz") as f:
+            train_ids, train_times = set(map(str, f["ids"])), f["times"]
         with np.load(runs / "captured-holdout.npz") as f:
-            held_out = len(f["y"])
+            held_out, held_ids, held_times = len(f["y"]), set(map(str, f["ids"])), f["times"]
         assert learned + held_out == 400  # every label joined, the newest slice held out
+        # train and holdout are disjoint, by id, and the holdout is the newest slice
+        assert not train_ids & held_ids and len(train_ids | held_ids) == 400
+        assert train_times.max() <= held_times.min()
         assert manifest["lineage"]["captures"] == {"segments": segments, "labels": learned}
         gate = manifest["evaluation"]["gate"]
         assert gate["passed"] and gate["gate_data"]["require_better"]
+        # the candidate beat the incumbent on the captured slice, by the margin at least
+        assert gate["gate_data"]["candidate"] >= gate["gate_data"]["incumbent"] \
+            + gate["gate_data"]["margin"], gate
         promotion = json.loads((repo / "digits" / "promotion.json").read_text())
         assert promotion["version"] == 2
 

@@ -39,7 +39,20 @@ def model_dir(service_packages, tmp_path) -> Path:
 def writer(role: str, model_dir: Path, rounds: int, seed: int, tag: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tests.promotion_writer", role,
                              str(model_dir), str(rounds), str(seed), tag], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def started(procs: list[subprocess.Popen]) -> None:
+    """The start barrier: every writer ready (imported, its first write next), then all
+    let go at once."""
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert json.loads(proc.stdout.readline()) == {"ready": True}
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
 
 
 def test_concurrent_writers_lose_no_action_and_keep_a_valid_order(model_dir):
@@ -50,6 +63,7 @@ def test_concurrent_writers_lose_no_action_and_keep_a_valid_order(model_dir):
              ("rollout", 40)]
     procs = [writer(role, model_dir, rounds, seed, f"w{seed}")
              for seed, (role, rounds) in enumerate(roles)]
+    started(procs)
     done = []
     for proc in procs:
         out, err = proc.communicate(timeout=120)
@@ -58,6 +72,12 @@ def test_concurrent_writers_lose_no_action_and_keep_a_valid_order(model_dir):
     done = [d for d in done if "action" in d]
     record = repository.read_promotion(model_dir)
     history = record["history"]
+    # the writers ran at once, not one after another: the two promoting writers' entries
+    # alternate many times (else this test could pass without the lock doing anything)
+    promoters = [e["reason"].split(":")[0] for e in history
+                 if e["reason"].startswith(("w0:", "w1:"))]
+    switches = sum(a != b for a, b in itertools.pairwise(promoters))
+    assert switches >= 10, f"the writers interleaved {switches} times"
     # every entry continues from the one before it: no write was lost or overwritten
     assert history[0]["action"] == "publish" and history[0]["previous"] is None
     for before, entry in itertools.pairwise(history):
@@ -126,6 +146,40 @@ def test_a_writer_killed_anywhere_leaves_the_old_file_or_the_new(model_dir):
     repository.promote(model_dir, 2, "rollback", "after the kills")
     assert repository.read_promotion(model_dir)["history"][-1]["reason"] == "after the kills"
     assert not list(model_dir.glob(".*.tmp"))  # the killed writers' temporary files: gone
+
+
+def test_an_atomic_write_syncs_the_file_then_renames_then_syncs_the_folder(tmp_path,
+                                                                         monkeypatch):
+    """The order that makes a replace durable (a crash of the node leaves the old file or
+    the new one): fsync of the temporary file, then the rename over the target, then fsync
+    of the folder that holds the new name."""
+    calls: list[tuple[str, str]] = []
+    real_open, real_fsync, real_replace = os.open, os.fsync, os.replace
+    paths: dict[int, str] = {}
+
+    def opened(path, *args, **kwargs):
+        fd = real_open(path, *args, **kwargs)
+        paths[fd] = str(path)
+        return fd
+
+    def fsync(fd):
+        calls.append(("fsync", paths.get(fd, "?")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        calls.append(("replace", f"{src} -> {dst}"))
+        real_replace(src, dst)
+    monkeypatch.setattr(records.os, "open", opened)
+    monkeypatch.setattr(records.os, "fsync", fsync)
+    monkeypatch.setattr(records.os, "replace", replace)
+    target = tmp_path / "promotion.json"
+    records.write_json(target, {"version": 1})
+    assert [kind for kind, _ in calls] == ["fsync", "replace", "fsync"], calls
+    tmp = calls[0][1]
+    assert Path(tmp).parent == tmp_path and Path(tmp).name.endswith(".tmp")
+    assert calls[1][1] == f"{tmp} -> {target}"
+    assert calls[2][1] == str(tmp_path)
+    assert json.loads(target.read_text()) == {"version": 1}
 
 
 def test_the_lock_excludes_threads_and_is_reentrant(tmp_path):

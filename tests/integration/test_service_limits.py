@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import select
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 from orthornn.service.dataplane.checks import JSON_VALUE_BYTES
 
-from ..service_helpers import LiveServer, RawConnection, make_repo
+from ..service_helpers import LiveServer, RawConnection, make_repo, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 LIVE = b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
@@ -121,6 +122,18 @@ def test_the_h11_protocol_bounds_heads_itself(tmp_path):
 
 # -- slow bodies -----------------------------------------------------------------------------
 
+def _admission(app):
+    """The app's Admission middleware (its state: the bodies being received), once the
+    server has built the middleware stack."""
+    from orthornn.service.http.admission import Admission
+
+    layer = app.middleware_stack
+    while layer is not None and not isinstance(layer, Admission):
+        layer = getattr(layer, "app", None)
+    assert layer is not None, "no Admission in the middleware stack"
+    return layer
+
+
 def test_bodies_holding_the_shared_budget_are_evicted_before_others_are_refused(
         repo, monkeypatch):
     """Issue 59, finding 1, replayed at a small scale: connections that send most of a
@@ -137,10 +150,12 @@ def test_bodies_holding_the_shared_budget_are_evicted_before_others_are_refused(
     with LiveServer(repo=repo, max_body_bytes=limit, max_receiving_bytes=budget,
                     min_body_rate=0) as live:
         port = live.settings.port
+        admission = _admission(live.app)
         holders = [RawConnection(port) for _ in range(2)]  # 120 of the 128 KiB arriving
         for c in holders:
             c.send(post(b"{" + b" " * held, length=2 * held))
-        time.sleep(0.3)
+        wait_until(lambda: len(admission._bodies) == 2 and admission.receiving >= 2 * held,
+                   what="both holders' bodies being received")
         with httpx.Client(base_url=live.url, timeout=30) as client:  # whole bodies: served
             assert [client.post("/predict", content=BODY).status_code
                     for _ in range(6)] == [200] * 6
@@ -149,8 +164,12 @@ def test_bodies_holding_the_shared_budget_are_evicted_before_others_are_refused(
 
         def in_pieces() -> tuple[RawConnection, int, bytes]:
             c = RawConnection(port)
+            sent = time.monotonic()
             c.send(post(big)[:16 * 1024])
-            time.sleep(0.2)
+            # its first piece received (being received, or answered at once), then the rest
+            wait_until(lambda: any(b.since >= sent for b in admission._bodies)
+                       or select.select([c.sock], [], [], 0)[0],  # answered already
+                       what="the body's first piece received")
             with contextlib.suppress(OSError):  # (refused and closed meanwhile)
                 c.send(post(big)[16 * 1024:])
             status, _, answer = c.answer(10)
@@ -159,7 +178,9 @@ def test_bodies_holding_the_shared_budget_are_evicted_before_others_are_refused(
         young, status, answer = in_pieces()  # the holders are within the grace period
         assert status == 503 and b"being received" in answer, answer
         young.close()
-        time.sleep(1.2)  # past it: the largest holder may be evicted now
+        # past it (measured on the server's own clock): the largest holder may be evicted
+        wait_until(lambda: all(time.monotonic() - b.since > Admission.GRACE_S
+                               for b in admission._bodies), what="the grace period's end")
         served, status, answer = in_pieces()
         assert status == 200, answer
         served.close()

@@ -3,6 +3,7 @@ of the tree is named, and its layer table is import-linter's service contract.""
 
 from __future__ import annotations
 
+import ast
 import re
 import tomllib
 from pathlib import Path
@@ -10,6 +11,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DESIGN = (ROOT / "docs" / "design.md").read_text()
 STAGES = ("models", "training", "export", "service", "orthornn")
+#: the sizes a reader can hold at once (issue 60): a module, a function (nested ones and
+#: a class built inside one counted with it)
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 80
 
 
 def _modules(stage: str) -> set[str]:
@@ -73,3 +77,30 @@ def test_the_layer_table_is_import_linters_service_contract():
             if line.startswith("| `")]
     assert [sorted(r) for r in rows] == [sorted(r) for r in layers], \
         "docs/design.md's layer table and pyproject.toml's layers differ"
+
+
+def test_modules_and_functions_stay_small():
+    too_long = []
+    for stage in STAGES:
+        for module in [*sorted(_modules(stage)), f"{stage}/__init__.py"]:
+            path = ROOT / module
+            if not path.is_file():
+                continue
+            text = path.read_text()
+            if len(text.splitlines()) > MAX_MODULE_LINES:
+                too_long.append(f"{module}: {len(text.splitlines())} lines")
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    size = node.end_lineno - node.lineno + 1
+                    if size > MAX_FUNCTION_LINES:
+                        too_long.append(f"{module}:{node.lineno} {node.name}: {size} lines")
+    assert not too_long, (f"over {MAX_MODULE_LINES} lines a module or {MAX_FUNCTION_LINES} "
+                          f"a function: split them\n" + "\n".join(too_long))
+
+
+def test_every_layers_contract_is_exhaustive():
+    """A module added to a layered package without a layer fails make lint."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    layered = [c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers"]
+    assert layered and all(c.get("exhaustive") is True for c in layered), \
+        [c["name"] for c in layered if not c.get("exhaustive")]

@@ -40,11 +40,12 @@ from orthornn.export.artifacts.records import atomic_write
 from orthornn.export.artifacts.repository import check_name
 from orthornn.export.artifacts.vocabulary import UNK, sidecar, word_text
 
+from .rows import Labelled, Row, class_names, classify_rows, lm_rows, task_of
+
 MIN_EXAMPLES = 10  # training's minimum (training/tasks/user.py load_npz)
 # an lm corpus: training splits each file by document (every 20th to validation, the next
 # to test: 12 documents at least) and reads at least 100 words (training/corpus.py)
 LM_MIN_EXAMPLES, LM_MIN_WORDS = 12, 100
-TASKS = ("classify", "lm")
 CORPUS_FORMAT = "orthornn-captured-corpus/1"
 DAY = 86_400.0
 
@@ -108,39 +109,15 @@ def _records(paths: list[Path], root: Path, summary: Summary, show: bool
             bar.close()
 
 
-@dataclass
-class _Labelled:
-    """A captured record joined to its label (as service.loop.labels normalised it)."""
-
-    id: str
-    time: float
-    version: int
-    segment: str
-    inputs: list[np.ndarray]
-    label: Any
-    outputs: Any
-
-
-@dataclass
-class _Row:
-    """One labelled sequence."""
-
-    id: str
-    time: float
-    version: int
-    segment: str
-    x: np.ndarray  # classify: [T, d] float32; lm: the token ids, inputs then next tokens
-    y: int = -1  # classify: the class index
-
 
 def _join(root: Path, model: str, since: dt.datetime | None, window_days: float,
           summary: Summary,
-          progress: bool) -> list[_Labelled]:
+          progress: bool) -> list[Labelled]:
     """MODEL's captured records with a label in the window, each id once, counted."""
     labels, summary.duplicates = first_labels(root, model)
     seen: dict[str, bytes] = {}  # id -> its first record's fingerprint
     ambiguous: set[str] = set()
-    joined: list[_Labelled] = []
+    joined: list[Labelled] = []
     for segment, record in _records(segments(root, model, since), root, summary, progress):
         if since is not None and float(record.get("time") or 0.0) < since.timestamp():
             continue  # (a day's segment holds the hours before a --since time too)
@@ -161,7 +138,7 @@ def _join(root: Path, model: str, since: dt.datetime | None, window_days: float,
             summary.late += 1
             continue
         summary.labelled += 1
-        joined.append(_Labelled(rid, when, int(record["version"]), segment,
+        joined.append(Labelled(rid, when, int(record["version"]), segment,
                                 [array(v) for v in record.get("inputs") or []],
                                 label["label"], record.get("outputs")))
     if ambiguous:  # the data set never pairs one client's input with another's label
@@ -178,126 +155,8 @@ def _manifests(repo: Path | None, model: str, versions: set[int]) -> dict[int, M
     return {v: read_manifest(Path(repo) / model / str(v)) for v in sorted(versions)}
 
 
-def _is_tokens(x: np.ndarray) -> bool:
-    return x.ndim == 1 and x.dtype.kind in "iu"
 
-
-def _task(joined: list[_Labelled], manifests: dict[int, Manifest], model: str) -> str:
-    """classify or lm: the manifests' task (--repo), else what the records hold (token ids:
-    lm). ValueError for another task, versions of two tasks, or lm without --repo."""
-    for v, manifest in manifests.items():
-        if manifest.task not in TASKS:
-            raise ValueError(f"model {model!r} version {v} is a {manifest.task} model; the "
-                             f"data set is for {' and '.join(TASKS)} models")
-    tasks = {m.task for m in manifests.values()}
-    if len(tasks) > 1:
-        raise ValueError(f"versions of {model!r} differ in their task ({', '.join(sorted(tasks))}"
-                         f"); use --since to take one version's captures")
-    if tasks:
-        return tasks.pop()
-    if joined and all(_is_tokens(x) for j in joined for x in j.inputs):
-        raise ValueError(f"--repo: the captures of {model!r} are a language model's (token "
-                         f"ids); the corpus is written in words, by the vocabulary of the "
-                         f"version that answered: pass --repo REPO")
-    return "classify"
-
-
-def _classify_rows(joined: list[_Labelled], model: str) -> list[_Row]:
-    """A row per sequence: its float inputs [T, d] and its class index."""
-    rows: list[_Row] = []
-    for j in joined:
-        ys = j.label if isinstance(j.label, list) else [j.label]
-        if len(ys) != len(j.inputs) or not all(isinstance(y, int) for y in ys) or \
-                any(x.ndim != 2 or x.dtype.kind != "f" for x in j.inputs):
-            raise ValueError(f"record {j.id!r} of model {model!r} is not a classifier's "
-                             f"(float inputs [T, d], one class index per sequence)")
-        rows.extend(_Row(j.id, j.time, j.version, j.segment, x.astype(np.float32), int(y))
-                    for x, y in zip(j.inputs, ys, strict=True))
-    return rows
-
-
-def _lm_rows(joined: list[_Labelled], model: str) -> list[_Row]:
-    """A row per sequence: its input tokens, then its labelled next tokens."""
-    rows: list[_Row] = []
-    for j in joined:
-        label = j.label
-        nexts = [label] if isinstance(label, list) and all(
-            isinstance(t, int) for t in label) else label
-        if not isinstance(nexts, list) or len(nexts) != len(j.inputs) or not all(
-                isinstance(n, list) and all(isinstance(t, int) for t in n) for n in nexts) \
-                or not all(_is_tokens(x) for x in j.inputs):
-            raise ValueError(f"record {j.id!r} of model {model!r} is not a language model's "
-                             f"(token-id inputs [T], a list of next token ids per sequence)")
-        rows.extend(_Row(j.id, j.time, j.version, j.segment,
-                         np.concatenate([x.astype(np.int64), np.asarray(n, np.int64)]))
-                    for x, n in zip(j.inputs, nexts, strict=True))
-    return rows
-
-
-def _class_names(rows_versions: set[int], manifests: dict[int, Manifest], model: str,
-                 outputs: dict[int, dict[int, str]], sizes: dict[int, int]) -> list[str]:
-    """The class names: from the manifests of the versions that answered (--repo), or from
-    what the records' outputs named (``label``/``index`` pairs) without one."""
-    if manifests:
-        names: list[str] | None = None
-        for v in sorted(rows_versions):
-            manifest = manifests[v]
-            found = [str(n) for n in manifest.labels or range(manifest.output_spec.size)]
-            if names is not None and found != names:
-                raise ValueError(f"versions of {model!r} differ in their "
-                                 f"classes ({names} and {found} in version {v}); use --since "
-                                 f"to take one version's captures")
-            names = found
-        return names or []
-    size = max(sizes.values(), default=0)
-    named: dict[int, str] = {}
-    for pairs in outputs.values():
-        named.update(pairs)
-    return [named.get(i, str(i)) for i in range(size)]
-
-
-def _output_classes(outputs: Any) -> tuple[int, dict[int, str]]:
-    """(class count, index -> name) a captured answer shows: /predict's probabilities and
-    label/index (and top-k) items, or the OIP logits tensor."""
-    size, names = 0, {}
-    if isinstance(outputs, list):
-        for item in outputs:
-            if not isinstance(item, dict):
-                continue
-            if isinstance(item.get("probabilities"), list):
-                size = max(size, len(item["probabilities"]))
-            for pair in [item, *(item.get("top_k") or [])]:
-                if isinstance(pair, dict) and isinstance(pair.get("index"), int) and \
-                        isinstance(pair.get("label"), str):
-                    names[pair["index"]] = pair["label"]
-    elif isinstance(outputs, dict) and isinstance(outputs.get("logits"), dict):
-        shape = outputs["logits"].get("shape") or [0]
-        size = int(shape[-1])
-    return size, names
-
-
-def _classes(joined: list[_Labelled], rows: list[_Row], manifests: dict[int, Manifest],
-             model: str) -> list[str]:
-    """The class names of a classifier's rows, every class index checked against them."""
-    outputs: dict[int, dict[int, str]] = {}
-    sizes: dict[int, int] = {}
-    for j in joined:
-        size, names = _output_classes(j.outputs)
-        sizes[j.version] = max(sizes.get(j.version, 0), size)
-        outputs.setdefault(j.version, {}).update(names)
-    classes = _class_names({r.version for r in rows}, manifests, model, outputs, sizes)
-    if rows and max(r.y for r in rows) >= len(classes):
-        raise ValueError(f"class index {max(r.y for r in rows)} outside the "
-                         f"{len(classes)} classes of {model!r} (pass --repo to read them from "
-                         f"the manifests)")
-    widths = {r.x.shape[1] for r in rows}
-    if len(widths) > 1:
-        raise ValueError(f"the records of {model!r} differ in their feature "
-                         f"size {sorted(widths)}; use --since to take one version's captures")
-    return classes
-
-
-def _by_time(rows: list[_Row], share: float) -> tuple[list[_Row], list[_Row]]:
+def _by_time(rows: list[Row], share: float) -> tuple[list[Row], list[Row]]:
     """(older, newest SHARE of the records), each in time order; a record's sequences stay
     together. Records of one batch share its time: they keep the order they were read in
     (the batch's, its requests' arrival), not their ids' order (a stable sort)."""
@@ -309,7 +168,7 @@ def _by_time(rows: list[_Row], share: float) -> tuple[list[_Row], list[_Row]]:
     return train, holdout
 
 
-def _too_few(task: str, train: list[_Row], holdout: list[_Row], share: float, model: str,
+def _too_few(task: str, train: list[Row], holdout: list[Row], share: float, model: str,
              summary: Summary) -> None:
     """ValueError when a part has fewer sequences (and, lm, words) than training needs."""
     parts = [train, holdout] if share > 0 else [train]
@@ -325,7 +184,7 @@ def _too_few(task: str, train: list[_Row], holdout: list[_Row], share: float, mo
                      f"{summary.late})")
 
 
-def _words(rows: list[_Row]) -> int:
+def _words(rows: list[Row]) -> int:
     """The tokens training reads of an lm part: each document's, and its closing <eos>."""
     return sum(len(r.x) + 1 for r in rows)
 
@@ -349,12 +208,12 @@ def build(root: Path, model: str, *, since: str | None = None, window_days: floa
     summary = Summary()
     joined = _join(root, model, start, window_days, summary, progress)
     manifests = _manifests(repo, model, {j.version for j in joined})
-    summary.task = _task(joined, manifests, model)
+    summary.task = task_of(joined, manifests, model)
     if summary.task == "lm":
-        rows = _lm_rows(joined, model)
+        rows = lm_rows(joined, model)
     else:
-        rows = _classify_rows(joined, model)
-        classes = _classes(joined, rows, manifests, model)
+        rows = classify_rows(joined, model)
+        classes = class_names(joined, rows, manifests, model)
         counts = Counter(r.y for r in rows)
         summary.classes = {classes[i]: counts[i] for i in sorted(counts)}
     train, holdout = _by_time(rows, holdout_share)
@@ -362,14 +221,14 @@ def build(root: Path, model: str, *, since: str | None = None, window_days: floa
     _too_few(summary.task, train, holdout, holdout_share, model, summary)
     if summary.task == "classify":
         return _arrays(train, classes), _arrays(holdout, classes), summary
-    assert repo is not None  # _task asked for it
+    assert repo is not None  # task_of asked for it
     vocabularies = {v: read_vocabulary(Path(repo) / model / str(v), m) or []
                     for v, m in manifests.items()}
     return (_corpus(train, model, vocabularies, summary),
             _corpus(holdout, model, vocabularies, summary), summary)
 
 
-def _arrays(rows: list[_Row], names: list[str]) -> dict[str, np.ndarray]:
+def _arrays(rows: list[Row], names: list[str]) -> dict[str, np.ndarray]:
     """x [N, T, d] float32 zero-padded, lengths, y, labels, and the provenance."""
     steps = max((r.x.shape[0] for r in rows), default=1)
     width = rows[0].x.shape[1] if rows else 1
@@ -384,7 +243,7 @@ def _arrays(rows: list[_Row], names: list[str]) -> dict[str, np.ndarray]:
             "versions": np.array([r.version for r in rows], np.int64)}
 
 
-def _corpus(rows: list[_Row], model: str, vocabularies: dict[int, list[str]],
+def _corpus(rows: list[Row], model: str, vocabularies: dict[int, list[str]],
             summary: Summary) -> dict[str, Any]:
     """A language model's part: ``text``, a document a sequence (one line: its tokens as
     words of the vocabulary of the version that answered, ``<unk>`` for a token it does

@@ -8,7 +8,6 @@ import datetime as dt
 import json
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -453,7 +452,8 @@ def test_only_requests_the_rollout_placed_count_and_never_a_clients_4xx(repo):
         assert post("/v2/models/adding/infer", {"inputs": [x]}, to_promoted) == 200
         assert post("/v2/models/adding/infer", {"inputs": [x]}, to_candidate) == 200
         assert tally() == {"candidate": (2, 0), "promoted": (1, 0)}
-        time.sleep(1.0)  # several scans: the controller judged and left it running
+        # the controller judged these two (its plan holds their tally) and left it running
+        server.wait(lambda: (rollout.read_plan(model_dir).current or {}).get("requests") == 2)
         plan = rollout.read_plan(model_dir)
         assert plan.state == "running" and plan.stage == 0, plan
         assert plan.current["errors"] == 0 and plan.current["requests"] == 2

@@ -260,6 +260,8 @@ def test_any_json_body_gets_a_4xx_with_an_error_never_a_5xx(repo, tmp_path):
         predict(c, "pair", sequences=2)
         predict(c, "w0", model="words")
 
+        accepted: list[tuple[str, str]] = []
+
         @settings(max_examples=150, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
         @given(model=st.sampled_from(["digits", "words"]), body=bodies)
@@ -271,10 +273,12 @@ def test_any_json_body_gets_a_4xx_with_an_error_never_a_5xx(repo, tmp_path):
                 assert isinstance(r.json()["error"], str)
             else:
                 assert r.json()["accepted"] == len(body)
+                accepted.extend((model, item["id"]) for item in body)
         run()
-        # whatever was accepted is on disk, once per id
-        written = [v["id"] for m in ("digits", "words") for v in read_labels(tmp_path / "cap", m)]
-        assert len(written) == len(set(written))
+        # what was accepted is on disk, and only that, once per id
+        written = [(m, v["id"]) for m in ("digits", "words")
+                   for v in read_labels(tmp_path / "cap", m)]
+        assert sorted(written) == sorted(accepted) and len(written) == len(set(written))
 
 
 def test_label_days_past_the_capture_retention_are_deleted_with_the_captures(tmp_path):
