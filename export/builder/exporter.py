@@ -132,7 +132,7 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
         name=name, run_dir=run_dir, model=model, config=config, mode=mode, opset=opset,
         recurrence=recurrence, graphs=graphs, golden=golden,
         vocabulary=read_vocabulary(run_dir, config),
-        reference=_reference(task, graphs["model"], model.state_size),
+        reference=_reference(task, graphs["model"], model.state_size, held),
         lineage=_lineage(config, task, parent), record=record)
     refusal = ""
     if gated:
@@ -203,15 +203,16 @@ def _evaluate(config: dict, graph: onnx.ModelProto, gate_data: str | Path | None
     return task, absent, record, held
 
 
-def _reference(task: Task | None, graph: onnx.ModelProto, state_size: int
-               ) -> drift.Reference | None:
-    """The drift reference of the run's validation split (docs/drift.md); None without a
-    task or with too few validation sequences (the version then measures no drift)."""
+def _reference(task: Task | None, graph: onnx.ModelProto, state_size: int,
+               held: Task | None) -> drift.Reference | None:
+    """The drift reference of the run's validation split and of HELD, the captured slice
+    it was gated on (docs/drift.md); None without a task or with too few sequences (the
+    version then measures no drift)."""
     if task is None:
         return None
     try:
         return build_reference(package.session_from_bytes(graph.SerializeToString()), task,
-                               state_size)
+                               state_size, held)
     except ValueError:
         return None
 

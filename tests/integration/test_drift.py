@@ -167,6 +167,61 @@ def test_a_shift_only_the_model_sees_is_found_by_its_tests_not_the_inputs(served
     assert None not in detected, detected
 
 
+def test_a_version_gated_on_captures_is_calm_on_them_and_alarms_on_the_next_shift(
+        served, digits_package, tmp_path):
+    """Issue 60, step 5: the reference follows the data the version was chosen on. The
+    run exported again with --gate-data (a captured slice of inverted digits, as the loop
+    gates a retrained version): its reference holds the validation split and the slice,
+    so on the traffic it adapted to (original and inverted digits alike) its windows
+    alarm no more than unshifted windows may (alpha / k per test plus three binomial
+    standard deviations), where version 1's alarm at once; and a class-prior shift of
+    that traffic is still found within six windows in every trial."""
+    from orthornn.export.artifacts import package
+    from orthornn.export.artifacts.loop import drift
+    from orthornn.export.builder.exporter import export_run
+    from orthornn.service.loop.drift import test_window
+    from orthornn.training.tasks import make_task
+
+    train = make_task("digits").train
+    captured = 1 - train.x.numpy()[:270].astype(np.float32)
+    holdout = tmp_path / "captured-holdout.npz"
+    np.savez(holdout, x=captured, y=train.y.numpy()[:270],
+             labels=np.array(served.manifest.labels))
+    run = digits_package.parent.parent.parent / "run"
+    v2 = export_run(run, tmp_path / "repo", "digits", opset=19, gated=True, gate_data=holdout)
+    manifest = package.read_manifest(v2)
+    reference = drift.read(v2 / manifest.reference)
+    assert reference.meta["split"] == "validation+gate_data"
+    assert reference.meta["sequences"] == 269 + 270
+    sess = package.session(v2 / "model.onnx")
+
+    def rows(seqs):
+        outputs, states = drift.run_graph(sess, "logits", seqs)
+        return list(zip(seqs, outputs, states, strict=True))
+    adapted = rows(served.x) + rows(served.inverted)  # what it serves now, both alike
+    labels = np.concatenate([served.y, served.y])
+    rng = np.random.default_rng(11)
+    rounds, k = 500, len(reference.thresholds)
+    p = reference.meta["alpha"] / k
+    bound = rounds * p + 3 * np.sqrt(rounds * p * (1 - p))
+    alarms = dict.fromkeys(reference.thresholds, 0)
+    old_alarms = 0
+    for r in range(rounds):
+        window = [adapted[i] for i in rng.integers(len(adapted), size=WINDOW)]
+        for test, score in test_window(reference, window).items():
+            alarms[test] += score >= 1
+        if r < 20:  # version 1's reference (the validation split only) on the same traffic
+            old_alarms += max(test_window(served.reference, window).values()) >= 1
+    print(json.dumps({"adapted_alarms": alarms, "bound": bound, "v1_alarms_of_20": old_alarms}))
+    assert all(n <= bound for n in alarms.values()), (alarms, bound)
+    assert old_alarms == 20, old_alarms
+    few = np.flatnonzero(np.isin(labels, [0, 1, 2]))  # the next shift: three classes only
+    for _ in range(10):
+        windows = [test_window(reference, [adapted[i] for i in rng.choice(few, size=WINDOW)])
+                   for _ in range(6)]
+        assert any(max(w.values()) >= 1 for w in windows), windows
+
+
 def _metric(text: str, name: str, **labels: str) -> float | None:
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     for line in text.splitlines():
