@@ -75,8 +75,8 @@ def _check_length(spec: ModelSpec, n: int, field: str) -> None:
 
 #: the most bytes one float32 output value takes in a JSON answer, its comma counted:
 #: orjson writes the shortest form that reads back, in decimals between 1e-7 and 1e16
-#: ("-0.0000010000131," is the longest of every negative float32); an OIP output tensor
-#: sent as binary data takes 4
+#: ("-0.0000010000131,": the longest of every 97th negative float32 bit pattern, 22
+#: million values over every exponent); an OIP output tensor sent as binary data takes 4
 JSON_VALUE_BYTES = 17
 
 

@@ -114,24 +114,37 @@ def test_a_class_prior_shift_is_detected_within_1000_sequences(served):
     print(json.dumps({"class_prior_delays": delays}))
 
 
+def _summaries(reference, rows) -> dict:
+    """Every sequence's summaries against REFERENCE, once: a window's are a selection of
+    them (the summaries are per sequence), so that thousands of windows cost their tests
+    only."""
+    seqs, outputs, states = zip(*rows, strict=True)
+    return reference.summarize(list(seqs), list(outputs), np.stack(states))
+
+
 @pytest.mark.parametrize("window", [50, 200, 400])
 def test_null_windows_alarm_each_test_within_its_share_of_alpha(served, window):
     """2,000 windows of unshifted requests at each window size: each test alarms in at
     most its share of alpha (alpha / k, the Bonferroni split over the k tests) plus three
     binomial standard deviations (the bound written here from the binomial law, not from
     the module)."""
+    from orthornn.export.artifacts.loop import drift
+    from orthornn.service.loop.drift import test_window
+
     rng = np.random.default_rng(window)
     pool = [(x, *row) for x, row in zip(served.x, served.rows, strict=True)]
+    summaries = _summaries(served.reference, pool)
+    first = rng.integers(len(pool), size=window)  # a selection scores as the service does
+    assert served.reference.scores(drift.take(summaries, first)) == \
+        pytest.approx(test_window(served.reference, [pool[i] for i in first]))
     thresholds = served.reference.thresholds_for(window)
     rounds, alpha, k = 2000, served.reference.meta["alpha"], len(thresholds)
     p = alpha / k
     bound = rounds * p + 3 * np.sqrt(rounds * p * (1 - p))
     alarms = dict.fromkeys(thresholds, 0)
-    from orthornn.service.loop.drift import test_window
-
     for _ in range(rounds):
-        window_rows = [pool[i] for i in rng.integers(len(pool), size=window)]
-        for test, score in test_window(served.reference, window_rows).items():
+        index = rng.integers(len(pool), size=window)
+        for test, score in served.reference.scores(drift.take(summaries, index)).items():
             alarms[test] += score >= 1
     print(json.dumps({"window": window, "alarms": alarms, "bound": bound}))
     assert all(n <= bound for n in alarms.values()), (alarms, bound)
@@ -199,6 +212,7 @@ def test_a_version_gated_on_captures_is_calm_on_them_and_alarms_on_the_next_shif
         outputs, states = drift.run_graph(sess, "logits", seqs)
         return list(zip(seqs, outputs, states, strict=True))
     adapted = rows(served.x) + rows(served.inverted)  # what it serves now, both alike
+    summaries = _summaries(reference, adapted)
     labels = np.concatenate([served.y, served.y])
     rng = np.random.default_rng(11)
     rounds, k = 500, len(reference.thresholds)
@@ -207,17 +221,18 @@ def test_a_version_gated_on_captures_is_calm_on_them_and_alarms_on_the_next_shif
     alarms = dict.fromkeys(reference.thresholds, 0)
     old_alarms = 0
     for r in range(rounds):
-        window = [adapted[i] for i in rng.integers(len(adapted), size=WINDOW)]
-        for test, score in test_window(reference, window).items():
+        index = rng.integers(len(adapted), size=WINDOW)
+        for test, score in reference.scores(drift.take(summaries, index)).items():
             alarms[test] += score >= 1
         if r < 20:  # version 1's reference (the validation split only) on the same traffic
+            window = [adapted[i] for i in index]
             old_alarms += max(test_window(served.reference, window).values()) >= 1
     print(json.dumps({"adapted_alarms": alarms, "bound": bound, "v1_alarms_of_20": old_alarms}))
     assert all(n <= bound for n in alarms.values()), (alarms, bound)
     assert old_alarms == 20, old_alarms
     few = np.flatnonzero(np.isin(labels, [0, 1, 2]))  # the next shift: three classes only
     for _ in range(10):
-        windows = [test_window(reference, [adapted[i] for i in rng.choice(few, size=WINDOW)])
+        windows = [reference.scores(drift.take(summaries, rng.choice(few, size=WINDOW)))
                    for _ in range(6)]
         assert any(max(w.values()) >= 1 for w in windows), windows
 

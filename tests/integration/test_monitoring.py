@@ -714,8 +714,9 @@ def test_every_panel_and_recording_rule_returns_data_from_a_real_prometheus(
                 wait_for(lambda: metric_line(server.url, r'^orthornn_capture_dropped_total'
                                              r'\{reason="error"\} [1-9]'),
                          what="version 2's records dropped")
-                assert metric_line(server.url, r'^orthornn_capture_records_total'
-                                   r'\{model="digits"\} [1-9]')
+                wait_for(lambda: metric_line(server.url, r'^orthornn_capture_records_total'
+                                             r'\{model="digits"\} [1-9]'),
+                         what="digits' records written")
                 give_labels(server.url, prom)
                 drift(server.url, load)
                 # every check below polled under load until it passes: each new series
