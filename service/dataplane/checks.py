@@ -91,10 +91,10 @@ def per_step_bytes(spec: ModelSpec, per_step: bool = False, value_bytes: int = 4
 
 
 def check_output_budget(spec: ModelSpec, batch: int, steps: int, budget: int,
-                        per_step: bool = False, value_bytes: int = 4) -> int:
-    """The bytes of per-step outputs that BATCH sequences of STEPS steps make (B x T x V x
-    VALUE_BYTES of a language model's logits); 413 before the model runs when they are
-    beyond BUDGET (0: none)."""
+                        per_step: bool = False, value_bytes: int = 4) -> None:
+    """413 before the model runs when BATCH sequences of STEPS steps would make per-step
+    outputs (B x T x V x VALUE_BYTES of a language model's logits) beyond BUDGET (0:
+    none)."""
     size = batch * steps * per_step_bytes(spec, per_step, value_bytes)
     if budget and size > budget:
         written = "as JSON" if value_bytes != 4 else "float32"
@@ -104,7 +104,6 @@ def check_output_budget(spec: ModelSpec, batch: int, steps: int, budget: int,
             f"{written}), over the limit of {budget} bytes (max_lm_output_bytes); send "
             f"fewer or shorter sequences, ask for binary outputs, or carry state across "
             f"requests", 413)
-    return size
 
 
 def predict_sequences(spec: ModelSpec, req: Prediction, max_sequences: int,
