@@ -15,20 +15,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("models", "training", "export", "service")
-COMMAND = ("orthornn.cli", "orthornn.quickstart", "orthornn.__main__")
 
-# what each stage may import of the others (prefixes of module names)
-ALLOWED = {
-    "models": (),
-    # the links from training to export, torch-free leaf modules: the word tokenizer, so
-    # training's vocabulary and the service's tokenisation cannot drift (README), and the
-    # one atomic write
-    "training": ("orthornn.models", "orthornn.export.artifacts.vocabulary",
-                 "orthornn.export.artifacts.records"),
-    "export": ("orthornn.models", "orthornn.training"),
-    # the torch-free half of export (the package format, the repository, scoring)
-    "service": ("orthornn.export.artifacts",),
-}
 # inside export: the torch-free artifacts/ (what the service reads) imports no other stage
 # and nothing of builder/ (the torch exporter); export/cli.py imports both, lazily
 ARTIFACTS_ALLOWED = ("orthornn.export.artifacts",)
@@ -59,24 +46,6 @@ def test_no_bare_stage_imports():
            for path in _python_files() for line, name in _absolute_imports(path)
            if name.split(".")[0] in STAGES]
     assert not bad, "use the orthornn.<stage> names:\n" + "\n".join(bad)
-
-
-@pytest.mark.parametrize("stage", STAGES)
-def test_stages_import_each_other_in_one_direction(stage):
-    bad = []
-    for path in sorted((ROOT / stage).rglob("*.py")):
-        for line, name in _absolute_imports(path):
-            if not name.startswith("orthornn"):
-                if stage == "service" and name.split(".")[0] == "torch":
-                    bad.append(f"{path.relative_to(ROOT)}:{line}: {name}")
-                continue
-            own = name == f"orthornn.{stage}" or name.startswith(f"orthornn.{stage}.")
-            if name == "orthornn" or own:
-                continue
-            if name.startswith(COMMAND) or not name.startswith(ALLOWED[stage]):
-                bad.append(f"{path.relative_to(ROOT)}:{line}: {name}")
-    assert not bad, f"{stage} may import only {ALLOWED[stage]}:\n" + "\n".join(bad)
-
 
 
 def test_export_artifacts_are_torch_free():

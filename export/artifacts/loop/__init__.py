@@ -1,5 +1,5 @@
 """The loop's offline half (docs/capture.md, docs/drift.md), torch-free and without the
-serving stack (numpy, orjson; scipy and tqdm when the train extra brings them): what the
+serving stack (numpy, orjson; river, scipy and tqdm inside the functions that use them): what the
 retraining job's commands and the exporter read and compute. The serving half is
 ``service.loop``.
 
