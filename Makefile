@@ -49,6 +49,9 @@ images: $(VENV)/.installed-serve
 # process beside it would disturb.
 ALONE = tests/integration/test_slow_clients.py
 BESIDE = tests/unit tests/integration/test_distributed.py \
+	tests/integration/test_gate.py tests/integration/test_triton_ops.py \
+	tests/integration/test_precision.py tests/integration/test_drift_reference.py \
+	tests/integration/test_exporter.py \
 	tests/integration/test_reproducibility.py tests/integration/test_openapi_fuzz.py \
 	tests/integration/test_fuzz.py tests/integration/test_retraining_lm.py \
 	tests/integration/test_cli.py tests/integration/test_drift.py \

@@ -9,7 +9,7 @@ from .background import QUICKSTART_TEST
 # Without a GPU, the Triton kernels run in the interpreter. TRITON_INTERPRET is read
 # when triton is imported (lazily, by models.ops at the first kernel launch, never by
 # `import torch`), so it is set here, before any test module runs. With CUDA the real
-# kernels run and tests/unit/models/test_triton_ops.py checks them on the device.
+# kernels run and tests/integration/test_triton_ops.py checks them on the device.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -308,7 +308,7 @@ step throughput 110 "$PYTHON" "$SCRATCH/throughput.py" "$OUT/throughput.json"
 
 # 4. compiled kernels against the reference (the tests pick CUDA when it is there)
 step tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider "${TESTS[@]}" \
-    tests/unit/models/test_triton_ops.py tests/unit/models/test_scan.py
+    tests/integration/test_triton_ops.py tests/unit/models/test_scan.py
 
 # 5. the op benchmark over the docs' grid
 step ops_grid 120 "$PYTHON" bench/perf/ops.py "${OPS_GRID[@]}" --out "$OUT/ops-grid.json"

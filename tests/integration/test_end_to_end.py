@@ -69,7 +69,7 @@ def docs_examples_answered(url: str, words_only: bool = False) -> list[str]:
 #: float64 training (orthornn.quickstart): the word model trained under OTHER_NUMERICS
 #: differs from the quickstart's by at most 2.2e-9 over the 12 settings of
 #: bench/experiments/numerics.py; float32 trainings are 1e-2 apart after three steps
-#: (tests/unit/training/test_precision.py): this bound is orders of magnitude from both
+#: (tests/integration/test_precision.py): this bound is orders of magnitude from both
 WEIGHTS_AGREE = 1e-5
 
 
@@ -126,7 +126,7 @@ def test_the_word_models_docs_answers_hold_under_other_cpu_kernels(tmp_path):
     leaves it out (``--runslow``, ``make test-numerics``): by construction the docs hold
     without it (docs/training.md, "Across CPUs": float64 runs agree to 2e-7 in their
     answers, and every shown number is at least 1e-4 of its value inside its rounding
-    interval; tests/unit/training/test_precision.py checks the first on every run), and
+    interval; tests/integration/test_precision.py checks the first on every run), and
     every CI run checks the docs against a quickstart trained on its own machine."""
     job = background.quickstart()
     root = job.root

@@ -23,7 +23,7 @@ from orthornn.training.trainer import train
 from orthornn import __version__
 from tests.helpers import orthornn_here as orthornn
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def adding(out: Path, steps: int, **kw) -> Path:

@@ -20,7 +20,7 @@ from orthornn.service.settings import Settings
 from orthornn.training.tasks import make_task
 from scipy.stats import chi2, chi2_contingency, ks_2samp, kstwobign
 
-from ...service_helpers import publish_copy
+from ..service_helpers import publish_copy
 
 
 @pytest.fixture(scope="module")

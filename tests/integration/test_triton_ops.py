@@ -240,5 +240,5 @@ def test_kernels_built_for_gpu_refuse_cpu_tensors():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["ORTHORNN_KERNELS"] = "triton"
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=120, cwd=str(Path(__file__).resolve().parents[3]))
+                          text=True, timeout=120, cwd=str(Path(__file__).resolve().parents[2]))
     assert "set before the first kernel runs" in done.stdout, done.stdout + done.stderr
