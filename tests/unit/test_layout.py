@@ -186,6 +186,23 @@ def test_version_flag(capsys):
     assert __version__ != "0+unknown"  # installed: the distribution's version
 
 
+def test_training_commands_back_large_tensors_with_huge_pages():
+    """train and quickstart set THP_MEM_ALLOC_ENABLE before torch loads (a child process,
+    where torch is not imported yet: c10 reads it once); other commands leave it alone and
+    a user's own value wins."""
+    code = ("import os, sys; from orthornn.cli import main; "
+            "main(sys.argv[1:]); print('THP', os.environ.get('THP_MEM_ALLOC_ENABLE'))")
+    def thp(*argv: str, **env: str) -> str:
+        clean = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+        out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True,
+                             text=True, cwd=ROOT, env={**clean, **env}, timeout=120)
+        return out.stdout.strip().splitlines()[-1]
+
+    assert thp("train", "--task", "adding", "--show-config") == "THP 1"
+    assert thp("train", "--task", "adding", "--show-config", THP_MEM_ALLOC_ENABLE="0") == "THP 0"
+    assert thp("architectures") == "THP None"
+
+
 # -- one table per formula -------------------------------------------------------------------
 
 def test_activation_kinds_are_one_table():

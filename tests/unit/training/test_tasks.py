@@ -149,6 +149,27 @@ def test_digits(name):
     assert torch.equal(again.test.x, task.test.x)  # a fixed split
 
 
+def test_digits_are_scikit_learns_load_digits_without_importing_it():
+    """The file read directly is the data set scikit-learn's own loader returns, and
+    reading it imports nothing of scikit-learn (a subprocess: this one may have)."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits as sklearns
+
+    from orthornn.training.tasks.bundled import load_digits
+
+    pixels, classes = load_digits()
+    reference = sklearns()
+    np.testing.assert_array_equal(pixels, reference.data)
+    np.testing.assert_array_equal(classes, reference.target)
+    assert pixels.dtype == reference.data.dtype and classes.dtype == reference.target.dtype
+    code = ("import sys; from orthornn.training.tasks import make_task; make_task('digits'); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_permuted_digits_is_a_fixed_pixel_permutation_of_digits():
     plain, perm = make_task("digits"), make_task("permuted-digits")
     assert torch.equal(plain.test.y, perm.test.y)
