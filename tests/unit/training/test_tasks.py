@@ -155,9 +155,8 @@ def test_digits_are_scikit_learns_load_digits_without_importing_it():
     import subprocess
     import sys
 
-    from sklearn.datasets import load_digits as sklearns
-
     from orthornn.training.tasks.bundled import load_digits
+    from sklearn.datasets import load_digits as sklearns
 
     pixels, classes = load_digits()
     reference = sklearns()
