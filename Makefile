@@ -59,7 +59,7 @@ BESIDE = tests/unit tests/integration/test_distributed.py \
 	tests/system/test_wheelhouse.py tests/system/test_new_user.py \
 	tests/system/test_deploy.py tests/system/test_ci.py tests/integration/test_bench.py \
 	tests/integration/test_loop.py tests/integration/test_rollout_live.py \
-	tests/integration/test_promotion_live.py
+	tests/integration/test_promotion_live.py tests/integration/test_object_storage.py
 
 # scripts/test.sh: the long background jobs (the quickstart's trainings, the images) start
 # first, then the dev extra, the tools, the lint and the docs, then the two phases.

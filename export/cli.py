@@ -90,7 +90,14 @@ def run_export(args: argparse.Namespace) -> int:
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or give --verify-only PACKAGE)")
     from .artifacts.gate import GATE_MARGIN, REFUSED_EXIT, GateRefused
+    from .artifacts.storage import check_location, is_object_uri, open_store
     from .builder.exporter import AlreadyPublished, export_run
+
+    if is_object_uri(check_location(args.repo, "--repo")):
+        if args.rollout:  # rollout.json's controller and lease take the folder's lock
+            raise ValueError("--rollout: a rollout needs a folder repository for now; with "
+                             "--repo s3://... publish with --gate --no-promote, or promote")
+        open_store(args.repo).check()  # a missing bucket or refused keys: before any work
 
     min_metric = None if args.min_metric is None else _float("--min-metric", args.min_metric)
     tolerance = _float("--tolerance", args.tolerance)
@@ -130,7 +137,7 @@ def run_export(args: argparse.Namespace) -> int:
         print(path)
         if args.rollout:
             with flags_named():
-                plan = start(path.parent, int(path.name), **options)
+                plan = start(Path(path).parent, int(Path(path).name), **options)
             print(f"orthornn export: rollout {plan.id} of version {plan.candidate} "
                   f"started (orthornn rollout status --repo {args.repo} --name {args.name})",
                   file=sys.stderr)
@@ -156,10 +163,17 @@ def _short(value: object, width: int = 12) -> str:
 
 
 def run_versions(args: argparse.Namespace) -> int:
+    from .artifacts.repository import local_model
+
+    with local_model(model_dir_of(args), whole=lambda v: False) as model_dir:  # manifests
+        _print_versions(model_dir)
+    return 0
+
+
+def _print_versions(model_dir: Path) -> None:
     from .artifacts.listing import describe
     from .artifacts.repository import read_promotion
 
-    model_dir = model_dir_of(args)
     print(f"{'version':<24} {'status':<11} {'metric':<22} {'created':<25} {'parent':<6} "
           f"{'config':<12} {'source':<12} {'learned':<14}")
     for row in describe(model_dir):
@@ -179,7 +193,6 @@ def run_versions(args: argparse.Namespace) -> int:
         for entry in history:
             print(f"  {entry['time']}  {entry['action']:<8} -> {entry['version']} "
                   f"(was {_short(entry.get('previous'))}): {entry.get('reason', '')}")
-    return 0
 
 
 def _learned(lineage: dict) -> str:
@@ -194,7 +207,8 @@ def _learned(lineage: dict) -> str:
 
 
 def run_rollback(args: argparse.Namespace) -> int:
-    from .artifacts.repository import rollback
+    from .artifacts.rollback import rollback
+    from .artifacts.storage import is_object_uri
 
     model_dir = model_dir_of(args)
     to = None
@@ -205,6 +219,7 @@ def run_rollback(args: argparse.Namespace) -> int:
         to = int(args.to)
     done = rollback(model_dir, to)
     was = "promotion.json unreadable" if done["previous"] is None else done["previous"]
-    print(f"{args.name}: version {done['promoted']} is promoted (was {was}); "
-          f"a running service swaps to it at its next repository scan")
+    swap = ("" if is_object_uri(str(args.repo))
+            else "; a running service swaps to it at its next repository scan")
+    print(f"{args.name}: version {done['promoted']} is promoted (was {was}){swap}")
     return 0

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 from urllib.parse import SplitResult, quote, urlsplit
 
+from orthornn.export.artifacts.storage import folder_only
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -333,6 +334,13 @@ class Settings(BaseSettings):
         if self.body_timeout_s is not None:
             return self.body_timeout_s
         return max(30.0, (self.max_body_bytes or MAX_BODY_BYTES) / (64 * 1024))
+
+    @field_validator("repo", "capture", mode="before")
+    @classmethod
+    def _folder(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, str):  # s3://: refused by name, never folded to "s3:/..."
+            folder_only(value, str(info.field_name))
+        return value
 
     @field_validator("models", "providers", mode="before")
     @classmethod

@@ -24,7 +24,7 @@ import random
 import sys
 from pathlib import Path
 
-from orthornn.export.artifacts import records, repository, rollout
+from orthornn.export.artifacts import records, repository, rollback, rollout
 
 
 def say(**fields: object) -> None:
@@ -55,7 +55,7 @@ def main(role: str, model_dir: Path, rounds: int, seed: int, tag: str) -> None:
                 previous=record["history"][-1]["previous"])
         elif role == "rollback":
             try:
-                done = repository.rollback(model_dir, rng.choice(on_disk))
+                done = rollback.rollback(model_dir, rng.choice(on_disk))
             except ValueError as error:  # the version drawn is the promoted one
                 assert "already promoted" in str(error), error
                 continue

@@ -23,7 +23,7 @@ class GateRefused(Exception):  # an outcome (exit 3), not bad input
     """The candidate failed the gate; the message is one line naming both values and the
     rule; ``kept`` is where the rejected package was kept."""
 
-    def __init__(self, message: str, kept: Path | None = None) -> None:
+    def __init__(self, message: str, kept: Path | str | None = None) -> None:
         super().__init__(message)
         self.kept = kept
 

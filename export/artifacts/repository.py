@@ -4,6 +4,11 @@ A version is built in a hidden temporary directory beside its final place and
 appears by one atomic rename, so a reader (the service) never sees a partial one.
 Version numbers are integers that only grow: the next one is above every existing
 version and above the last one ever published (REPO/<name>/.last_version).
+
+REPO may be a bucket (``s3://bucket/prefix``): then a model's location is a URI string,
+not a Path, and each function here does the same through ``remote`` (claimed numbers,
+the manifest last, records replaced if unchanged); ``local_model`` gives a folder to
+read its packages from.
 """
 
 from __future__ import annotations
@@ -14,12 +19,16 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from . import records
+from . import records, remote
 from .numbers import is_integer
+from .storage import check_location, is_object_uri, open_store
+from .storage.store import join
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -31,7 +40,44 @@ def check_name(name: str) -> str:
     return name
 
 
+Location = str | Path  # a model's folder, or its URI in a bucket (s3://bucket/prefix/NAME)
+
+
+def model_location(repo: str | Path, name: str) -> Location:
+    """REPO/NAME: a Path for a folder, a URI string for a bucket (never through pathlib,
+    which folds s3:// into s3:/)."""
+    check_name(name)
+    if is_object_uri(str(repo)):
+        return join(check_location(str(repo), "--repo"), name)
+    return Path(repo) / name
+
+
+def version_of(location: Location) -> int:
+    """The version number a version's location ends with."""
+    return int(str(location).rstrip("/").rsplit("/", 1)[-1])
+
+
+@contextmanager
+def local_model(model_dir: Location, whole: Callable[[int], bool] = lambda v: True
+                ) -> Iterator[Path]:
+    """A folder holding MODEL_DIR's versions and records: the folder itself, or for a
+    bucket a mirror of it in a temporary folder (``remote.mirror``; a version WHOLE
+    rejects with its manifest only), removed afterwards."""
+    if not is_object_uri(str(model_dir)):
+        yield Path(model_dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="orthornn-mirror-") as tmp:
+        yield remote.mirror(open_store(str(model_dir)), Path(tmp) / version_name(model_dir),
+                            whole)
+
+
+def version_name(location: Location) -> str:
+    return str(location).rstrip("/").rsplit("/", 1)[-1]
+
+
 def versions(model_dir: str | Path) -> list[int]:
+    if is_object_uri(str(model_dir)):
+        return remote.versions(open_store(str(model_dir)))
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         return []
@@ -47,10 +93,13 @@ def next_version(model_dir: Path) -> int:
     return max([last, *versions(model_dir)]) + 1
 
 
-def publish(repo: str | Path, name: str, build: Callable[[Path, int], None]) -> Path:
+def publish(repo: str | Path, name: str, build: Callable[[Path, int], None]) -> Location:
     """Call build(tmp_dir, version) to fill a new version, then rename it into place.
     Returns REPO/NAME/<version>. On any error nothing visible is left behind."""
-    model_dir = Path(repo) / check_name(name)
+    location = model_location(repo, name)
+    if not isinstance(location, Path):
+        return join(location, str(remote.publish(open_store(location), build)))
+    model_dir = location
     model_dir.mkdir(parents=True, exist_ok=True)
     tmp = model_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -100,16 +149,26 @@ ACTIONS = ("publish", "promote", "rollback")
 
 def read_promotion(model_dir: str | Path) -> dict:
     """{"version": int | None, "history": [...]} of model_dir (version None: none)."""
+    if is_object_uri(str(model_dir)):
+        data, _ = remote.read_record(open_store(str(model_dir)), PROMOTION)
+        return promotion_of(data, join(str(model_dir), PROMOTION))
     path = Path(model_dir) / PROMOTION
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        return {"version": None, "history": []}
+        data = None
     except (OSError, ValueError) as error:
         raise ValueError(f"{str(path)!r} cannot be read: {error}") from None
+    return promotion_of(data, str(path))
+
+
+def promotion_of(data: object, path: str) -> dict:
+    if data is None:
+        return {"version": None, "history": []}
     version = data.get("version") if isinstance(data, dict) else None
     if not is_integer(version) or version < 1:
-        raise ValueError(f"{str(path)!r}: 'version' must be a positive integer; got {version!r}")
+        raise ValueError(f"{path!r}: 'version' must be a positive integer; got {version!r}")
+    assert isinstance(data, dict)
     return {"version": version, "history": list(data.get("history") or [])}
 
 
@@ -139,40 +198,72 @@ def promote(model_dir: str | Path, version: int, action: str, reason: str = "") 
     version exists and verifies."""
     if action not in ACTIONS:
         raise ValueError(f"action must be one of {', '.join(ACTIONS)}; got {action!r}")
-    model_dir = Path(model_dir)
     now = dt.datetime.now(dt.UTC)
+    kept = f"{PROMOTION}.unreadable-{now.strftime('%Y%m%dT%H%M%S.%fZ')}"
+
+    def entry_on(record: dict, note: str) -> dict:
+        return with_entry(record, version, action, note, now)
+
+    def unreadable(error: ValueError) -> tuple[dict, str]:  # the history starts over
+        return {"version": None, "history": []}, f"{reason} ({error}; kept as {kept})".lstrip()
+
+    if is_object_uri(str(model_dir)):
+        store = open_store(str(model_dir))
+
+        def change_object(data: bytes | None) -> dict:
+            try:
+                record, note = promotion_of(None if data is None else json.loads(data),
+                                             join(store.uri, PROMOTION)), reason
+            except ValueError as error:  # kept for a person
+                store.write(kept, data or b"")
+                record, note = unreadable(error)
+            return entry_on(record, note)
+        object_result: dict = remote.update(store, PROMOTION, change_object)
+        return object_result
+    model_dir = Path(model_dir)
 
     def change(path: Path) -> dict:
-        note = reason
         try:
-            record = read_promotion(model_dir)
-        except ValueError as error:  # kept for a person; the history starts over
-            kept = path.with_name(f"{PROMOTION}.unreadable-{now.strftime('%Y%m%dT%H%M%S.%fZ')}")
-            shutil.copyfile(path, kept)
-            record = {"version": None, "history": []}
-            note = f"{reason} ({error}; kept as {kept.name})".lstrip()
-        entry = {"version": version, "action": action,
-                 "time": now.isoformat(timespec="seconds"), "reason": note,
-                 "previous": record["version"]}
-        return {"version": version, "history": [*record["history"], entry]}
+            record, note = read_promotion(model_dir), reason
+        except ValueError as error:  # kept for a person
+            shutil.copyfile(path, path.with_name(kept))
+            record, note = unreadable(error)
+        return entry_on(record, note)
     result: dict = records.update_json(model_dir, PROMOTION, change)
     return result
 
 
+def with_entry(record: dict, version: int, action: str, note: str, now: dt.datetime) -> dict:
+    """The promotion record with VERSION promoted and the change appended to its history."""
+    entry = {"version": version, "action": action, "time": now.isoformat(timespec="seconds"),
+             "reason": note, "previous": record["version"]}
+    return {"version": version, "history": [*record["history"], entry]}
+
+
 def keep_rejected(repo: str | Path, name: str, build: Callable[[Path, int], None],
-                  record: dict) -> Path:
+                  record: dict) -> Location:
     """Keep a refused candidate for a person to inspect: build(tmp, 0) fills it (version
     0: it never gets a number), ``record`` (why it was refused, its lineage) is written
-    to gate.json, and it appears as REPO/NAME/rejected/<time>-<id>/ by one rename."""
-    folder = Path(repo) / check_name(name) / REJECTED
-    folder.mkdir(parents=True, exist_ok=True)
+    to gate.json, and it appears as REPO/NAME/rejected/<time>-<id>/ by one rename (in a
+    bucket: uploaded, gate.json last)."""
+    location = model_location(repo, name)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    kept = f"{stamp}-{uuid.uuid4().hex[:6]}"
+    if not isinstance(location, Path):
+        with tempfile.TemporaryDirectory(prefix="orthornn-rejected-") as building:
+            build(Path(building), 0)
+            (Path(building) / "gate.json").write_text(json.dumps(record, indent=2) + "\n")
+            remote.upload(open_store(location), f"{REJECTED}/{kept}", Path(building),
+                          last="gate.json")
+        return join(location, REJECTED, kept)
+    folder = location / REJECTED
+    folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         build(tmp, 0)
         (tmp / "gate.json").write_text(json.dumps(record, indent=2) + "\n")
-        target = folder / f"{stamp}-{uuid.uuid4().hex[:6]}"
+        target = folder / kept
         os.rename(tmp, target)
         return target
     finally:
@@ -188,77 +279,6 @@ def rejected(model_dir: str | Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
-def rollback(model_dir: str | Path, to: int | None = None) -> dict:
-    """Move the promotion of model_dir back: to ``to``, or one step (the version promoted
-    before the current one, else the newest below it). The target must be on disk and
-    verify (sha256 and golden outputs); ValueError names the versions that could be used.
-    Decided and written under the model's lock (``records.locked``), so that the step back
-    is from the promotion as it is, never from one another writer has just replaced. An
-    unreadable promotion.json takes an explicit ``to`` (it is replaced, a copy kept).
-    Returns {"model", "promoted", "previous"} (previous None: the file was unreadable)."""
-    model_dir = Path(model_dir)
-    with records.locked(model_dir):
-        on_disk = versions(model_dir)
-        if not on_disk:
-            raise ValueError(f"{str(model_dir)!r} holds no versions")
-        try:
-            record: dict | None = read_promotion(model_dir)
-        except ValueError as error:
-            if to is None:
-                raise ValueError(f"{error}; name the version to promote (--to V) to replace "
-                                 f"it") from None
-            record = None
-        current = None if record is None else live_version(on_disk, record["version"])
-        target = _rollback_target(model_dir, on_disk, record, current, to)
-        promote(model_dir, target, "rollback", f"rolled back from version {current}"
-                if current is not None else "rolled back (promotion.json was unreadable)")
-    return {"model": model_dir.name, "promoted": target, "previous": current}
-
-
-def _rollback_target(model_dir: Path, on_disk: list[int], record: dict | None,
-                     current: int | None, to: int | None) -> int:
-    from .package import PackageError, verify_package
-
-    def usable() -> str:
-        good = []
-        for v in on_disk:
-            if v == current:
-                continue
-            try:
-                verify_package(model_dir / str(v))
-            except PackageError:
-                continue
-            good.append(str(v))
-        return ", ".join(good) or "none"
-
-    if to is None:
-        assert record is not None and current is not None  # on_disk is not empty
-        # what was live before current went live (not before a rollback to it: rolling
-        # back twice goes two steps back, never forth again)
-        earlier = [e.get("previous") for e in reversed(record["history"])
-                   if e.get("version") == current and e.get("action") != "rollback"]
-        target = next((v for v in earlier if v in on_disk and v != current), None)
-        if target is None:
-            target = max((v for v in on_disk if v < current), default=None)
-        if target is None:
-            raise ValueError(f"nothing to roll back to: version {current} is the oldest; "
-                             f"versions it could use: {usable()}")
-    else:
-        target = to
-    if not is_integer(target) or target not in on_disk:
-        raise ValueError(f"version {target!r} is not in {str(model_dir)!r}; versions it could "
-                         f"use: {usable()}")
-    if target == current:
-        raise ValueError(f"version {target} is already promoted; versions it could use: "
-                         f"{usable()}")
-    try:
-        verify_package(model_dir / str(target))
-    except PackageError as error:
-        raise ValueError(f"version {target} does not verify ({error}); versions it could "
-                         f"use: {usable()}") from None
-    return target
-
-
 def add_model_flags(parser: argparse.ArgumentParser, required: bool = True) -> None:
     """--repo and --name, which ``model_dir_of`` reads (checked there, for one message that
     names every flag missing)."""
@@ -267,12 +287,19 @@ def add_model_flags(parser: argparse.ArgumentParser, required: bool = True) -> N
     parser.add_argument("--name", help=f"model name in the repository{need}")
 
 
-def model_dir_of(args: argparse.Namespace) -> Path:
-    """REPO/NAME of --repo and --name, which must name an existing model."""
+def model_dir_of(args: argparse.Namespace) -> Location:
+    """REPO/NAME of --repo and --name, which must name an existing model (in a bucket:
+    one that answers, holding a key under NAME/)."""
     missing = [flag for flag, v in (("--repo", args.repo), ("--name", args.name)) if not v]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
-    model_dir = Path(args.repo) / check_name(args.name)
-    if not model_dir.is_dir():
+    model_dir = model_location(args.repo, args.name)
+    if isinstance(model_dir, Path):
+        found = model_dir.is_dir()
+    else:
+        store = open_store(model_dir, "--repo")
+        store.check()
+        found = bool(store.list())
+    if not found:
         raise ValueError(f"no model {args.name!r} in {args.repo!r} (--repo, --name)")
     return model_dir

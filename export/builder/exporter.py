@@ -55,7 +55,7 @@ class AlreadyPublished(Exception):
     """The run's kept checkpoint is already published with the same mode and opset:
     nothing new is published (``path`` is that version)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: repository.Location) -> None:
         super().__init__(f"{path} already holds this checkpoint (same weights, mode and "
                          f"opset): nothing published")
         self.path = path
@@ -89,7 +89,8 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
                opset: int = 18, progress: bool = False, *, gated: bool = False,
                min_metric: float | None = None, tolerance: float = 0.0,
                promote: bool = True, gate_data: str | Path | None = None,
-               require_better: bool = False, gate_margin: float = gate.GATE_MARGIN) -> Path:
+               require_better: bool = False, gate_margin: float = gate.GATE_MARGIN
+               ) -> repository.Location:
     """Publish RUN_DIR's best model as REPO/NAME/<next version>/ and return its path.
     progress: report the stages (a bar on a terminal, else a line every few seconds).
     Raises AlreadyPublished when a version holds the same checkpoint already.
@@ -113,32 +114,35 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
     if not run_dir.is_dir():
         raise ValueError(f"run directory {str(run_dir)!r} does not exist")
     model, config = load_model(run_dir)
-    model_dir = Path(repo) / name
-    existing = published_version(model_dir, package.sha256(run_dir / "model.safetensors"),
-                                 mode, opset)
-    if existing is not None:
-        raise AlreadyPublished(existing)
-    if not hasattr(model, "layer"):
-        raise ValueError(f"{model.arch} is not recurrent: export takes recurrent models only")
-
-    bar = progress_bar(total=4 if model.task == "lm" else 3, desc=f"export {name}",
-                       unit="stage", enabled=progress)
-    recurrence, graphs, golden = graphs_and_golden(model, config, mode, opset, bar)
-    bar.set_postfix_str("evaluate, write, verify, publish")
-    task, absent, record, held = _evaluate(config, graphs["model"], gate_data)
-    parent = repository.live_version(repository.versions(model_dir),
-                                     repository.promoted(model_dir))
-    contents = _Contents(
-        name=name, run_dir=run_dir, model=model, config=config, mode=mode, opset=opset,
-        recurrence=recurrence, graphs=graphs, golden=golden,
-        vocabulary=read_vocabulary(run_dir, config),
-        reference=_reference(task, graphs["model"], model.state_size, held),
-        lineage=_lineage(config, task, parent), record=record)
-    refusal = ""
-    if gated:
-        refusal, contents.record = gating.judge(
-            record, task, absent, config, model_dir, parent, held, min_metric, tolerance,
-            require_better, gate_margin)
+    location = repository.model_location(repo, name)
+    # the version the candidate is judged against and its lineage's parent; in a bucket,
+    # the only version read whole (of the others, the manifests)
+    parent = repository.live_version(repository.versions(location),
+                                     repository.promoted(location))
+    with repository.local_model(location, whole=lambda v: v == parent) as model_dir:
+        existing = published_version(model_dir, package.sha256(run_dir / "model.safetensors"),
+                                     mode, opset)
+        if existing is not None:
+            raise AlreadyPublished(_in(location, existing))
+        if not hasattr(model, "layer"):
+            raise ValueError(f"{model.arch} is not recurrent: export takes recurrent models "
+                             f"only")
+        bar = progress_bar(total=4 if model.task == "lm" else 3, desc=f"export {name}",
+                           unit="stage", enabled=progress)
+        recurrence, graphs, golden = graphs_and_golden(model, config, mode, opset, bar)
+        bar.set_postfix_str("evaluate, write, verify, publish")
+        task, absent, record, held = _evaluate(config, graphs["model"], gate_data)
+        contents = _Contents(
+            name=name, run_dir=run_dir, model=model, config=config, mode=mode, opset=opset,
+            recurrence=recurrence, graphs=graphs, golden=golden,
+            vocabulary=read_vocabulary(run_dir, config),
+            reference=_reference(task, graphs["model"], model.state_size, held),
+            lineage=_lineage(config, task, parent), record=record)
+        refusal = ""
+        if gated:
+            refusal, contents.record = gating.judge(
+                record, task, absent, config, model_dir, parent, held, min_metric, tolerance,
+                require_better, gate_margin)
     if refusal:
         # kept for a person to look at, as it is: a NaN model cannot pass the golden check
         kept = repository.keep_rejected(
@@ -148,12 +152,20 @@ def export_run(run_dir: str | Path, repo: str | Path, name: str, mode: str = "de
         raise gate.GateRefused(refusal, kept)
     path = repository.publish(repo, name, contents.write)
     if promote:
-        repository.promote(model_dir, int(path.name), "promote" if gated else "publish",
+        repository.promote(location, repository.version_of(path),
+                           "promote" if gated else "publish",
                            ("passed the gate: " if gated else "published: ")
                            + _reason(record, absent))
     bar.update(1)
     bar.close()
     return path
+
+
+def _in(location: repository.Location, version_dir: Path) -> repository.Location:
+    """VERSION_DIR (a folder of the model's local copy) as a version of LOCATION."""
+    if isinstance(location, Path):
+        return version_dir
+    return f"{location}/{version_dir.name}"
 
 
 def _check_arguments(name: str, mode: str, opset: int, gated: bool, min_metric: float | None,

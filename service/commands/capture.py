@@ -55,13 +55,14 @@ def add_capture_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
 
 def run_dataset(args: argparse.Namespace) -> int:
     from orthornn.export.artifacts.loop.dataset import holdout_path, write_dataset
+    from orthornn.export.artifacts.storage import folder_only
 
     share = number("--holdout-share", args.holdout_share)
     summary = write_dataset(Path(args.capture), args.name, Path(args.out),
                             None if args.holdout is None else Path(args.holdout),
                             since=args.since, window_days=number("--window", args.window),
                             holdout_share=share,
-                            repo=None if args.repo is None else Path(args.repo),
+                            repo=None if args.repo is None else folder_only(args.repo, "--repo"),
                             progress=not args.no_progress)
     for line in summary.lines():
         print(f"{args.name}: {line}")

@@ -101,6 +101,8 @@ def read_label_file(path: Path) -> tuple[list[dict], list[int]]:
 
 
 def run_import(args: argparse.Namespace) -> int:
+    from orthornn.export.artifacts.storage import folder_only
+
     from ..errors import ServiceError
     from ..loop.labels import LabelError, LabelStore
 
@@ -108,7 +110,7 @@ def run_import(args: argparse.Namespace) -> int:
     items, numbers = read_label_file(path)
     if not items:
         raise ValueError(f"FILE: {str(path)!r} holds no labels")
-    store = LabelStore(Path(args.capture), Path(args.repo), source="import")
+    store = LabelStore(Path(args.capture), folder_only(args.repo, "--repo"), source="import")
     try:
         count = store.add(args.name, items, limit=None)
     except LabelError as error:

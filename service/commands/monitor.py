@@ -29,6 +29,7 @@ from orthornn.export.artifacts.loop.captures import (
 from orthornn.export.artifacts.loop.error_rate import error_rates
 from orthornn.export.artifacts.loop.monitor import Window, iso, monitor
 from orthornn.export.artifacts.repository import check_name
+from orthornn.export.artifacts.storage import folder_only
 
 from .flags import number
 
@@ -122,7 +123,7 @@ def run_monitor(args: argparse.Namespace) -> int:
     if not repo_value:
         raise ValueError("--repo: required (or ORTHORNN_REPO): the versions' references and "
                          "graphs are in the repository")
-    repo = Path(repo_value)
+    repo = folder_only(repo_value, "--repo")
     if not (repo / name).is_dir():
         raise ValueError(f"--repo, --name: no model {name!r} in {str(repo)!r}")
     start, window = parse_since(args.since), parse_window(args.window)

@@ -17,6 +17,7 @@ from orthornn.export.artifacts import rollout
 from orthornn.export.artifacts.repository import add_model_flags, model_dir_of
 from orthornn.export.artifacts.rollout import Plan, RolloutError
 from orthornn.export.artifacts.rollout.flags import add_rollout_flags, flags_named, plan_options
+from orthornn.export.artifacts.storage import folder_only
 
 from ..registry.controller import Controller
 
@@ -60,7 +61,8 @@ def add_rollout_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def run_rollout(args: argparse.Namespace) -> int:
-    model_dir = model_dir_of(args)
+    folder_only(args.repo or "", "--repo")
+    model_dir = Path(model_dir_of(args))
     if args.action == "start":
         if args.candidate is None or not str(args.candidate).isdigit():
             raise RolloutError(f"--candidate must be a version number (a positive integer); "

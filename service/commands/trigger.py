@@ -20,6 +20,7 @@ from orthornn.export.artifacts.repository import (
     add_model_flags,
     check_name,
 )
+from orthornn.export.artifacts.storage import folder_only
 
 from .flags import number
 
@@ -78,7 +79,7 @@ def run_trigger(args: argparse.Namespace) -> int:
     missing = [flag for flag, v in (("--repo", args.repo), ("--name", args.name)) if not v]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
-    if not Path(args.repo).is_dir():
+    if not folder_only(args.repo, "--repo").is_dir():
         raise ValueError(f"--repo {args.repo!r} is not a folder (the model repository)")
     model_dir = Path(args.repo) / check_name(args.name)  # absent: no version yet
     min_labels = int(number("--min-labels", args.min_labels, 1, 1e9, integer=True))

@@ -25,7 +25,7 @@ from orthornn.export.artifacts.repository import (
     read_promotion,
     versions,
 )
-from orthornn.export.artifacts.repository import rollback as rollback_promotion
+from orthornn.export.artifacts.rollback import rollback as rollback_promotion
 from orthornn.export.artifacts.rollout import Plan, RolloutError, Thresholds, read_plan
 
 from ..errors import NotFound, RollbackRefused, ServiceError
@@ -267,7 +267,7 @@ class VersionPolicy:
 
     def rollback(self, name: str, version: int | None = None) -> dict:
         """The repository API's rollback: promote VERSION (default: the version promoted
-        before the current one) once it verifies, by ``export.artifacts.repository.rollback``
+        before the current one) once it verifies, by ``export.artifacts.rollback``
         (the rule ``orthornn rollback`` follows too), then sync NAME at once so the swap
         does not wait for the next scan. {"model", "promoted", "previous"}; RollbackRefused
         names the usable versions. An unloaded model stays unloaded (only its promotion

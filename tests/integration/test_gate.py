@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from orthornn.export.artifacts import gate, repository
+from orthornn.export.artifacts import gate, repository, rollback
 from orthornn.export.artifacts.gate import GateRefused
 from orthornn.export.builder.evaluation import rebuild_task, score
 from orthornn.export.builder.exporter import export_run
@@ -253,11 +253,11 @@ def test_rollback_goes_back_one_step_at_a_time(runs, tmp_path):
     for mode in ("dense", "factored"):
         export_run(runs / "weak", repo, "adder", mode=mode)
     export_run(runs / "strong", repo, "adder")
-    assert repository.rollback(repo / "adder")["promoted"] == 2
-    assert repository.rollback(repo / "adder")["promoted"] == 1  # not forth to 3 again
+    assert rollback.rollback(repo / "adder")["promoted"] == 2
+    assert rollback.rollback(repo / "adder")["promoted"] == 1  # not forth to 3 again
     with pytest.raises(ValueError, match="nothing to roll back to: version 1 is the oldest; "
                                          "versions it could use: 2, 3"):
-        repository.rollback(repo / "adder")
+        rollback.rollback(repo / "adder")
     assert torch.isfinite(torch.tensor(score(repo / "adder" / "1", rebuild_task(json.loads(
         (runs / "weak" / "config.json").read_text())))))
 

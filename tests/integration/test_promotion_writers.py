@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from orthornn.export.artifacts import records, repository, rollout
+from orthornn.export.artifacts import records, repository, rollback, rollout
 
 from ..service_helpers import gated, make_repo
 
@@ -208,8 +208,8 @@ def test_the_lock_excludes_threads_and_is_reentrant(tmp_path):
 def test_an_unreadable_promotion_is_kept_aside_when_replaced(model_dir):
     (model_dir / "promotion.json").write_text("")
     with pytest.raises(ValueError, match="cannot be read"):
-        repository.rollback(model_dir)  # which step back: unknown
-    done = repository.rollback(model_dir, 3)  # a named version repairs it
+        rollback.rollback(model_dir)  # which step back: unknown
+    done = rollback.rollback(model_dir, 3)  # a named version repairs it
     assert done == {"model": "adding", "promoted": 3, "previous": None}
     (kept,) = model_dir.glob("promotion.json.unreadable-*")
     assert kept.read_text() == ""

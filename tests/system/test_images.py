@@ -34,7 +34,9 @@ from ..service_helpers import LiveServer, free_port, make_repo, publish_copy
 # trains: longer than the suite's default timeout
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(1800)]
 CHART = c.ROOT / "helm" / "orthornn"
-MAX_SERVE_MIB = 400
+# 400 until the object-store client (obstore, 16 MiB installed) joined the base
+# dependencies, so that serving pods can read a repository on S3 (docs/deployment.md)
+MAX_SERVE_MIB = 420
 
 
 def helm_template(*sets: str) -> c.Rendered:

@@ -54,7 +54,7 @@ def test_the_service_map_lists_every_module_and_only_those():
 
 
 def test_every_module_of_the_other_stages_is_named_and_every_name_exists():
-    modules_section = DESIGN.split("## Modules", 1)[1].split("## The service in layers")[0]
+    modules_section = DESIGN.split("\n## Modules", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"`([a-z_/]+\.py)", modules_section))
     for stage in ("models", "training", "export", "orthornn"):
         for module in sorted(_modules(stage)):
@@ -164,7 +164,7 @@ def _modules_bullets() -> list[tuple[str, str]]:
     """The Modules section as (folder, text) pieces: each bullet under the folder its first
     name gives ("training/", "models/" for `models/cells.py`, ...), export's sub-bullets
     under export/<their folder>."""
-    section = DESIGN.split("## Modules", 1)[1].split("## The service in layers")[0]
+    section = DESIGN.split("\n## Modules", 1)[1].split("\n## ", 1)[0]
     pieces, top = [], ""
     for bullet in re.split(r"\n(?=- `|  - `)", section.strip()):
         first = re.match(r"\s*- `([a-z_/.]+)`", bullet).group(1)

@@ -1,0 +1,193 @@
+"""The storage seam against a real S3 server (SeaweedFS on loopback: tests/objectstore.py)
+and a local folder: the interface's contract on both, conditional writes that lose no
+update, and the model repository in a bucket through the real commands (concurrent
+exports taking distinct numbers, the manifest last, the gate, rollback, versions, and
+the errors a bad location gets)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from orthornn.export.artifacts import remote, repository, rollback
+from orthornn.export.artifacts.package import verify_package
+from orthornn.export.artifacts.storage import Changed, Exists, open_store
+
+from .. import objectstore
+from ..cluster import ROOT
+
+seaweedfs, s3_env = objectstore.seaweedfs, objectstore.s3_env
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return open_store(str(tmp_path / "store"))
+    server = request.getfixturevalue("s3_env")
+    return open_store(f"{server.location()}/some/prefix")
+
+
+def test_the_store_keeps_its_contract(store):
+    with pytest.raises(FileNotFoundError):
+        store.read("a/b.json")
+    etag = store.write_if_absent("a/b.json", b"one")
+    with pytest.raises(Exists):
+        store.write_if_absent("a/b.json", b"two")
+    blob = store.read("a/b.json")
+    assert (blob.data, blob.etag) == (b"one", etag)
+    assert store.read_if_changed("a/b.json", etag) is None  # unchanged: nothing read
+    new = store.write_if_unchanged("a/b.json", b"three", etag)
+    assert new != etag
+    with pytest.raises(Changed):  # the ETag read is no longer the object's
+        store.write_if_unchanged("a/b.json", b"four", etag)
+    assert store.read_if_changed("a/b.json", etag).data == b"three"
+    store.write("a/c/d.bin", bytes(range(256)))
+    assert store.list() == ["a/b.json", "a/c/d.bin"]
+    assert store.list("a/c/") == ["a/c/d.bin"] and store.list("zz") == []
+    store.delete("a/b.json")
+    store.delete("a/b.json")  # gone already: nothing to do
+    with pytest.raises(Changed):  # a removed object is not the one read either
+        store.write_if_unchanged("a/b.json", b"five", new)
+    assert store.list() == ["a/c/d.bin"] and store.read("a/c/d.bin").data == bytes(range(256))
+    with pytest.raises(ValueError, match="must be relative"):
+        store.read("../outside")
+
+
+def test_conditional_writes_lose_no_update(store):
+    """Four writers appending to one record at once, 25 entries each (read -> change ->
+    write-if-unchanged, retried): every entry is there once, and the writers' entries
+    interleave (they did run at once)."""
+    start = threading.Barrier(4)
+
+    def writer(k: int) -> None:
+        start.wait()
+        for i in range(25):
+            remote.update(store, "record.json", lambda data, k=k, i=i: [
+                *(json.loads(data) if data else []), f"{k}-{i}"])
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(writer, range(4)))
+    entries = json.loads(store.read("record.json").data)
+    assert sorted(entries) == sorted(f"{k}-{i}" for k in range(4) for i in range(25))
+    switches = sum(a.split("-")[0] != b.split("-")[0] for a, b in itertools.pairwise(entries))
+    assert switches >= 3
+
+
+# -- the repository in a bucket, through the commands -------------------------------------
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    from orthornn.training.config import TrainConfig
+    from orthornn.training.trainer import train
+
+    out = tmp_path_factory.mktemp("run") / "adding"
+    train(TrainConfig(arch="svdrnn", task="adding", seq_len=6, hidden_size=8, steps=4,
+                      batch_size=8, log_every=4, out=str(out)), progress=False)
+    return out
+
+
+def orthornn(*args: object, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orthornn", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_concurrent_exports_take_distinct_numbers_and_appear_whole(s3_env, run_dir, tmp_path):
+    repo = f"{s3_env.location()}/repo"
+    flags = [("dense", 18), ("dense", 19), ("factored", 18), ("factored", 19)]
+    with ThreadPoolExecutor(4) as pool:  # four processes at once, one per mode and opset
+        done = list(pool.map(lambda f: orthornn(
+            "export", run_dir, "--repo", repo, "--name", "adder", "--mode", f[0],
+            "--opset", f[1], "--no-progress"), flags))
+    for result in done:
+        assert result.returncode == 0, result.stderr[-2000:]
+    printed = sorted(r.stdout.strip() for r in done)
+    assert printed == [f"{repo}/adder/{v}" for v in (1, 2, 3, 4)]
+    location = repository.model_location(repo, "adder")
+    assert repository.versions(location) == [1, 2, 3, 4]
+    with repository.local_model(location) as local:  # each version whole, and verifies
+        made = {(m.mode, m.opset): m.version for m in
+                (verify_package(local / str(v)) for v in (1, 2, 3, 4))}
+    assert sorted(made) == sorted(flags) and sorted(made.values()) == [1, 2, 3, 4]
+    history = repository.read_promotion(location)["history"]
+    assert sorted(e["version"] for e in history) == [1, 2, 3, 4]  # no promotion lost
+    assert not (ROOT / "s3:").exists() and not (tmp_path / "s3:").exists()
+
+    listed = orthornn("versions", "--repo", repo, "--name", "adder")
+    assert listed.returncode == 0, listed.stderr
+    rows = [line.split()[:2] for line in listed.stdout.splitlines()[1:5]]
+    live = history[-1]["version"]
+    assert rows == [[str(v), "promoted" if v == live else "published"] for v in (1, 2, 3, 4)]
+
+    back = orthornn("rollback", "--repo", repo, "--name", "adder", "--to", "1" if live != 1
+                    else "2")
+    assert back.returncode == 0, back.stderr
+    assert repository.promoted(location) == (1 if live != 1 else 2)
+    again = orthornn("export", run_dir, "--repo", repo, "--name", "adder", "--no-progress")
+    assert again.returncode == 0 and "already holds this checkpoint" in again.stderr
+    assert again.stdout.strip() == f"{repo}/adder/{made['dense', 18]}"
+
+
+def test_the_gate_judges_against_the_promoted_version_in_the_bucket(s3_env, run_dir):
+    repo = f"{s3_env.location()}/repo"
+    first = orthornn("export", run_dir, "--repo", repo, "--name", "m", "--no-progress")
+    assert first.returncode == 0, first.stderr
+    passed = orthornn("export", run_dir, "--repo", repo, "--name", "m", "--mode", "factored",
+                      "--gate", "--min-metric", "10", "--no-progress")  # the same weights as 1
+    assert passed.returncode == 0, passed.stderr
+    location = repository.model_location(repo, "m")
+    with repository.local_model(location) as local:
+        gate = verify_package(local / "2").evaluation["gate"]
+    assert gate["passed"] and gate["against"] == 1
+    refused = orthornn("export", run_dir, "--repo", repo, "--name", "m", "--opset", "19",
+                       "--gate", "--min-metric", "1e-9", "--no-progress")  # MSE <= 1e-9
+    assert refused.returncode == 3, refused.stderr
+    kept = [k for k in open_store(location).list("rejected/") if k.endswith("/gate.json")]
+    assert len(kept) == 1 and f"{location}/{kept[0].rsplit('/', 1)[0]}" in refused.stderr
+    assert repository.versions(location) == [1, 2] and repository.promoted(location) == 2
+    assert rollback.rollback(location)["promoted"] == 1
+
+
+def test_a_claimed_version_without_its_manifest_is_no_version(s3_env, run_dir):
+    """An upload that died after its claim (and some files): readers never see it, and
+    the next publish takes the next number, not the hole."""
+    repo = f"{s3_env.location()}/repo"
+    location = repository.model_location(repo, "m")
+    store = open_store(location)
+    store.write_if_absent("1/.claim", b"{}")
+    store.write("1/model.onnx", b"half an upload")
+    assert repository.versions(location) == []
+    with repository.local_model(location) as local:
+        assert not (local / "1").exists()
+    done = orthornn("export", run_dir, "--repo", repo, "--name", "m", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"{location}/2" and repository.versions(location) == [2]
+
+
+@pytest.mark.parametrize("repo, message", [
+    ("s3:/models/repo", "is not a URI (s3://BUCKET[/PREFIX], two slashes)"),
+    ("gs://models/repo", "is a gs:// URI; a location is a local folder or s3://"),
+    ("s3://Bad_Bucket/repo", "the bucket must be 3-63 lower-case letters"),
+    ("s3://models//repo", "the prefix has an empty"),
+])
+def test_a_malformed_location_gets_one_line(run_dir, tmp_path, repo, message):
+    done = orthornn("export", run_dir, "--repo", repo, "--name", "m", cwd=tmp_path)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_missing_bucket_or_refused_keys_get_one_line_before_any_work(s3_env, run_dir,
+                                                                       monkeypatch):
+    missing = orthornn("export", run_dir, "--repo", "s3://no-such-bucket/repo", "--name", "m")
+    assert missing.returncode == 2, missing.stderr
+    assert "--repo: s3://no-such-bucket/repo cannot be used: the bucket does not exist" \
+        in missing.stderr
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    refused = orthornn("versions", "--repo", s3_env.location(), "--name", "m")
+    assert refused.returncode == 2 and "the secret key is refused" in refused.stderr, \
+        refused.stderr
+    assert all("Traceback" not in r.stderr for r in (missing, refused))
