@@ -74,13 +74,16 @@ class SeaweedFS:
         self.log = open(self.folder / "weed.log", "wb")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
+        try:  # ready once a bucket is made and the S3 gateway listens
+            self.shared = self.bucket("orthornn-tests")
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def location(self) -> str:
         """``s3://BUCKET/PREFIX``: a prefix of its own in the session's one bucket (each
         bucket is a SeaweedFS collection that takes volumes of its own)."""
-        if not hasattr(self, "shared"):
-            self.shared = self.bucket("orthornn-tests")
         return f"s3://{self.shared}/{uuid.uuid4().hex[:12]}"
 
     def bucket(self, name: str | None = None) -> str:
