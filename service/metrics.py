@@ -198,6 +198,10 @@ class Metrics:
             "is gone after it was read: the versions it served keep serving, unchanged "
             "(nothing, at start-up), until it is readable again (then 0)", ["model"],
             registry=r)
+        self.repository_errors = Counter(
+            "orthornn_repository_errors", "polls of a repository in a bucket (--repo s3://...) "
+            "that failed (the store down or refusing): the loaded versions kept serving",
+            registry=r)
         self.swaps = Counter(
             "orthornn_model_swaps", "times another version took over the requests that name "
             "no version (a newer one, a promotion or a rollback)", ["model"], registry=r)

@@ -1,19 +1,21 @@
 """Service settings: ``ORTHORNN_*`` environment variables, overridden by command-line flags
 (``orthornn serve --max-batch-size 16`` beats ``ORTHORNN_MAX_BATCH_SIZE=8``). A leaf: the
-checks the fields need (a device against a providers list, a session store URL) are
-here, and nothing of the service is imported."""
+checks the fields need (a device against a providers list) are here, those of addresses
+in ``addresses``, and nothing else of the service is imported."""
 
 from __future__ import annotations
 
-import ipaddress
-import re
+import hashlib
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
-from urllib.parse import SplitResult, quote, urlsplit
+from urllib.parse import quote
 
-from orthornn.export.artifacts.storage import folder_only
+from orthornn.export.artifacts.storage import check_location, folder_only, is_object_uri
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from .addresses import check_store_url, is_loopback
 
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 #: providers that run on an NVIDIA GPU (TensorRT needs the CUDA provider's libraries too)
@@ -43,68 +45,16 @@ def device_conflict(device: str, providers: list[str]) -> str | None:
     return None
 
 
-STORE_FORMS = ('"memory" or "redis://[:PASSWORD@]HOST[:PORT][/DB]" ("rediss://" for TLS; '
-               'percent-encode / ? # @ % in the password)')
-
-
-def check_store_url(value: str) -> SplitResult | None:
-    """The parsed redis:// or rediss:// URL of a ``session_store`` value (None for
-    "memory"); ValueError naming the field and the allowed forms otherwise. The message
-    never repeats a password."""
-    if value == "memory":
-        return None
-
-    def bad(why: str) -> ValueError:
-        return ValueError(f"session_store: {why}; allowed: {STORE_FORMS}")
-
-    try:
-        parts = urlsplit(value)
-    except ValueError:
-        raise bad("not a URL") from None
-    if parts.scheme not in ("redis", "rediss"):
-        shown = redact(value) if "://" in value else value
-        raise bad(f"{shown!r} is neither memory nor a Redis URL")
-    if not parts.hostname:
-        raise bad("the Redis URL names no host")
-    try:
-        port = parts.port
-    except ValueError:
-        raise bad("the port must be a number from 1 to 65535") from None
-    if port == 0:
-        raise bad("the port must be a number from 1 to 65535")
-    if parts.path not in ("", "/") and not re.fullmatch(r"/[0-9]{1,5}", parts.path):
-        raise bad(f"the database {parts.path[1:]!r} must be a number (/0 by default)")
-    if parts.query or parts.fragment:
-        raise bad("the Redis URL takes no ?query or #fragment (the timeouts are "
-                  "session_store_timeout_s)")
-    return parts
-
-
-def redact(url: str) -> str:
-    """URL without its password (for logs and messages)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return parts._replace(netloc=f"{user}:***@{host}").geturl()
-
-
-def is_loopback(host: str) -> bool:
-    """Whether HOST (an address or "localhost") is reachable from this machine only."""
-    if host.strip().lower() in ("localhost", "localhost."):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
-    except ValueError:  # another host name: it may resolve beyond loopback
-        return False
-
-
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ORTHORNN_", extra="forbid",
                                       validate_default=True)
 
     repo: Path = Field(description="model repository root: REPO/<name>/<version>/")
+    repository_cache: Path | None = Field(
+        None, description="with --repo s3://BUCKET/PREFIX: the folder the bucket's models "
+                          "are mirrored into and served from (an emptyDir in a pod; unset: "
+                          "orthornn-repository-<hash of the URI> in the temporary folder)")
+    repository_uri: str | None = Field(None, description="set from --repo s3://...")
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
     address_file: Path | None = Field(
@@ -334,6 +284,18 @@ class Settings(BaseSettings):
         if self.body_timeout_s is not None:
             return self.body_timeout_s
         return max(30.0, (self.max_body_bytes or MAX_BODY_BYTES) / (64 * 1024))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bucket(cls, data: Any) -> Any:
+        """--repo s3://...: the bucket is repository_uri, the folder served its cache."""
+        repo = data.get("repo") if isinstance(data, dict) else None
+        if not (isinstance(repo, str) and is_object_uri(repo)):
+            return data
+        uri = check_location(repo, "repo").rstrip("/")
+        cache = data.get("repository_cache") or Path(tempfile.gettempdir()) / (
+            "orthornn-repository-" + hashlib.sha256(uri.encode()).hexdigest()[:16])
+        return {**data, "repo": str(cache), "repository_uri": uri}
 
     @field_validator("repo", "capture", mode="before")
     @classmethod

@@ -284,10 +284,12 @@ class Replica:
     ARGS. ``start()`` waits for readiness (tests/service_helpers.wait_ready); ``stop()``
     sends SIGTERM (the service drains), ``kill()`` SIGKILL; ``output()`` is what it logged."""
 
-    def __init__(self, repo: Path, *, env: dict[str, str] | None = None,
+    def __init__(self, repo: Path | str, *, env: dict[str, str] | None = None,
                  args: Sequence[str] = (), port: int | None = None,
                  log_level: str = "warning"):
-        self.repo, self.args, self.log_level = Path(repo), list(args), log_level
+        # a bucket's URI stays a string (a Path would fold its "//")
+        self.repo = repo if isinstance(repo, str) and "://" in repo else Path(repo)
+        self.args, self.log_level = list(args), log_level
         self.port = port or free_port()
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("ORTHORNN_")}
         self.env.update(env or {})

@@ -124,12 +124,15 @@ def update(store: Store, key: str, change: Callable[[bytes | None], Any]) -> Any
     raise OSError(f"{store.uri}/{key}: {TRIES} writers got there first; nothing written")
 
 
-def mirror(store: Store, into: Path, whole: Callable[[int], bool] = lambda v: True) -> Path:
+def mirror(store: Store, into: Path, whole: Callable[[int], bool] = lambda v: True, *,
+           keys: list[str] | None = None, etags: dict[str, str] | None = None) -> Path:
     """The model's records and complete versions copied into INTO (a repository's model
     folder), each version that is not there yet by one rename; of a version that WHOLE
-    rejects, only its manifest. Versions gone from the store go from INTO. Returns INTO."""
+    rejects, only its manifest. Versions gone from the store go from INTO. Returns INTO.
+    KEYS: the store's keys, when the caller listed them already; ETAGS: the records'
+    ETags of the last mirror, kept up to date, so that an unchanged record costs a 304."""
     into.mkdir(parents=True, exist_ok=True)
-    found = numbered(store.list())
+    found = numbered(store.list() if keys is None else keys)
     complete = {v: files for v, files in found.items() if MANIFEST in files}
     for v, files in sorted(complete.items()):
         target = into / str(v)
@@ -144,14 +147,21 @@ def mirror(store: Store, into: Path, whole: Callable[[int], bool] = lambda v: Tr
     for old in into.iterdir():
         if old.is_dir() and old.name.isdigit() and int(old.name) not in complete:
             shutil.rmtree(old, ignore_errors=True)
+    etags = {} if etags is None else etags
     for name in RECORDS:
         try:
-            data = store.read(name).data
+            known = etags.get(name) if (into / name).is_file() else None
+            blob = store.read(name) if known is None else store.read_if_changed(name, known)
         except FileNotFoundError:
+            etags.pop(name, None)
             with contextlib.suppress(FileNotFoundError):
                 (into / name).unlink()
             continue
+        if blob is None:  # unchanged since the last mirror
+            continue
+        data = blob.data
         records.atomic_write(into / name, lambda tmp: tmp.write_bytes(data))  # noqa: B023
+        etags[name] = blob.etag
     return into
 
 

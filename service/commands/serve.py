@@ -16,6 +16,8 @@ if TYPE_CHECKING:  # imported when a command runs (the serve extra may be missin
 ENV_ONLY = {"admin_token": "ORTHORNN_ADMIN_TOKEN",
             "labels_token": "ORTHORNN_LABELS_TOKEN",
             "session_store_password": "ORTHORNN_SESSION_STORE_PASSWORD"}
+#: settings with no flag and no variable of their own: derived from another (--repo)
+DERIVED = {"repository_uri"}
 
 
 def _flag_type(annotation: Any) -> Any:
@@ -41,7 +43,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_class: type[Bas
     from pydantic_core import PydanticUndefined
 
     for name, field in settings_class.model_fields.items():
-        if name in ENV_ONLY:
+        if name in ENV_ONLY or name in DERIVED:
             continue
         flag = "--" + name.replace("_", "-")
         env = f"ORTHORNN_{name.upper()}"
@@ -90,7 +92,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     from ..settings import Settings
 
     values = {name: getattr(args, name) for name in Settings.model_fields
-              if name not in ENV_ONLY}
+              if name not in ENV_ONLY and name not in DERIVED}
     try:
         return Settings(**{k: v for k, v in values.items() if v is not None})
     except ValidationError as e:

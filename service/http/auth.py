@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 from pydantic import SecretStr
 from starlette.types import Scope
 
+from ..addresses import is_loopback
 from ..errors import ClientError
-from ..settings import is_loopback
 from .responses import header
 
 DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}

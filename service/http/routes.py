@@ -16,6 +16,7 @@ import orjson
 from fastapi.responses import Response
 
 from .. import request
+from ..addresses import is_loopback
 from ..dataplane.checks import version_param
 from ..dataplane.dataplane import DataPlane
 from ..dataplane.messages import Served
@@ -41,7 +42,7 @@ from ..dataplane.schemas import (
 from ..errors import POSITION_HEADER, SECRET_HEADER, ClientError, ServiceError
 from ..loop.ids import given_id
 from ..metrics import Metrics
-from ..settings import Settings, is_loopback
+from ..settings import Settings
 from ..tracing import Tracer, open_tracing
 from . import auth
 from .codecs import oip_binary, predict_json

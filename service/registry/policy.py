@@ -31,6 +31,7 @@ from orthornn.export.artifacts.rollout import Plan, RolloutError, Thresholds, re
 from ..errors import NotFound, RollbackRefused, ServiceError
 from ..metrics import Metrics
 from ..settings import Settings
+from .bucket import BucketMirror
 from .catalog import Catalog, ModelVersion, model_names
 from .controller import Controller
 from .loader import Loader
@@ -67,8 +68,13 @@ class VersionPolicy:
         self.pins = pins
         self.rollouts = rollouts
         self.repo = Path(settings.repo)
-        self.controls_rollouts = settings.rollout_controller == "on" or (
-            settings.rollout_controller == "auto" and os.access(self.repo, os.W_OK))
+        # a bucket's models are mirrored into self.repo before each scan; its rollouts
+        # need a folder's lock (docs/deployment.md, "Models on object storage")
+        self.bucket = None if settings.repository_uri is None else BucketMirror(
+            settings.repository_uri, self.repo, metrics)
+        self.controls_rollouts = self.bucket is None and (
+            settings.rollout_controller == "on" or (
+                settings.rollout_controller == "auto" and os.access(self.repo, os.W_OK)))
         self._controllers: dict[str, Controller] = {}  # per model, when it controls
         self._plan_error: dict[str, str] = {}  # unreadable rollout.json (logged once)
         self._promotion: dict[str, dict] = {}  # the last readable promotion.json
@@ -234,6 +240,8 @@ class VersionPolicy:
         return default
 
     def scan(self) -> None:
+        if self.bucket is not None:
+            self.bucket.sync()
         for name in model_names(self.repo):
             if self._stop.is_set():
                 return
@@ -275,7 +283,8 @@ class VersionPolicy:
         model_dir = self._model_dir(name)
         with self._rollback_lock:  # one promotion change at a time from this service
             try:
-                done = rollback_promotion(model_dir, version)
+                done = rollback_promotion(model_dir if self.bucket is None
+                                          else self.bucket.location(name), version)
             except ValueError as error:
                 raise RollbackRefused(str(error)) from None
             except OSError as error:  # e.g. the repository is mounted read-only here
@@ -285,6 +294,8 @@ class VersionPolicy:
                     f"run `orthornn rollback --repo REPO --name {name}` where it is") from None
         log.info("%s: rolled back to version %d (was %s) through the repository API", name,
                  done["promoted"], done["previous"])
+        if self.bucket is not None:
+            self.bucket.sync(name)
         if name not in self.catalog.unloaded:
             self.sync_model(name)
         return done
@@ -306,6 +317,9 @@ class VersionPolicy:
     def _write_plan(self, name: str, write: Callable[[], Plan]) -> Plan:
         """WRITE the plan (start, promote, abort) and apply it here at once; its refusal
         as the status it carries, an unwritable repository as 409."""
+        if self.bucket is not None:
+            raise RollbackRefused(f"a rollout needs a folder repository for now; "
+                                  f"{self.bucket.uri} is a bucket")
         try:
             plan = write()
         except RolloutError as error:

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..addresses import check_store_url, redact
 from ..errors import StoreUnavailable
-from ..settings import check_store_url, redact
 from .encoding import state_bytes, state_from_bytes
 from .records import (
     SessionRecord,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from ..settings import check_store_url
+from ..addresses import check_store_url
 from .records import SessionRecord, StaleRecord
 
 __all__ = ["SessionRecord", "SessionStore", "StaleRecord", "open_store"]

@@ -68,8 +68,9 @@ def test_bench_rejects_unknown_names(capsys):
 
 def test_serve_flags_are_generated_from_every_setting():
     """One list: every Settings field is a flag whose help shows the field's own default,
-    except the admin token (environment only), and a flag's value reaches Settings."""
-    from orthornn.service.commands.serve import ENV_ONLY, settings_from_args
+    except the secrets (environment only) and what is derived from another (--repo
+    s3://... sets repository_uri), and a flag's value reaches Settings."""
+    from orthornn.service.commands.serve import DERIVED, ENV_ONLY, settings_from_args
     from orthornn.service.settings import Settings
 
     from orthornn.cli import build_parser
@@ -77,7 +78,7 @@ def test_serve_flags_are_generated_from_every_setting():
     parser = build_parser()
     serve = parser._subparsers._group_actions[0].choices["serve"]
     flags = {a.dest: a for a in serve._actions if a.dest != "help"}
-    assert set(flags) | set(ENV_ONLY) == set(Settings.model_fields)
+    assert set(flags) | set(ENV_ONLY) | DERIVED == set(Settings.model_fields)
     assert "admin_token" not in flags
     for name, action in flags.items():
         field = Settings.model_fields[name]

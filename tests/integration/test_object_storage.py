@@ -8,19 +8,22 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 from orthornn.export.artifacts import remote, repository, rollback
 from orthornn.export.artifacts.package import verify_package
 from orthornn.export.artifacts.storage import Changed, Exists, open_store
 
 from .. import objectstore
-from ..cluster import ROOT
+from ..cluster import ROOT, Replica
 
 seaweedfs, s3_env = objectstore.seaweedfs, objectstore.s3_env
 
@@ -191,3 +194,82 @@ def test_a_missing_bucket_or_refused_keys_get_one_line_before_any_work(s3_env, r
     assert refused.returncode == 2 and "the secret key is refused" in refused.stderr, \
         refused.stderr
     assert all("Traceback" not in r.stderr for r in (missing, refused))
+
+
+# -- the service, serving a bucket's models from a mirror ---------------------------------
+
+def _answer(url: str) -> int:
+    r = httpx.post(f"{url}/predict", timeout=30,
+                   json={"model": "adder", "inputs": [[[0.25, 0.0]] * 5 + [[0.5, 1.0]]]})
+    assert r.status_code == 200, r.text
+    return r.json()["version"]
+
+
+def _until(what, expected, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while (got := what()) != expected:
+        assert time.monotonic() < deadline, f"{got!r}, not {expected!r}, after {seconds} s"
+        time.sleep(0.2)
+
+
+def test_the_service_follows_the_bucket_and_keeps_serving_while_it_is_down(run_dir, tmp_path,
+                                                                            monkeypatch):
+    """``orthornn serve --repo s3://...``: versions published to the bucket are served from
+    the mirror (the next poll swaps), a rollback written to the bucket (by the command, and
+    by the repository API, which writes it there) moves the service too; with the S3
+    server stopped the loaded version keeps answering, readiness stays 200 and the
+    failures are counted. A SeaweedFS of its own: this test stops it."""
+    with objectstore.SeaweedFS(tmp_path / "weed") as server:
+        repo = f"s3://{server.shared}/repo"
+        env = {**server.env}
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        published = subprocess.run(
+            [sys.executable, "-m", "orthornn", "export", str(run_dir), "--repo", repo,
+             "--name", "adder", "--no-progress"], cwd=ROOT, capture_output=True, text=True,
+            timeout=300, env={**os.environ, **env})
+        assert published.returncode == 0, published.stderr
+        cache = tmp_path / "cache"
+        replica = Replica(repo, env=env, args=["--repository-cache", str(cache),
+                                               "--poll-interval-s", "0.2"])
+        replica.start()
+        try:
+            assert _answer(replica.url) == 1
+            assert (cache / "adder" / "1" / "manifest.json").is_file()  # served from here
+            second = subprocess.run(
+                [sys.executable, "-m", "orthornn", "export", str(run_dir), "--repo", repo,
+                 "--name", "adder", "--mode", "factored", "--no-progress"], cwd=ROOT,
+                capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+            assert second.returncode == 0, second.stderr
+            _until(lambda: _answer(replica.url), 2)  # published to the bucket: swapped in
+            back = subprocess.run(
+                [sys.executable, "-m", "orthornn", "rollback", "--repo", repo, "--name",
+                 "adder"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                env={**os.environ, **env})
+            assert back.returncode == 0, back.stderr
+            _until(lambda: _answer(replica.url), 1)
+            forth = httpx.post(f"{replica.url}/v2/repository/models/adder/rollback",
+                               json={"version": 2}, timeout=60)
+            assert forth.status_code == 200, forth.text
+            assert _answer(replica.url) == 2  # synced at once, not at the next poll
+            location = repository.model_location(repo, "adder")
+            assert repository.promoted(location) == 2  # written to the bucket, not the mirror
+            refused = httpx.post(f"{replica.url}/v2/repository/models/adder/rollout/start",
+                                 json={"candidate": 1}, timeout=60)
+            assert refused.status_code == 409 and "needs a folder" in refused.text
+
+            server.stop()  # the store is gone: what is loaded keeps serving
+            errors = 0.0
+            deadline = time.monotonic() + 60
+            while errors < 2:
+                assert time.monotonic() < deadline, "no poll failure counted"
+                assert _answer(replica.url) == 2
+                ready = httpx.get(f"{replica.url}/v2/health/ready", timeout=30)
+                assert ready.status_code == 200
+                text = httpx.get(f"{replica.url}/metrics", timeout=30).text
+                errors = next((float(line.split()[-1]) for line in text.splitlines()
+                               if line.startswith("orthornn_repository_errors_total")), 0.0)
+                time.sleep(0.2)
+        finally:
+            replica.stop()
+        assert "cannot be read" in replica.output()  # logged once, the cause named

@@ -876,9 +876,9 @@ def test_memory_sessions_are_the_default():
 
 
 def test_external_redis_sessions_take_the_password_from_the_secret():
+    from orthornn.service.addresses import check_store_url
     from orthornn.service.sessions.redis import RedisStore
     from orthornn.service.sessions.store import open_store
-    from orthornn.service.settings import check_store_url
 
     docs = render(*SESSIONS["external"])
     c = _server(docs)

@@ -54,3 +54,4 @@ def test_what_reads_a_folder_only_refuses_a_bucket_by_name():
 def test_a_key_that_could_leave_the_store_is_refused(key):
     with pytest.raises(ValueError, match="must be relative"):
         check_key(key)
+
