@@ -233,11 +233,11 @@ def test_rollback_on_a_read_only_repository_is_a_409_naming_the_fix(repo, monkey
     """The chart mounts the repository read-only in the serving pods by default."""
     import errno
 
-    from orthornn.export.artifacts import repository
+    from orthornn.export.artifacts import rollback
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")
-    monkeypatch.setattr(repository, "promote", read_only)
+    monkeypatch.setattr(rollback, "promote", read_only)  # what the rollback writes with
     app, client = start(repo)
     with client:
         assert app.state.registry.scanned.wait(60)
