@@ -239,8 +239,8 @@ class VersionPolicy:
                       "requests without a version", name, promoted, reason, default)
         return default
 
-    def scan(self) -> None:
-        if self.bucket is not None:
+    def scan(self, sync: bool = True) -> None:
+        if sync and self.bucket is not None:
             self.bucket.sync()
         for name in model_names(self.repo):
             if self._stop.is_set():
@@ -350,6 +350,8 @@ class VersionPolicy:
     def _run(self) -> None:
         catalog = self.catalog
         try:
+            if self.bucket is not None:  # the models readiness waits for are the bucket's
+                self.bucket.sync()
             if not catalog.configured:
                 catalog.configured = {n for n in model_names(self.repo)
                                       if versions(self.repo / n)}
@@ -360,7 +362,7 @@ class VersionPolicy:
                         "%s (readiness does not wait for them; --models NAME,... makes it)",
                         self.repo, f"within {self.settings.poll_interval_s:g} s"
                         if self.settings.poll_interval_s > 0 else "by the repository API only")
-            self.scan()
+            self.scan(sync=False)
         except Exception:  # never let the poller die silently
             log.exception("repository scan failed")
         finally:

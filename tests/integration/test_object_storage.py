@@ -234,6 +234,10 @@ def test_the_service_follows_the_bucket_and_keeps_serving_while_it_is_down(run_d
                                                "--poll-interval-s", "0.2"])
         replica.start()
         try:
+            # ready means the bucket's models are served (the mirror is made before the
+            # models readiness waits for are taken from it)
+            assert httpx.get(f"{replica.url}/v2/models/adder/ready", timeout=30).status_code \
+                == 200
             assert _answer(replica.url) == 1
             assert (cache / "adder" / "1" / "manifest.json").is_file()  # served from here
             second = subprocess.run(

@@ -1,0 +1,219 @@
+"""What serving a repository from a bucket costs against from a folder, with a real S3
+server on loopback (SeaweedFS, `weed server -s3`: tests/objectstore.py) and `orthornn
+serve` processes of this checkout:
+
+- start to ready: a server started on the folder, one on the bucket with an empty cache
+  (everything downloaded first), one on the bucket with the cache a previous start left
+  (nothing new to download); each --starts times, alternated; the ratio is of medians;
+- swap delay: a new version published to the bucket (`orthornn export`'s code, another
+  opset each time) until the first answer from it, at the default poll interval (2 s);
+- throughput: POST /predict at --concurrency from this script's asyncio client against a
+  folder server and a bucket server polling every second, alternated for --rounds rounds;
+  the ratio is of the medians.
+
+--repo DIR serves the models of that repository (for instance the quickstart's
+`.quickstart/models`: its two models), for the start-to-ready rows only; by default a
+small svdrnn classifier is built and every row measured.
+Prints a table and writes bench/results/object_storage.json.
+
+    python bench/load/object_storage.py [--repo DIR] [--starts 5] [--swaps 3] [--rounds 6]
+                                        [--round-s 2] [--concurrency 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from client import Server, build_package, load, request  # noqa: E402
+
+
+def ready_s(repo: str, extra: list[str], env: dict[str, str]) -> tuple[float, Server]:
+    start = time.perf_counter()
+    server = Server(repo, True, extra, env)
+    server.wait_ready()
+    return time.perf_counter() - start, server
+
+
+def answer_version(port: int, body: bytes) -> int | None:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/predict", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())["version"]
+    except OSError:
+        return None
+
+
+def upload(folder: Path, uri: str) -> None:
+    """Every model of the repository FOLDER published as it is into the bucket URI (each
+    version manifest last, the records after)."""
+    from orthornn.export.artifacts import remote
+    from orthornn.export.artifacts.storage import open_store
+
+    for model in sorted(p for p in folder.iterdir() if p.is_dir()):
+        store = open_store(f"{uri}/{model.name}")
+        for version in sorted((p for p in model.iterdir() if p.name.isdigit()),
+                              key=lambda p: int(p.name)):
+            store.write_if_absent(f"{version.name}/.claim", b"{}")
+            remote.upload(store, version.name, version, last="manifest.json")
+        for record in remote.RECORDS:
+            if (model / record).is_file():
+                store.write(record, (model / record).read_bytes())
+
+
+def main() -> int:
+    from tests.objectstore import SeaweedFS
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repo", help="a repository folder to serve (default: one built)")
+    parser.add_argument("--starts", type=int, default=5)
+    parser.add_argument("--swaps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--round-s", type=float, default=2.0)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "object_storage.json"))
+    args = parser.parse_args()
+    for name in ("starts", "swaps", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    work = Path(tempfile.mkdtemp(prefix="orthornn-bench-s3-"))
+    try:
+        if args.repo:
+            folder = Path(args.repo)
+            if not folder.is_dir():
+                parser.error(f"--repo {args.repo!r} is not a folder")
+            run = None
+        else:
+            folder, run = build_package(work, 64, 32, 9), work / "run"
+        models = sorted(p.name for p in folder.iterdir() if p.is_dir())
+        with SeaweedFS(work / "weed") as s3:
+            os.environ.update(s3.env)
+            uri = f"s3://{s3.shared}/repo"
+            upload(folder, uri)
+            results = measure(args, folder, uri, models, run, s3.env, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    table(results)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def measure(args: argparse.Namespace, folder: Path, uri: str, models: list[str],
+            run: Path | None, env: dict[str, str], work: Path) -> dict:
+    starts: dict[str, list[float]] = {"folder": [], "bucket, empty cache": [],
+                                      "bucket, warm cache": []}
+    warm = work / "warm-cache"
+    for k in range(args.starts):
+        order = list(starts) if k % 2 == 0 else list(reversed(starts))
+        for kind in order:
+            if kind == "folder":
+                repo, extra = str(folder), []
+            elif kind == "bucket, empty cache":
+                repo, extra = uri, ["--repository-cache", str(work / f"cold-{k}")]
+            else:
+                repo, extra = uri, ["--repository-cache", str(warm)]
+            was_warm = warm.is_dir()
+            seconds, server = ready_s(repo, extra, env)
+            server.stop()
+            if kind != "bucket, warm cache" or was_warm:  # its first start filled it
+                starts[kind].append(seconds)
+            print(f"start {k + 1}/{args.starts}: {kind} ready in {seconds:.2f} s", flush=True)
+    results: dict = {"models": models, "start_to_ready_s": {
+        kind: round(statistics.median(v), 3) for kind, v in starts.items() if v}}
+    base = results["start_to_ready_s"]["folder"]
+    results["start_ratio"] = {kind: round(v / base, 2)
+                              for kind, v in results["start_to_ready_s"].items()}
+    if run is None:  # --repo: its models' inputs are not known here
+        return results
+    body = json.dumps({"model": models[0], "inputs": [[[0.1] * 9] * 32]}).encode()
+    results["swap_delay_s"] = swaps(args, uri, run, body, env, work)
+    results["throughput"] = throughput(args, folder, uri, body, env, work)
+    return results
+
+
+def swaps(args: argparse.Namespace, uri: str, run: Path, body: bytes,
+          env: dict[str, str], work: Path) -> dict:
+    from orthornn.export.artifacts import repository
+    from orthornn.export.builder.exporter import export_run
+
+    _, server = ready_s(uri, ["--repository-cache", str(work / "swap-cache")], env)
+    delays = []
+    try:
+        for k in range(args.swaps):
+            opset = 19 + k % 3
+            mode = "factored" if k >= 3 else "dense"
+            published = time.perf_counter()
+            path = export_run(run, uri, "bench", mode=mode, opset=opset)
+            done = time.perf_counter()
+            version = repository.version_of(path)
+            while answer_version(server.port, body) != version:
+                time.sleep(0.02)
+            delays.append(time.perf_counter() - done)
+            print(f"swap {k + 1}/{args.swaps}: version {version} answered "
+                  f"{delays[-1]:.2f} s after its upload (export {done - published:.1f} s)",
+                  flush=True)
+    finally:
+        server.stop()
+    return {"median": round(statistics.median(delays), 3), "max": round(max(delays), 3),
+            "poll_interval_s": 2.0}
+
+
+def throughput(args: argparse.Namespace, folder: Path, uri: str, body: bytes,
+               env: dict[str, str], work: Path) -> dict:
+    _, on_folder = ready_s(str(folder), [], env)
+    _, on_bucket = ready_s(uri, ["--repository-cache", str(work / "load-cache"),
+                                 "--poll-interval-s", "1"], env)
+    requests = [request("POST", "/predict", body)]
+    rates: dict[str, list[float]] = {"folder": [], "bucket, polled every 1 s": []}
+    try:
+        for k in range(args.rounds):
+            pair = [("folder", on_folder), ("bucket, polled every 1 s", on_bucket)]
+            for kind, server in (pair if k % 2 == 0 else pair[::-1]):
+                seconds, latencies, errors = asyncio.run(load(
+                    server.port, requests, args.concurrency, args.round_s, 10**9))
+                if errors:
+                    raise RuntimeError(f"{kind}: {errors[:3]}")
+                rates[kind].append(len(latencies) / seconds)
+            print(f"round {k + 1}/{args.rounds}: " + ", ".join(
+                f"{kind} {v[-1]:.0f} req/s" for kind, v in rates.items()), flush=True)
+    finally:
+        on_folder.stop()
+        on_bucket.stop()
+    folder_rate = statistics.median(rates["folder"])
+    return {kind: {"req_s": round(statistics.median(v), 1),
+                   "ratio": round(statistics.median(v) / folder_rate, 3)}
+            for kind, v in rates.items()}
+
+
+def table(results: dict) -> None:
+    print(f"\nmodels: {', '.join(results['models'])}")
+    print("| measure | value | ratio to the folder |")
+    print("| --- | --- | --- |")
+    for kind, seconds in results["start_to_ready_s"].items():
+        print(f"| start to ready, {kind} | {seconds:.2f} s | {results['start_ratio'][kind]} |")
+    if "swap_delay_s" in results:
+        swap = results["swap_delay_s"]
+        print(f"| swap delay (poll 2 s), median / max | {swap['median']:.2f} / "
+              f"{swap['max']:.2f} s | |")
+    for kind, row in results.get("throughput", {}).items():
+        print(f"| /predict throughput, {kind} | {row['req_s']:.0f} req/s | {row['ratio']} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
