@@ -99,6 +99,22 @@ def test_rollout_benchmark_runs(tmp_path):
     assert 0 < seen["canary 50%"]["candidate_share"] < 1
 
 
+def test_object_storage_benchmark_runs(tmp_path):
+    """bench/load/object_storage.py against a SeaweedFS of its own: every row measured,
+    the swap seen (the new version answered), no request failed."""
+    out = tmp_path / "object_storage.json"
+    assert _load("object_storage").main(["--starts", "1", "--swaps", "1", "--rounds", "1",
+                                         "--round-s", "0.2", "--concurrency", "2",
+                                         "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["models"] == ["bench"]
+    assert set(result["start_to_ready_s"]) == {"folder", "bucket, empty cache",
+                                               "bucket, warm cache"}
+    assert result["swap_delay_s"]["median"] > 0
+    assert set(result["throughput"]) == {"folder", "bucket, polled every 1 s"}
+    assert all(row["req_s"] > 0 for row in result["throughput"].values())
+
+
 def test_streaming_benchmark_runs(tmp_path):
     out = tmp_path / "streaming.json"
     assert _load("streaming").main(["--history", "40", "--chunk", "4", "--hidden", "8",
