@@ -56,8 +56,13 @@ LIVE_LM = ("retraining.enabled=true", *CAPTURE, "retraining.trigger.enabled=true
            "retraining.fromCaptures.enabled=true", "retraining.modelName=words",
            "retraining.trainConfig.arch=lstm", "retraining.trainConfig.task=lm",
            "retraining.trainConfig.corpus=/models/data/original.txt")
+# the serving pods on a bucket (docs/deployment.md, "Models on object storage")
+BUCKET = ("modelRepository.uri=s3://models/repo",
+          "modelRepository.endpoint=http://seaweedfs.storage:8333",
+          "modelRepository.region=eu-west-1", "modelRepository.existingSecret=s3-keys")
 VARIANTS = {"defaults": (), "full": tuple(FULL), "rollout": ROLLOUT, "capture": CAPTURE,
-            "distributed": DISTRIBUTED, "nccl": GPU, "live": LIVE, "live-lm": LIVE_LM}
+            "distributed": DISTRIBUTED, "nccl": GPU, "live": LIVE, "live-lm": LIVE_LM,
+            "bucket": BUCKET}
 # Each way of keeping server-side sessions (values "sessions.*"), and the Ingress with
 # session affinity: every combination is linted and validated like the defaults.
 SESSIONS = {
@@ -308,7 +313,8 @@ def _kubernetes_validate(variants: dict, tmp_path) -> None:
     for name, sets in variants.items():
         # ServiceMonitor is a CRD (prometheus-operator): no Kubernetes schema to check it by.
         docs = [d for d in render(*sets) if d["kind"] != "ServiceMonitor"]
-        assert len(docs) >= 8, name  # ConfigMap, Deployment, ... (test_default_render)
+        # ConfigMap, Deployment, ... (test_default_render); on a bucket no claim
+        assert len(docs) >= (7 if name == "bucket" else 8), name
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump_all(docs))
         files.append(str(path))
@@ -475,6 +481,29 @@ def test_full_render_gpu_autoscaling_monitoring_retraining():
 def _claims(pod: dict) -> dict[str, str]:
     return {v["name"]: v["persistentVolumeClaim"]["claimName"]
             for v in pod["volumes"] if "persistentVolumeClaim" in v}
+
+
+def test_serving_pods_on_a_bucket_mirror_it_into_an_empty_dir_and_claim_no_volume():
+    docs = render(*BUCKET)
+    assert "PersistentVolumeClaim" not in kinds(docs)
+    pod = _pods(docs)["Deployment"]
+    server = pod["containers"][0]
+    assert server["args"][:2] == ["serve", "--repo"] and server["args"][2] == "s3://models/repo"
+    env = {e["name"]: e.get("value") for e in server["env"]}
+    assert env["ORTHORNN_REPOSITORY_CACHE"] == "/var/cache/orthornn"
+    assert env["AWS_ENDPOINT_URL"] == "http://seaweedfs.storage:8333"
+    assert env["AWS_REGION"] == "eu-west-1"
+    assert {"secretRef": {"name": "s3-keys"}} in server["envFrom"]  # the keys, by reference
+    assert not any("SECRET" in e["name"] for e in server["env"])
+    mount = next(m for m in server["volumeMounts"] if m["name"] == "models")
+    assert mount["mountPath"] == "/var/cache/orthornn" and not mount.get("readOnly")
+    volume = next(v for v in pod["volumes"] if v["name"] == "models")
+    assert volume == {"name": "models", "emptyDir": {"sizeLimit": "2Gi"}}
+    # without a Secret: the pod's web identity (no envFrom of keys), no endpoint: AWS's
+    plain = _pods(render("modelRepository.uri=s3://models/repo"))["Deployment"]
+    server = plain["containers"][0]
+    assert not any("secretRef" in e for e in server["envFrom"])
+    assert not any(e["name"].startswith("AWS_") for e in server["env"])
 
 
 def test_model_repository_claim_is_shared_with_retraining():
@@ -771,6 +800,11 @@ def test_network_policies_pass_kubernetes_validate(tmp_path):
     (["sessions.bundled.image.tag="], "tag"),
     (["ingress.sessionAffinity.enabled=true"], "ingress.enabled"),
     (["ingress.pathType=Regex"], "pathType"),
+    (["modelRepository.uri=gs://models/repo"], "modelRepository/uri"),
+    (["modelRepository.uri=s3:/models/repo"], "modelRepository/uri"),
+    (["modelRepository.endpoint=seaweedfs:8333"], "modelRepository/endpoint"),
+    ([*BUCKET, "retraining.enabled=true"], "retraining.enabled and capture.enabled still need"),
+    ([*BUCKET, *CAPTURE], "retraining.enabled and capture.enabled still need"),
 ])
 def test_bad_values_fail_at_render_time(sets, message):
     result = template(*sets)

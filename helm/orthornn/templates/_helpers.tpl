@@ -127,6 +127,9 @@ random one on a first install (so upgrades keep it); helm template needs one giv
 {{- if le (int .Values.terminationGracePeriodSeconds) (int $drain) }}
 {{- fail (printf "terminationGracePeriodSeconds (%d) must be greater than lifecycle.shutdownDelaySeconds + lifecycle.drainSeconds (%d)" (int .Values.terminationGracePeriodSeconds) (int $drain)) }}
 {{- end }}
+{{- if and .Values.modelRepository.uri (or .Values.retraining.enabled .Values.capture.enabled) }}
+{{- fail "modelRepository.uri serves from a bucket; retraining.enabled and capture.enabled still need the shared volume (persistence.enabled, modelRepository.uri empty)" }}
+{{- end }}
 {{- if and .Values.retraining.enabled (not .Values.persistence.enabled) }}
 {{- fail "retraining.enabled needs persistence.enabled: the jobs publish into the shared model repository volume" }}
 {{- end }}
