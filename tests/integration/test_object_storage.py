@@ -193,7 +193,13 @@ def test_a_missing_bucket_or_refused_keys_get_one_line_before_any_work(s3_env, r
     refused = orthornn("versions", "--repo", s3_env.location(), "--name", "m")
     assert refused.returncode == 2 and "the secret key is refused" in refused.stderr, \
         refused.stderr
-    assert all("Traceback" not in r.stderr for r in (missing, refused))
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", "http://127.0.0.1:1")  # no IMDS, anywhere
+    keyless = orthornn("versions", "--repo", s3_env.location(), "--name", "m")
+    assert keyless.returncode == 2 and "no credentials: set AWS_ACCESS_KEY_ID" in \
+        keyless.stderr, keyless.stderr
+    assert all("Traceback" not in r.stderr for r in (missing, refused, keyless))
 
 
 # -- the service, serving a bucket's models from a mirror ---------------------------------

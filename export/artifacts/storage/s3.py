@@ -117,7 +117,11 @@ class S3:
 def describe(error: BaseException) -> str:
     """The cause of an obstore error in one line (its text is a multi-line debug dump)."""
     text = str(error)
-    for code, say in (("NoSuchBucket", "the bucket does not exist"),
+    # without keys obstore asks the instance metadata service (IMDS) last: its paths
+    none = ("no credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or give the "
+            "pod a web identity (the instance metadata gave none)")
+    for code, say in (("/latest/api/token", none), ("/latest/meta-data", none),
+                      ("NoSuchBucket", "the bucket does not exist"),
                       ("InvalidAccessKeyId", "the access key is refused (AWS_ACCESS_KEY_ID)"),
                       ("SignatureDoesNotMatch",
                        "the secret key is refused (AWS_SECRET_ACCESS_KEY)"),
