@@ -37,11 +37,12 @@ TRIES = 200  # a record's update retried this many times before giving up
 
 
 def numbered(keys: Iterable[str]) -> dict[int, set[str]]:
-    """Each version number with any key under it -> the file names under it."""
+    """Each version number with any key under it -> the file names under it (a name that
+    is no file name, "." or "..", is not one: it never becomes a path in a mirror)."""
     found: dict[int, set[str]] = {}
     for key in keys:
         head, _, rest = key.partition("/")
-        if head.isdigit() and rest and "/" not in rest:
+        if head.isdigit() and rest not in ("", ".", "..") and "/" not in rest:
             found.setdefault(int(head), set()).add(rest)
     return found
 

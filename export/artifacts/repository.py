@@ -54,7 +54,7 @@ def model_location(repo: str | Path, name: str) -> Location:
 
 def version_of(location: Location) -> int:
     """The version number a version's location ends with."""
-    return int(str(location).rstrip("/").rsplit("/", 1)[-1])
+    return int(last_name(location))
 
 
 @contextmanager
@@ -67,11 +67,12 @@ def local_model(model_dir: Location, whole: Callable[[int], bool] = lambda v: Tr
         yield Path(model_dir)
         return
     with tempfile.TemporaryDirectory(prefix="orthornn-mirror-") as tmp:
-        yield remote.mirror(open_store(str(model_dir)), Path(tmp) / version_name(model_dir),
+        yield remote.mirror(open_store(str(model_dir)), Path(tmp) / last_name(model_dir),
                             whole)
 
 
-def version_name(location: Location) -> str:
+def last_name(location: Location) -> str:
+    """The last name of a location: a model's name, or a version's number."""
     return str(location).rstrip("/").rsplit("/", 1)[-1]
 
 

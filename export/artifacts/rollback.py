@@ -13,12 +13,12 @@ from . import records, remote
 from .numbers import is_integer
 from .repository import (
     PROMOTION,
+    last_name,
     live_version,
     local_model,
     promote,
     promotion_of,
     read_promotion,
-    version_name,
     versions,
     with_entry,
 )
@@ -59,7 +59,7 @@ def rollback(model_dir: str | Path, to: int | None = None) -> dict:
 
 def _rollback_object(location: str, to: int | None) -> dict:
     store = open_store(location)
-    decided: dict = {"model": version_name(location)}
+    decided: dict = {"model": last_name(location)}
     with local_model(location) as local:
         on_disk = versions(local)
         if not on_disk:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 from pathlib import Path
 
 from orthornn.export.artifacts import remote
@@ -34,6 +35,9 @@ class BucketMirror:
         self._stores: dict[str, Store] = {}  # one client a model, rooted at it
         self._etags: dict[str, dict[str, str]] = {}  # a model's records' ETags
         self._failing: str | None = None
+        # the poller and the repository API's rollback both sync: one at a time, so that
+        # neither replaces a version folder the other has just renamed into place
+        self._lock = threading.Lock()
 
     def location(self, name: str) -> str:
         """The model's URI in the bucket (what the rollback writes)."""
@@ -41,6 +45,10 @@ class BucketMirror:
 
     def sync(self, only: str | None = None) -> bool:
         """Mirror every model of the bucket (or ONLY); False when the store failed."""
+        with self._lock:
+            return self._sync(only)
+
+    def _sync(self, only: str | None) -> bool:
         try:
             by_model: dict[str, list[str]] = {}
             for key in self.store.list(f"{only}/" if only else ""):

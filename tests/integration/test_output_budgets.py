@@ -7,6 +7,7 @@ loopback."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -129,7 +130,10 @@ def test_answers_being_made_are_bounded_over_all_requests(repo):
     3.9 GiB together. With max_output_bytes_in_flight one and a half requests' worth, the
     requests that arrive while one waits for its batch get 503 with Retry-After naming
     the setting, the one waiting is answered, and once the answers are built the budget
-    is whole again."""
+    is whole again. The six start together, each connected already (a barrier), so the
+    others arrive while the first holds the budget however slow the machine is (each
+    opening its own connection as it went, on a loaded CI machine all six once came one
+    after another, all answered)."""
     with LiveServer(repo=repo, max_queue_delay_ms=400) as live, \
             httpx.Client(base_url=live.url, timeout=60) as http:
         spec = live.app.state.registry.get("words").spec
@@ -137,9 +141,15 @@ def test_answers_being_made_are_bounded_over_all_requests(repo):
         size = 2 * 64 * spec.output_size * 4
         live.app.state.dataplane.outputs.limit = size * 3 // 2
         request = {"model": "words", "inputs": tokens}
+        together = threading.Barrier(6)
+
+        def post(_: int) -> httpx.Response:
+            with httpx.Client(base_url=live.url, timeout=60) as client:
+                client.get("/v2/health/live")  # connected before the barrier
+                together.wait()
+                return client.post("/predict", json=request)
         with ThreadPoolExecutor(6) as pool:
-            answers = list(pool.map(lambda _: httpx.post(live.url + "/predict", json=request,
-                                                         timeout=60), range(6)))
+            answers = list(pool.map(post, range(6)))
         statuses = sorted(a.status_code for a in answers)
         assert 200 in statuses and 503 in statuses and set(statuses) <= {200, 503}, statuses
         for refused in (a for a in answers if a.status_code == 503):

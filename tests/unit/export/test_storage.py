@@ -55,3 +55,11 @@ def test_a_key_that_could_leave_the_store_is_refused(key):
     with pytest.raises(ValueError, match="must be relative"):
         check_key(key)
 
+
+
+def test_only_plain_file_names_under_a_number_are_a_versions_files():
+    from orthornn.export.artifacts import remote
+
+    keys = ["1/manifest.json", "1/model.onnx", "1/..", "1/.", "1/sub/x", "2/.claim",
+            "promotion.json", "x1/manifest.json", "rejected/a/gate.json"]
+    assert remote.numbered(keys) == {1: {"manifest.json", "model.onnx"}, 2: {".claim"}}
