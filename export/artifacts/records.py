@@ -16,6 +16,8 @@ through here, so the rule lives once.
   reader (who takes no lock) sees the old file or the new one, never a partial or empty
   one, also after a crash of the writer or of the node.
 - ``update_json(model_dir, name, change)``: both, the read done under the lock.
+- ``building(folder)``: the hidden temporary folder a tree is built in before its one
+  rename into place (publishing, kept candidates, a bucket's mirror).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -133,3 +136,16 @@ def update_json(model_dir: str | Path, name: str, change: Callable[[Path], Any])
         data = change(path)
         replace_json(path, data)
     return data
+
+
+@contextlib.contextmanager
+def building(folder: Path) -> Iterator[Path]:
+    """A hidden temporary folder in FOLDER for a tree that appears by one rename into
+    place (a version, a kept candidate, a mirrored version); removed unless renamed."""
+    tmp = folder / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -21,8 +21,7 @@ import random
 import shutil
 import tempfile
 import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +60,8 @@ def _next(store: Store) -> int:
 
 def upload(store: Store, prefix: str, folder: Path, last: str | None = None) -> None:
     """Every file of FOLDER under PREFIX/, LAST (a file name) after all the others."""
-    names = sorted(p.name for p in folder.iterdir() if p.is_file())
-    for name in sorted(names, key=lambda n: n == last):
+    for name in sorted((p.name for p in folder.iterdir() if p.is_file()),
+                       key=lambda n: (n == last, n)):
         data = (folder / name).read_bytes()
         if name == last:
             store.write_if_absent(f"{prefix}/{name}", data)
@@ -89,15 +88,15 @@ def publish(store: Store, build: Callable[[Path, int], None]) -> int:
     raise OSError(f"could not claim a version number in {store.uri}")
 
 
-def read_record(store: Store, key: str) -> tuple[Any, str | None]:
-    """(the record's JSON, its ETag), or (None, None) when there is none; ValueError
-    naming the object when it is not JSON."""
+def read_record(store: Store, key: str) -> Any:
+    """The record's JSON, or None when there is none; ValueError naming the object when it
+    is not JSON."""
     try:
         blob = store.read(key)
     except FileNotFoundError:
-        return None, None
+        return None
     try:
-        return json.loads(blob.data), blob.etag
+        return json.loads(blob.data)
     except ValueError as error:
         raise ValueError(f"{store.uri}/{key} cannot be read: {error}") from None
 
@@ -140,7 +139,7 @@ def mirror(store: Store, into: Path, whole: Callable[[int], bool] = lambda v: Tr
         wanted = sorted(f for f in files if f != CLAIM) if whole(v) else [MANIFEST]
         if target.is_dir() and all((target / f).is_file() for f in wanted):
             continue
-        with _building(into) as tmp:
+        with records.building(into) as tmp:
             for name in wanted:
                 (tmp / name).write_bytes(store.read(f"{v}/{name}").data)
             shutil.rmtree(target, ignore_errors=True)
@@ -164,14 +163,3 @@ def mirror(store: Store, into: Path, whole: Callable[[int], bool] = lambda v: Tr
         records.atomic_write(into / name, lambda tmp: tmp.write_bytes(data))  # noqa: B023
         etags[name] = blob.etag
     return into
-
-
-@contextlib.contextmanager
-def _building(folder: Path) -> Iterator[Path]:
-    tmp = folder / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        yield tmp
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)

@@ -102,9 +102,7 @@ def publish(repo: str | Path, name: str, build: Callable[[Path, int], None]) -> 
         return join(location, str(remote.publish(open_store(location), build)))
     model_dir = location
     model_dir.mkdir(parents=True, exist_ok=True)
-    tmp = model_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with records.building(model_dir) as tmp:
         version = next_version(model_dir)
         build(tmp, version)
         for _ in range(100):
@@ -122,9 +120,6 @@ def publish(repo: str | Path, name: str, build: Callable[[Path, int], None]) -> 
                                  lambda tmp: tmp.write_text(marker))  # noqa: B023 (called now)
             return target
         raise OSError(f"could not claim a version number in {str(model_dir)!r}")
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # -- promotion: which version of a model is live ----------------------------------------
@@ -151,7 +146,7 @@ ACTIONS = ("publish", "promote", "rollback")
 def read_promotion(model_dir: str | Path) -> dict:
     """{"version": int | None, "history": [...]} of model_dir (version None: none)."""
     if is_object_uri(str(model_dir)):
-        data, _ = remote.read_record(open_store(str(model_dir)), PROMOTION)
+        data = remote.read_record(open_store(str(model_dir)), PROMOTION)
         return promotion_of(data, join(str(model_dir), PROMOTION))
     path = Path(model_dir) / PROMOTION
     try:
@@ -259,17 +254,12 @@ def keep_rejected(repo: str | Path, name: str, build: Callable[[Path, int], None
         return join(location, REJECTED, kept)
     folder = location / REJECTED
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with records.building(folder) as tmp:
         build(tmp, 0)
         (tmp / "gate.json").write_text(json.dumps(record, indent=2) + "\n")
         target = folder / kept
         os.rename(tmp, target)
         return target
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def rejected(model_dir: str | Path) -> list[Path]:
