@@ -134,6 +134,10 @@ class Metrics:
             "orthornn_capture_dropped", "sampled records capture did not write, by reason: "
             "disk_full, read_only, error; torn: a killed writer's last line, cut "
             "at the restart", "reason", r)
+        self.capture_uploads = Counter(
+            "orthornn_capture_uploads", "closed capture segments uploaded to the bucket "
+            "(--capture s3://...), by outcome: uploaded, or failed (kept in the spool and "
+            "tried again a second later)", ["outcome"], registry=r)
         self.labels_received = Counter(
             "orthornn_labels_received", "labels accepted by POST /v2/models/{name}/labels",
             ["model"], registry=r)

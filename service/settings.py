@@ -163,6 +163,18 @@ class Settings(BaseSettings):
         None, pattern=r"^[A-Za-z0-9._-]{1,128}$",
         description="this replica's name in capture segment names (default: the host name, "
                     "a pod's name on Kubernetes)")
+    capture_spool: Path | None = Field(
+        None, description="with --capture s3://BUCKET/PREFIX: the folder segments are written "
+                          "to and uploaded from as they close (give it a volume that outlives "
+                          "the container, an emptyDir in a pod, so that a restarted replica "
+                          "uploads what its predecessor left; unset: "
+                          "orthornn-capture-<hash of the URI> in the temporary folder)")
+    capture_segment_age_s: float = Field(
+        60.0, gt=0, le=3600,
+        description="with --capture s3://...: the longest a segment stays open before it "
+                    "closes and is uploaded (at most this much of the captures, and one "
+                    "upload, is lost with a node's local disk)")
+    capture_uri: str | None = Field(None, description="set from --capture s3://...")
     drift: bool = Field(
         True, description="test the answered sequences of each version, in windows, against "
                           "the drift reference its package recorded at export "
@@ -287,15 +299,19 @@ class Settings(BaseSettings):
 
     @model_validator(mode="before")
     @classmethod
-    def _bucket(cls, data: Any) -> Any:
-        """--repo s3://...: the bucket is repository_uri, the folder served its cache."""
-        repo = data.get("repo") if isinstance(data, dict) else None
-        if not (isinstance(repo, str) and is_object_uri(repo)):
-            return data
-        uri = check_location(repo, "repo").rstrip("/")
-        cache = data.get("repository_cache") or Path(tempfile.gettempdir()) / (
-            "orthornn-repository-" + hashlib.sha256(uri.encode()).hexdigest()[:16])
-        return {**data, "repo": str(cache), "repository_uri": uri}
+    def _buckets(cls, data: Any) -> Any:
+        """--repo s3://...: the bucket is repository_uri, the folder served its cache;
+        --capture s3://...: the bucket is capture_uri, the folder written its spool."""
+        for field, cache, kind in (("repo", "repository_cache", "repository"),
+                                   ("capture", "capture_spool", "capture")):
+            value = data.get(field) if isinstance(data, dict) else None
+            if not (isinstance(value, str) and is_object_uri(value)):
+                continue
+            uri = check_location(value, field).rstrip("/")
+            folder = data.get(cache) or Path(tempfile.gettempdir()) / (
+                f"orthornn-{kind}-" + hashlib.sha256(uri.encode()).hexdigest()[:16])
+            data = {**data, field: str(folder), f"{kind}_uri": uri}
+        return data
 
     @field_validator("repo", "capture", mode="before")
     @classmethod

@@ -9,7 +9,9 @@ serve` processes of this checkout:
   opset each time) until the first answer from it, at the default poll interval (2 s);
 - throughput: POST /predict at --concurrency from this script's asyncio client against a
   folder server and a bucket server polling every second, alternated for --rounds rounds;
-  the ratio is of the medians.
+  the ratio is of the medians;
+- capture's upload: POST /predict with every request captured to a folder, and to the
+  bucket with a segment closed and uploaded every second, alternated likewise.
 
 --repo DIR serves the models of that repository (for instance the quickstart's
 `.quickstart/models`: its two models), for the start-to-ready rows only; by default a
@@ -151,6 +153,7 @@ def measure(args: argparse.Namespace, folder: Path, uri: str, models: list[str],
     body = json.dumps({"model": models[0], "inputs": [[[0.1] * 9] * 32]}).encode()
     results["swap_delay_s"] = swaps(args, uri, run, body, env, work)
     results["throughput"] = throughput(args, folder, uri, body, env, work)
+    results["capture_throughput"] = capture_throughput(args, folder, uri, body, env, work)
     return results
 
 
@@ -183,14 +186,39 @@ def swaps(args: argparse.Namespace, uri: str, run: Path, body: bytes,
 
 def throughput(args: argparse.Namespace, folder: Path, uri: str, body: bytes,
                env: dict[str, str], work: Path) -> dict:
-    _, on_folder = ready_s(str(folder), [], env)
-    _, on_bucket = ready_s(uri, ["--repository-cache", str(work / "load-cache"),
-                                 "--poll-interval-s", "1"], env)
+    """/predict against the folder and against the bucket polled every second."""
+    return compare(args, body, {
+        "folder": ready_s(str(folder), [], env)[1],
+        "bucket, polled every 1 s": ready_s(uri, [
+            "--repository-cache", str(work / "load-cache"), "--poll-interval-s", "1"],
+            env)[1]})
+
+
+def capture_throughput(args: argparse.Namespace, folder: Path, uri: str, body: bytes,
+                       env: dict[str, str], work: Path) -> dict:
+    """/predict capturing every request to a folder, and to the bucket with a segment
+    closed and uploaded every second (the default is every 60 s at most: this is the
+    upload's cost sixty times over)."""
+    from orthornn.export.artifacts.storage import open_store
+
+    captures = uri.rsplit("/", 1)[0] + "/captures"
+    rows = compare(args, body, {
+        "capture to a folder": ready_s(str(folder), [
+            "--capture", str(work / "capture")], env)[1],
+        "capture to the bucket, a segment a second": ready_s(str(folder), [
+            "--capture", captures, "--capture-spool", str(work / "spool"),
+            "--capture-segment-age-s", "1"], env)[1]})
+    return {**rows, "segments_uploaded": len(open_store(captures).list())}
+
+
+def compare(args: argparse.Namespace, body: bytes, servers: dict[str, Server]) -> dict:
+    """--rounds rounds of POST /predict on each of SERVERS, alternated; each one's median
+    rate and its ratio to the first's."""
     requests = [request("POST", "/predict", body)]
-    rates: dict[str, list[float]] = {"folder": [], "bucket, polled every 1 s": []}
+    rates: dict[str, list[float]] = {kind: [] for kind in servers}
     try:
         for k in range(args.rounds):
-            pair = [("folder", on_folder), ("bucket, polled every 1 s", on_bucket)]
+            pair = list(servers.items())
             for kind, server in (pair if k % 2 == 0 else pair[::-1]):
                 seconds, latencies, errors = asyncio.run(load(
                     server.port, requests, args.concurrency, args.round_s, 10**9))
@@ -200,11 +228,11 @@ def throughput(args: argparse.Namespace, folder: Path, uri: str, body: bytes,
             print(f"round {k + 1}/{args.rounds}: " + ", ".join(
                 f"{kind} {v[-1]:.0f} req/s" for kind, v in rates.items()), flush=True)
     finally:
-        on_folder.stop()
-        on_bucket.stop()
-    folder_rate = statistics.median(rates["folder"])
+        for server in servers.values():
+            server.stop()
+    base = statistics.median(next(iter(rates.values())))
     return {kind: {"req_s": round(statistics.median(v), 1),
-                   "ratio": round(statistics.median(v) / folder_rate, 3)}
+                   "ratio": round(statistics.median(v) / base, 3)}
             for kind, v in rates.items()}
 
 
@@ -220,6 +248,13 @@ def table(results: dict) -> None:
               f"{swap['max']:.2f} s | |")
     for kind, row in results.get("throughput", {}).items():
         print(f"| /predict throughput, {kind} | {row['req_s']:.0f} req/s | {row['ratio']} |")
+    capture = dict(results.get("capture_throughput", {}))
+    uploaded = capture.pop("segments_uploaded", None)
+    for kind, row in capture.items():
+        print(f"| /predict throughput, {kind} | {row['req_s']:.0f} req/s | {row['ratio']} "
+              f"(to capture to a folder) |")
+    if uploaded is not None:
+        print(f"| capture segments uploaded meanwhile | {uploaded} | |")
 
 
 if __name__ == "__main__":

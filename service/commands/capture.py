@@ -29,7 +29,8 @@ def add_capture_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                     "text corpus --task lm --corpus reads (a line per sequence: its input "
                     "tokens, then its labelled next tokens, as words of the vocabulary of "
                     "the version that answered; needs --repo), the provenance in FILE.json.")
-    data.add_argument("--capture", metavar="DIR", required=True, help="the capture folder")
+    data.add_argument("--capture", metavar="DIR", required=True,
+                      help="the capture folder, or its bucket (s3://BUCKET/PREFIX)")
     data.add_argument("--name", required=True, help="the model's name")
     data.add_argument("--since", metavar="DATE",
                       help="only records from this UTC date or time on (YYYY-MM-DD or "
@@ -54,11 +55,13 @@ def add_capture_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
 
 
 def run_dataset(args: argparse.Namespace) -> int:
+    from orthornn.export.artifacts.loop.captures import local_captures
     from orthornn.export.artifacts.loop.dataset import holdout_path, write_dataset
     from orthornn.export.artifacts.storage import folder_only
 
     share = number("--holdout-share", args.holdout_share)
-    summary = write_dataset(Path(args.capture), args.name, Path(args.out),
+    capture = local_captures(args.capture, args.name, show=not args.no_progress)
+    summary = write_dataset(capture, args.name, Path(args.out),
                             None if args.holdout is None else Path(args.holdout),
                             since=args.since, window_days=number("--window", args.window),
                             holdout_share=share,

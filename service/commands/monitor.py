@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from orthornn.export.artifacts.loop.captures import (
     first_labels,
+    local_captures,
     parse_since,
     read_records,
 )
@@ -46,7 +47,8 @@ def add_monitor_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
                     "recorded at export; once labels arrive, each version's labelled "
                     "error rate and river's ADWIN over it. Prints a table; exit 1 with "
                     "--exit-code when the newest window drifts or the error rate rose.")
-    parser.add_argument("--capture", metavar="DIR", help="the capture folder (required)")
+    parser.add_argument("--capture", metavar="DIR",
+                        help="the capture folder, or its bucket (s3://BUCKET/PREFIX; required)")
     parser.add_argument("--name", help="the model's name (required)")
     parser.add_argument("--repo", help="the model repository, where the versions' references "
                                        "and graphs are (default: $ORTHORNN_REPO)")
@@ -116,9 +118,7 @@ def run_monitor(args: argparse.Namespace) -> int:
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
     name = check_name(args.name)
-    capture = Path(args.capture)
-    if not capture.is_dir():
-        raise ValueError(f"--capture: {str(capture)!r} is not a folder")
+    capture = local_captures(args.capture, name, show=sys.stderr.isatty())
     repo_value = args.repo or os.environ.get("ORTHORNN_REPO")
     if not repo_value:
         raise ValueError("--repo: required (or ORTHORNN_REPO): the versions' references and "

@@ -16,8 +16,8 @@ if TYPE_CHECKING:  # imported when a command runs (the serve extra may be missin
 ENV_ONLY = {"admin_token": "ORTHORNN_ADMIN_TOKEN",
             "labels_token": "ORTHORNN_LABELS_TOKEN",
             "session_store_password": "ORTHORNN_SESSION_STORE_PASSWORD"}
-#: settings with no flag and no variable of their own: derived from another (--repo)
-DERIVED = {"repository_uri"}
+#: settings with no flag and no variable of their own: derived from another (--repo, --capture)
+DERIVED = {"repository_uri", "capture_uri"}
 
 
 def _flag_type(annotation: Any) -> Any:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from orthornn.export.artifacts.loop.captures import local_captures
 from orthornn.export.artifacts.loop.trigger import DriftCheck, decide
 from orthornn.export.artifacts.repository import (
     add_model_flags,
@@ -42,7 +43,8 @@ def add_trigger_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
                     "exit 2 on bad input. With no version published yet it fires (reason "
                     "first: train on the original data). Prints one line saying why.")
     parser.add_argument("--capture", required=True, metavar="DIR",
-                        help="the capture folder (orthornn serve --capture DIR)")
+                        help="the capture folder (orthornn serve --capture DIR), or its "
+                             "bucket (s3://BUCKET/PREFIX)")
     add_model_flags(parser)
     parser.add_argument("--min-labels", default=str(DEFAULT_MIN_LABELS), metavar="N",
                         help=f"fire when at least N labels arrived since the promoted version "
@@ -84,7 +86,7 @@ def run_trigger(args: argparse.Namespace) -> int:
     model_dir = Path(args.repo) / check_name(args.name)  # absent: no version yet
     min_labels = int(number("--min-labels", args.min_labels, 1, 1e9, integer=True))
     cooldown = number("--cooldown", args.cooldown, 0, MAX_COOLDOWN_HOURS)
-    capture = Path(args.capture)
+    capture = local_captures(args.capture, args.name)  # a bucket's: copied once, for both
     decision = decide(capture, model_dir, min_labels=min_labels, cooldown_hours=cooldown,
                       drift=args.drift,
                       drift_check=monitor_check(capture, Path(args.repo), args.name))

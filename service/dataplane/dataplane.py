@@ -23,9 +23,10 @@ from ..errors import (
     ServiceError,
     StateConflict,
 )
-from ..loop.capture import Capture, keep_answer
+from ..loop.capture import Capture
 from ..loop.drift import Drift
 from ..loop.labels import LabelStore
+from ..loop.records import keep_answer
 from ..metrics import UNKNOWN, Metrics
 from ..registry.registry import ModelVersion, Registry
 from ..registry.runtime import Chunk
@@ -94,7 +95,8 @@ class DataPlane:
         # captures, written beside them as the replica capture claimed
         self.capture = capture
         self.outputs = OutputsInFlight(settings.max_output_bytes_in_flight)
-        self.label_store = None if settings.capture is None or capture is None else \
+        self.label_store = None if settings.capture is None or capture is None \
+            or settings.capture_uri is not None else \
             LabelStore(settings.capture, settings.repo, capture.replica, metrics)
 
     def _tag(self, route: str) -> request.Scope | None:
@@ -148,6 +150,9 @@ class DataPlane:
     async def label(self, name: str, body: bytes) -> dict:
         """POST /v2/models/{name}/labels: the body's labels of captured requests, all or
         none (``service.loop.labels``); 409 when capture is off (nothing to label)."""
+        if self.label_store is None and self.settings.capture_uri is not None:
+            raise Conflict("labels: capture is on a bucket (--capture s3://...), where labels "
+                           "are not taken yet; capture to a folder to take labels")
         if self.label_store is None:
             raise Conflict("labels: capture is off; labels are taken for captured requests "
                            "only (orthornn serve --capture DIR)")

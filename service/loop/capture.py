@@ -39,11 +39,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from orthornn.export.artifacts.loop.captures import (
     OPEN,
+    UPLOADED,
     replica_name,
 )
 
@@ -52,19 +53,23 @@ from ..metrics import Metrics
 from ..registry.spec import ModelSpec
 from .disk import KEEP_SIZE, REASONS, RESERVE, day_start, fallocate, until_next_check
 from .ids import request_id
-from .records import Captured, batch_line, request_line
+from .records import Captured, batch_line
+
+if TYPE_CHECKING:
+    from .upload import Uploader
+
 
 log = logging.getLogger("orthornn.service")
 
+
 _DUMP = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
-
-
 
 
 @dataclass
 class _Segment:
     path: Path  # the open file (… .jsonl.open)
     fd: int
+    opened: float  # when (the capture's clock)
     size: int = 0  # bytes written (the file's length)
     reserved: int = 0  # bytes whose disk blocks are reserved (fallocate, past the length)
 
@@ -73,9 +78,9 @@ class Capture:
     def __init__(self, root: Path, share: float, metrics: Metrics | None = None, *,
                  replica: str | None = None,
                  segment_bytes: int = 64 << 20, retention_days: int = 30,
-                 clock: Callable[[], float] = time.time):
+                 max_age_s: float | None = None, clock: Callable[[], float] = time.time):
         self.root, self.share, self.metrics = Path(root), share, metrics
-        self.segment_bytes = segment_bytes
+        self.segment_bytes, self.max_age_s = segment_bytes, max_age_s
         self.retention_days, self.clock = retention_days, clock
         self._closed = False
         self._day, self._day_ends = "", 0.0  # the day being written (UTC), when it ends
@@ -96,7 +101,7 @@ class Capture:
             self._expire()
         except OSError as error:  # a read-only or broken folder: serve, drop and count
             self.replica, self._lock_fd = name, -1
-            self._warn(f"capture: {self.root} cannot be prepared ({error}); its records "
+            self.warn(f"capture: {self.root} cannot be prepared ({error}); its records "
                        f"are dropped until a write succeeds")
         # old days deleted a minute past each midnight, off the request path (a day's
         # folders can take a while to delete), whether or not anything is written
@@ -104,6 +109,7 @@ class Capture:
         self._retention = threading.Thread(target=self._expire_daily,
                                            name="capture-retention", daemon=True)
         self._retention.start()
+        self.uploader: Uploader | None = None  # on a bucket: open_capture sets it
 
     # -- a request's part: tagged on the event loop, decided and written with its batch ------
 
@@ -117,7 +123,7 @@ class Capture:
             failed = self._failed.get((model, version))
             if failed is not None:
                 if now < failed[0]:
-                    self._dropped(failed[1], count)
+                    self.dropped(failed[1], count)
                     return False
                 self._failed.pop((model, version), None)
         return True
@@ -168,8 +174,8 @@ class Capture:
             try:
                 line = batch_line(now, model, version, spec, graph, timed, captured)
             except (TypeError, ValueError) as error:  # outputs this cannot write
-                self._warn(f"capture: a batch of {model} version {version} dropped: {error}")
-                self._dropped("error", len(captured))
+                self.warn(f"capture: a batch of {model} version {version} dropped: {error}")
+                self.dropped("error", len(captured))
                 return
             self.write(model, version, line, now, len(captured))
         return record
@@ -184,8 +190,8 @@ class Capture:
         try:
             line = orjson.dumps(record, option=_DUMP)
         except (TypeError, ValueError) as error:  # a record orjson cannot write
-            self._warn(f"capture: a record of {model} version {version} dropped: {error}")
-            self._dropped("error")
+            self.warn(f"capture: a record of {model} version {version} dropped: {error}")
+            self.dropped("error")
             return
         self.write(model, version, line, now)
 
@@ -197,7 +203,7 @@ class Capture:
         raises."""
         with self._lock:
             if self._closed:  # the server's end: its batches finish before (http.app)
-                self._dropped("error", count)
+                self.dropped("error", count)
                 return
             self._write(model, version, line, now, count)
 
@@ -219,8 +225,8 @@ class Capture:
                 with contextlib.suppress(OSError):
                     os.ftruncate(segment.fd, segment.size)
             reason = REASONS.get(error.errno or 0, "error")
-            self._warn(f"capture: a record of {model} version {version} dropped: {error}")
-            self._dropped(reason, count)
+            self.warn(f"capture: a record of {model} version {version} dropped: {error}")
+            self.dropped(reason, count)
             self._failed[key] = (now + 1.0, reason)  # tried again in a second
             return
         segment.size = end
@@ -260,12 +266,13 @@ class Capture:
         """A new open segment for KEY in the day's folder, numbered after this replica's."""
         folder = self.root / key[0] / str(key[1]) / self._day
         folder.mkdir(parents=True, exist_ok=True)
-        mine = re.compile(re.escape(self.replica) + r"-(\d+)\.jsonl(?:\.open)?")
+        mine = re.compile(re.escape(self.replica) +
+                          rf"-(\d+)\.jsonl(?:{re.escape(OPEN)}|{re.escape(UPLOADED)})?")
         n = 1 + max((int(m.group(1)) for p in folder.iterdir()
                      if (m := mine.fullmatch(p.name))), default=0)
         path = folder / f"{self.replica}-{n}.jsonl{OPEN}"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
-        segment = self._segments[key] = _Segment(path, fd)
+        segment = self._segments[key] = _Segment(path, fd, self.clock())
         return segment
 
     def _close(self, key: tuple[str, int]) -> None:
@@ -280,7 +287,17 @@ class Capture:
             os.close(segment.fd)
             segment.path.rename(segment.path.with_name(segment.path.name[:-len(OPEN)]))
 
-    def _warn(self, message: str) -> None:
+    def rotate(self) -> None:
+        """Close the segments open for max_age_s or longer (capture on object storage:
+        a closed segment is uploaded; see ``upload``)."""
+        if self.max_age_s is None:
+            return
+        cutoff = self.clock() - self.max_age_s
+        with self._lock:
+            for key in [k for k, s in self._segments.items() if s.opened <= cutoff]:
+                self._close(key)
+
+    def warn(self, message: str) -> None:
         """Log a failed write: the first, then at most one a minute (a full disk fails
         every write; the counts are in orthornn_capture_dropped_total)."""
         now = time.monotonic()
@@ -288,7 +305,7 @@ class Capture:
             self._warned = now
             log.warning("%s (the next such warning in a minute at the soonest)", message)
 
-    def _dropped(self, reason: str, count: int = 1) -> None:
+    def dropped(self, reason: str, count: int = 1) -> None:
         if self.metrics is not None:
             self.metrics.capture_dropped.inc(reason, count)
 
@@ -320,7 +337,7 @@ class Capture:
                 data = f.read()
                 keep = data.rfind(b"\n") + 1
                 if keep < len(data):
-                    self._dropped("torn")
+                    self.dropped("torn")
                 f.truncate(keep)  # also frees the blocks reserved past the end
             path.rename(path.with_name(path.name[:-len(OPEN)]))
 
@@ -338,54 +355,39 @@ class Capture:
             try:
                 self._expire()
             except OSError as error:  # the folder unreadable: tried again the next day
-                self._warn(f"capture: old days under {self.root} not deleted ({error})")
+                self.warn(f"capture: old days under {self.root} not deleted ({error})")
 
     def close(self) -> None:
-        """Close every segment (the server's end)."""
+        """Close every segment (the server's end); on a bucket, upload them."""
         self._stopped.set()
         with self._lock:
             self._closed = True
             for key in list(self._segments):
                 self._close(key)
+        if self.uploader is not None:
+            self.uploader.close()
+        with self._lock:
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
 
 
 def open_capture(settings: Any, metrics: Metrics | None) -> Capture | None:
-    """The server's capture (``orthornn serve --capture``), or None when it is off."""
+    """The server's capture (``orthornn serve --capture``), or None when it is off; on a
+    bucket (``capture_uri``), written to the spool folder and uploaded (``upload``)."""
     if settings.capture is None:
         return None
-    return Capture(settings.capture, settings.capture_sample, metrics,
-                   replica=settings.capture_replica,
-                   retention_days=settings.capture_retention_days)
+    capture = Capture(settings.capture, settings.capture_sample, metrics,
+                      replica=settings.capture_replica,
+                      retention_days=settings.capture_retention_days,
+                      max_age_s=None if settings.capture_uri is None
+                      else settings.capture_segment_age_s)
+    if settings.capture_uri is not None:
+        from orthornn.export.artifacts.storage import open_store
 
+        from .upload import Uploader
 
-
-
-
-def keep_answer(capture: Capture | None, route: str, model: str, version: int,
-                inputs: list, outputs: Any, session: str | None = None,
-                position: int | None = None) -> None:
-    """The record of one answered request, when capture is on and it is in the sample: the
-    inputs as the model saw them (arrays, token ids), the outputs the client gets, the
-    session's id and position after a chunk, the compute time (the request's scope).
-    Nothing is encoded for a request not sampled, nor while the disk refuses."""
-    if capture is None:
-        return
-    scope = request.current()
-    rid = capture.decide(scope)
-    if rid is None:  # not in the sample
-        return
-    now = capture.clock()
-    if not capture.admits(model, version, now):
-        scope.id = None  # dropped: its answer carries no id
-        return
-    try:
-        line = request_line(rid, now, route, model, version, inputs, outputs, session, position,
-                     scope.compute_s)
-    except (TypeError, ValueError) as error:  # outputs orjson cannot write
-        capture._warn(f"capture: a record of {model} version {version} dropped: {error}")
-        capture._dropped("error")
-        return
-    capture.write(model, version, line, now)
+        capture.uploader = Uploader(capture, open_store(settings.capture_uri, "capture"),
+                                    metrics)
+        capture.uploader.start()
+    return capture

@@ -106,3 +106,31 @@ def _array_json(a: np.ndarray) -> bytes:
     return b"".join((dtype, b',"shape":', orjson.dumps(a.shape), b',"b64":"',
                      pybase64.b64encode(a),  # type: ignore[arg-type]  # SIMD: 18 KB in 3 µs
                      b'"}'))
+
+
+def keep_answer(capture: Any, route: str, model: str, version: int,
+                inputs: list, outputs: Any, session: str | None = None,
+                position: int | None = None) -> None:
+    """(CAPTURE: the server's ``capture.Capture``, or None: off; untyped here, a layer
+    below it.) The record of one answered request, when capture is on and it is in the sample: the
+    inputs as the model saw them (arrays, token ids), the outputs the client gets, the
+    session's id and position after a chunk, the compute time (the request's scope).
+    Nothing is encoded for a request not sampled, nor while the disk refuses."""
+    if capture is None:
+        return
+    scope = request.current()
+    rid = capture.decide(scope)
+    if rid is None:  # not in the sample
+        return
+    now = capture.clock()
+    if not capture.admits(model, version, now):
+        scope.id = None  # dropped: its answer carries no id
+        return
+    try:
+        line = request_line(rid, now, route, model, version, inputs, outputs, session,
+                            position, scope.compute_s)
+    except (TypeError, ValueError) as error:  # outputs orjson cannot write
+        capture.warn(f"capture: a record of {model} version {version} dropped: {error}")
+        capture.dropped("error")
+        return
+    capture.write(model, version, line, now)

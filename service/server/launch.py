@@ -182,11 +182,13 @@ def tune_collector() -> None:
 def serve(settings: Settings) -> int:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if settings.repository_uri is not None:  # a bucket: mirrored into its cache folder
-        from orthornn.export.artifacts.storage import open_store
+    from orthornn.export.artifacts.storage import open_store
 
+    if settings.repository_uri is not None:  # a bucket: mirrored into its cache folder
         open_store(settings.repository_uri, "repo").check()  # one line at start
         settings.repo.mkdir(parents=True, exist_ok=True)
+    if settings.capture_uri is not None:  # a bucket: written to its spool, uploaded
+        open_store(settings.capture_uri, "capture").check()
     if not settings.repo.is_dir():
         raise ValueError(f"repo {str(settings.repo)!r} is not a directory")
     refusal = settings.repository_api_exposure()

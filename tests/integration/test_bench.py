@@ -113,6 +113,10 @@ def test_object_storage_benchmark_runs(tmp_path):
     assert result["swap_delay_s"]["median"] > 0
     assert set(result["throughput"]) == {"folder", "bucket, polled every 1 s"}
     assert all(row["req_s"] > 0 for row in result["throughput"].values())
+    capture = result["capture_throughput"]
+    assert capture["segments_uploaded"] >= 1  # the bucket's capture did upload
+    assert capture["capture to a folder"]["ratio"] == 1.0
+    assert capture["capture to the bucket, a segment a second"]["req_s"] > 0
 
 
 def test_streaming_benchmark_runs(tmp_path):

@@ -139,14 +139,17 @@ def test_the_gate_judges_against_the_promoted_version_in_the_bucket(s3_env, run_
     repo = f"{s3_env.location()}/repo"
     first = orthornn("export", run_dir, "--repo", repo, "--name", "m", "--no-progress")
     assert first.returncode == 0, first.stderr
-    passed = orthornn("export", run_dir, "--repo", repo, "--name", "m", "--mode", "factored",
-                      "--gate", "--min-metric", "10", "--no-progress")  # the same weights as 1
+    # the same weights and graph as 1 (another opset: a package of its own): the same MSE
+    # to the bit (the factored graph's differs in its last bits under some CPUs' kernels,
+    # and --tolerance 0 refused it on an AMD EPYC)
+    passed = orthornn("export", run_dir, "--repo", repo, "--name", "m", "--opset", "19",
+                      "--gate", "--min-metric", "10", "--no-progress")
     assert passed.returncode == 0, passed.stderr
     location = repository.model_location(repo, "m")
     with repository.local_model(location) as local:
         gate = verify_package(local / "2").evaluation["gate"]
     assert gate["passed"] and gate["against"] == 1
-    refused = orthornn("export", run_dir, "--repo", repo, "--name", "m", "--opset", "19",
+    refused = orthornn("export", run_dir, "--repo", repo, "--name", "m", "--mode", "factored",
                        "--gate", "--min-metric", "1e-9", "--no-progress")  # MSE <= 1e-9
     assert refused.returncode == 3, refused.stderr
     kept = [k for k in open_store(location).list("rejected/") if k.endswith("/gate.json")]
@@ -283,3 +286,83 @@ def test_the_service_follows_the_bucket_and_keeps_serving_while_it_is_down(run_d
         finally:
             replica.stop()
         assert "cannot be read" in replica.output()  # logged once, the cause named
+
+
+# -- captures on a bucket -----------------------------------------------------------------
+
+def _bucket_records(store) -> list[str]:
+    """The ids of every record in the bucket's segments (the layout's keys only)."""
+    from orthornn.export.artifacts.loop.captures import line_records
+
+    ids = []
+    for key in store.list("adder/"):
+        if key.split("/")[1].isdigit():
+            for line in store.read(key).data.splitlines():
+                ids.extend(r["id"] for r in line_records(line) or [])
+    return sorted(ids)
+
+
+def test_captures_go_to_the_bucket_and_the_commands_read_them_there(s3_env, run_dir,
+                                                                    tmp_path):
+    """``orthornn serve --capture s3://...``: segments close at their age and are uploaded,
+    leaving only markers in the spool; a replica killed with its segment open leaves it to
+    the next start on the same spool, which uploads it; SIGTERM uploads the last; every
+    answered request's record is in the bucket once. retrain-trigger and monitor read the
+    bucket as they read a folder holding the same objects."""
+    repo, spool = tmp_path / "repo", tmp_path / "spool"
+    assert orthornn("export", run_dir, "--repo", repo, "--name", "adder",
+                    "--no-progress").returncode == 0
+    uri = f"{s3_env.location()}/captures"
+    store = open_store(uri)
+    replica = Replica(repo, env=s3_env.env, args=[
+        "--capture", uri, "--capture-spool", str(spool), "--capture-segment-age-s", "1",
+        "--capture-replica", "r"])
+
+    def send(first: int, count: int) -> list[str]:
+        ids = [f"q{i}" for i in range(first, first + count)]
+        for rid in ids:
+            r = httpx.post(f"{replica.url}/predict", headers={"X-Request-Id": rid}, timeout=30,
+                           json={"model": "adder", "inputs": [[[0.25, 0.0]] * 5 + [[0.5, 1.0]]]})
+            assert r.status_code == 200 and r.headers["X-Request-Id"] == rid, r.text
+        return ids
+
+    replica.start()
+    try:
+        sent = send(0, 10)
+        _until(lambda: _bucket_records(store), sorted(sent), 30)  # closed at 1 s, uploaded
+        assert {p.name.endswith(".uploaded") for p in spool.rglob("*.jsonl*")} == {True}
+        assert all(p.stat().st_size == 0 for p in spool.rglob("*.uploaded"))
+        sent += send(10, 5)
+        replica.kill()  # at once: the segment is still open in the spool
+        assert list(spool.rglob("*.jsonl.open"))
+        replica.start()
+        _until(lambda: _bucket_records(store), sorted(sent), 30)  # its start uploaded it
+        sent += send(15, 3)
+    finally:
+        replica.stop()  # SIGTERM: the last segment closed and uploaded
+    assert _bucket_records(store) == sorted(sent)  # each once
+    assert not list(spool.rglob("*.jsonl")) and not list(spool.rglob("*.jsonl.open"))
+    text = replica.output()
+    assert "Traceback" not in text, text
+
+    # the loop's commands on the bucket and on a folder of the same objects, alike
+    day = next(k for k in store.list("adder/")).split("/")[2]
+    store.write(f"adder/labels/{day}/r-9.jsonl",
+                b"".join(json.dumps({"id": rid, "label": [0.5], "time": time.time(),
+                                     "source": "api"}).encode() + b"\n" for rid in sent[:4]))
+    folder = tmp_path / "copy"
+    for key in store.list():
+        (folder / key).parent.mkdir(parents=True, exist_ok=True)
+        (folder / key).write_bytes(store.read(key).data)
+    for command in (["retrain-trigger", "--repo", repo, "--name", "adder", "--min-labels", "3",
+                     "--cooldown", "0"],
+                    ["monitor", "--repo", repo, "--name", "adder"]):
+        on_bucket = orthornn(*command, "--capture", uri)
+        on_folder = orthornn(*command, "--capture", folder)
+        assert (on_bucket.returncode, on_bucket.stdout) == \
+            (on_folder.returncode, on_folder.stdout), (on_bucket.stderr, on_folder.stderr)
+        assert on_bucket.returncode in (0, 1) and "Traceback" not in on_bucket.stderr, \
+            on_bucket.stderr  # 2: refused
+    assert "4 labels" in orthornn("retrain-trigger", "--repo", repo, "--name", "adder",
+                                  "--min-labels", "3", "--cooldown", "0", "--capture",
+                                  uri).stdout

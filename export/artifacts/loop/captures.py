@@ -13,6 +13,7 @@ import datetime as dt
 import hashlib
 import re
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,16 @@ from ..repository import check_name
 from ..scoring import softmax
 
 OPEN = ".open"  # the suffix of the segment a replica is writing
+#: the empty file an uploaded segment leaves in a replica's spool (capture on a bucket):
+#: its number stays taken
+UPLOADED = ".uploaded"
 LABELS = "labels"  # DIR/<model>/labels/: beside the version folders
 
 #: a request's id (its X-Request-Id, the OIP request's ``id``, a label's ``id``): what an
 #: answer header, a JSON line and a log line hold as they are
 REQUEST_ID_RULE = "1 to 128 printable ASCII characters, no spaces"
 _PRINTABLE = bytes(range(0x21, 0x7F))
+_DAY = re.compile(r"\d{4}-\d{2}-\d{2}")  # a day folder's name (UTC)
 
 
 def fingerprint(record: dict[str, Any]) -> bytes:
@@ -115,6 +120,51 @@ def segments(root: Path, model: str, since: dt.datetime | None = None) -> list[P
                   if p.parent.parent.name.isdigit()
                   and (p.name.endswith(".jsonl") or p.name.endswith(".jsonl" + OPEN))
                   and (day is None or p.parent.name >= day))
+
+
+def local_captures(location: str | Path, model: str, show: bool = False) -> Path:
+    """The capture folder of LOCATION (``--capture``): a folder as it is; of a bucket
+    (``s3://...``), a local copy of MODEL's segments and labels, kept in the temporary
+    folder under a name of the URI's hash, where each object not yet there is downloaded
+    (a segment's object is written once and never changed: its name is enough) and a file
+    whose object is gone (the retention) removed. ValueError naming --capture when the
+    folder is missing or the bucket cannot be read."""
+    from ..records import atomic_write
+    from ..storage import check_location, is_object_uri, open_store
+
+    text = check_location(str(location), "--capture")
+    if not is_object_uri(text):
+        if not Path(text).is_dir():
+            raise ValueError(f"--capture: {text!r} is not a folder")
+        return Path(text)
+    uri = text.rstrip("/")
+    store = open_store(uri, "--capture")
+    store.check()
+    root = Path(tempfile.gettempdir()) / \
+        f"orthornn-captures-{hashlib.sha256(uri.encode()).hexdigest()[:16]}"
+    keys = {k for k in store.list(f"{check_name(model)}/") if _is_capture_key(k)}
+    mine = {p.relative_to(root).as_posix() for p in (root / model).glob("*/*/*.jsonl")}
+    missing = sorted(keys - mine)
+    bar = progress_bar(len(missing), f"{model}: from {uri}", "file", show)
+    for key in missing:
+        data = store.read(key).data
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(root / key, lambda tmp: tmp.write_bytes(data))  # noqa: B023
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
+    for gone in mine - keys:
+        (root / gone).unlink(missing_ok=True)
+    return root
+
+
+def _is_capture_key(key: str) -> bool:
+    """A segment's or a label file's key: MODEL/<version or labels>/<day>/<name>.jsonl."""
+    parts = key.split("/")
+    return len(parts) == 4 and (parts[1].isdigit() or parts[1] == LABELS) and \
+        _DAY.fullmatch(parts[2]) is not None and parts[3].endswith(".jsonl") and \
+        not parts[3].startswith(".")
 
 
 def replica_name(given: str | None, default: str) -> str:

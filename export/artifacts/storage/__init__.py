@@ -4,8 +4,8 @@ read, read-if-changed, write, write-if-absent, write-if-unchanged, list, delete.
 
 ``open_store(uri, setting)`` gives the backend for a location (``local.py``, a folder;
 ``s3.py``, obstore's S3 client, configured as the AWS tools are); ``check_location``
-refuses a URI of any other scheme with one line naming the setting. ``mirror.py`` copies
-a model of a store into a local folder laid out as a repository, so that everything that
+refuses a URI of any other scheme with one line naming the setting. ``remote.mirror``
+copies a model of a store into a local folder laid out as a repository, so that everything that
 reads a version's files (the package checks, onnxruntime) reads them from a disk.
 """
 

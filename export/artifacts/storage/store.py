@@ -130,6 +130,7 @@ def folder_only(location: str | Path, setting: str) -> Path:
     text = check_location(str(location), setting)
     if is_object_uri(text):
         raise ValueError(f"{setting}: {text} is a bucket; this command reads a local folder "
-                         f"(on object storage so far: orthornn export, versions and "
-                         f"rollback)")
+                         f"(on object storage so far: orthornn export, versions, rollback, "
+                         f"serve, and --capture of capture dataset, monitor and "
+                         f"retrain-trigger)")
     return Path(text)

@@ -23,9 +23,11 @@ from orthornn.export.artifacts.loop.captures import array, read_records
 from orthornn.service import request
 from orthornn.service.errors import ClientError
 from orthornn.service.loop import capture as capture_module
-from orthornn.service.loop.capture import Capture, keep_answer
+from orthornn.service.loop import records as records_module
+from orthornn.service.loop.capture import Capture
 from orthornn.service.loop.disk import fallocate
 from orthornn.service.loop.ids import given_id, request_id, sampled
+from orthornn.service.loop.records import keep_answer
 from orthornn.service.metrics import Metrics
 from orthornn.service.registry.runtime import Chunk
 
@@ -212,8 +214,8 @@ def test_a_full_disk_refuses_at_the_reservation_and_costs_no_encoding(tmp_path, 
         ctypes.set_errno(errno.ENOSPC)
         return -1
     c._reserve_space = full
-    real_line = capture_module.request_line
-    monkeypatch.setattr(capture_module, "request_line",
+    real_line = records_module.request_line
+    monkeypatch.setattr(records_module, "request_line",
                         lambda *a: lines.append(1) or real_line(*a))
     x = np.arange(6, dtype=np.float32).reshape(3, 2)
     with request.opened() as scope:
