@@ -5,13 +5,16 @@ in ``addresses``, and nothing else of the service is imported."""
 
 from __future__ import annotations
 
-import hashlib
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 from urllib.parse import quote
 
-from orthornn.export.artifacts.storage import check_location, folder_only, is_object_uri
+from orthornn.export.artifacts.storage import (
+    check_location,
+    folder_only,
+    is_object_uri,
+    local_folder,
+)
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -308,8 +311,7 @@ class Settings(BaseSettings):
             if not (isinstance(value, str) and is_object_uri(value)):
                 continue
             uri = check_location(value, field).rstrip("/")
-            folder = data.get(cache) or Path(tempfile.gettempdir()) / (
-                f"orthornn-{kind}-" + hashlib.sha256(uri.encode()).hexdigest()[:16])
+            folder = data.get(cache) or local_folder(uri, kind)
             data = {**data, field: str(folder), f"{kind}_uri": uri}
         return data
 

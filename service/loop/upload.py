@@ -37,15 +37,25 @@ class Uploader:
         self.interval_s = interval_s
         self._stopped = threading.Event()
         self._next_expiry = 0.0  # when the bucket's old days are deleted next (clock time)
+        self._backlog = True  # every day folder listed until one round sent all it found
         self._thread = threading.Thread(target=self._run, name="capture-upload", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def closed_segments(self) -> list[Path]:
-        """The spool's closed, not yet uploaded segments, oldest day first."""
+        """The spool's closed, not yet uploaded segments, oldest day first: of every day
+        until one round sent them all (what a predecessor left), then of the capture's
+        day and the one before only (the spool keeps a marker for each segment sent within
+        the retention, tens of thousands at the default age: not listed every second)."""
         root = self.capture.root
-        return sorted((p for p in root.glob("*/*/*/*.jsonl") if p.parent.parent.name.isdigit()),
+        if self._backlog:
+            days = ["*"]
+        else:
+            now = dt.datetime.fromtimestamp(self.capture.clock(), dt.UTC)
+            days = [(now - dt.timedelta(days=k)).strftime("%Y-%m-%d") for k in (1, 0)]
+        return sorted((p for day in days for p in root.glob(f"*/*/{day}/*.jsonl")
+                       if p.parent.parent.name.isdigit()),
                       key=lambda p: (p.parent.name, p.as_posix()))
 
     def upload_closed(self) -> int:
@@ -59,11 +69,12 @@ class Uploader:
                 continue
             except Exception as error:  # obstore's and the disk's errors alike: kept
                 self._count("failed")
-                self.capture.warn(f"capture: {path.name} not uploaded to {self.store.uri} yet "
-                           f"({error}); tried again in {self.interval_s:g} s")
-                break
+                self.capture.warn(f"capture: {path.name} not uploaded to {self.store.uri} "
+                                  f"yet ({error}); tried again in {self.interval_s:g} s")
+                return sent
             self._count("uploaded")
             sent += 1
+        self._backlog = False
         return sent
 
     def _upload(self, path: Path) -> None:

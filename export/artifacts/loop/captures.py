@@ -13,7 +13,6 @@ import datetime as dt
 import hashlib
 import re
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -130,7 +129,7 @@ def local_captures(location: str | Path, model: str, show: bool = False) -> Path
     whose object is gone (the retention) removed. ValueError naming --capture when the
     folder is missing or the bucket cannot be read."""
     from ..records import atomic_write
-    from ..storage import check_location, is_object_uri, open_store
+    from ..storage import check_location, is_object_uri, local_folder, open_store
 
     text = check_location(str(location), "--capture")
     if not is_object_uri(text):
@@ -140,8 +139,7 @@ def local_captures(location: str | Path, model: str, show: bool = False) -> Path
     uri = text.rstrip("/")
     store = open_store(uri, "--capture")
     store.check()
-    root = Path(tempfile.gettempdir()) / \
-        f"orthornn-captures-{hashlib.sha256(uri.encode()).hexdigest()[:16]}"
+    root = local_folder(uri, "captures")
     keys = {k for k in store.list(f"{check_name(model)}/") if _is_capture_key(k)}
     mine = {p.relative_to(root).as_posix() for p in (root / model).glob("*/*/*.jsonl")}
     missing = sorted(keys - mine)

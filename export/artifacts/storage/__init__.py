@@ -11,7 +11,16 @@ reads a version's files (the package checks, onnxruntime) reads them from a disk
 
 from .local import Local
 from .s3 import S3
-from .store import Blob, Changed, Exists, Store, check_location, folder_only, is_object_uri
+from .store import (
+    Blob,
+    Changed,
+    Exists,
+    Store,
+    check_location,
+    folder_only,
+    is_object_uri,
+    local_folder,
+)
 
 __all__ = [
     "S3",
@@ -23,6 +32,7 @@ __all__ = [
     "check_location",
     "folder_only",
     "is_object_uri",
+    "local_folder",
     "open_store",
 ]
 

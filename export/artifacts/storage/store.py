@@ -7,7 +7,9 @@ prefix). An ETag is opaque: what ``read`` returned is what ``write_if_unchanged`
 
 from __future__ import annotations
 
+import hashlib
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -122,6 +124,14 @@ def check_key(key: str) -> str:
 def join(location: str, *parts: str) -> str:
     """LOCATION/PART/..., a URI kept a URI (never through pathlib, which folds "//")."""
     return "/".join([location.rstrip("/"), *parts])
+
+
+def local_folder(uri: str, kind: str) -> Path:
+    """Where a bucket's local copy (a repository's mirror, a capture's spool or copy)
+    lives by default: orthornn-KIND-<its URI's hash> in the temporary folder, one per
+    bucket and use, the same at every start."""
+    digest = hashlib.sha256(uri.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"orthornn-{kind}-{digest}"
 
 
 def folder_only(location: str | Path, setting: str) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -148,10 +149,8 @@ def test_the_buckets_days_past_the_retention_are_deleted(setup):
 def test_the_commands_copy_of_a_bucket_follows_it(tmp_path, monkeypatch):
     """local_captures on a URI: the objects copied, a new one fetched, a deleted one gone,
     keys outside the layout (a '..' day, a hidden name) never written."""
-    import orthornn.export.artifacts.loop.captures as captures
-
     bucket = Local(tmp_path / "bucket")
-    monkeypatch.setattr(captures.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     import orthornn.export.artifacts.storage as storage
     monkeypatch.setattr(storage, "open_store", lambda uri, setting: bucket)
     line = b'{"id":"a","model":"m","version":1,"inputs":[],"outputs":[]}\n'
@@ -168,3 +167,27 @@ def test_the_commands_copy_of_a_bucket_follows_it(tmp_path, monkeypatch):
         [f"m/1/{DAY}/r-2.jsonl"]
     with pytest.raises(ValueError, match="--capture"):
         local_captures(tmp_path / "none", "m")
+
+
+def test_old_days_are_listed_until_a_round_sends_everything_then_only_the_last_two(setup,
+                                                                                   monkeypatch):
+    """What a predecessor left in a past day's folder is sent, even when the first round
+    fails; once a round sent all, only the capture's day and the one before are listed."""
+    capture, uploader, bucket, _, _ = setup
+    left = capture.root / "m" / "1" / "2026-09-01" / "old-1.jsonl"
+    left.parent.mkdir(parents=True)
+    left.write_bytes(b'{"id":"left"}\n')
+
+    def refuse(key: str, data: bytes) -> str:
+        raise OSError("the store is down")
+    monkeypatch.setattr(bucket, "write_if_absent", refuse)
+    assert uploader.upload_closed() == 0
+    monkeypatch.undo()
+    assert uploader.closed_segments() == [left]  # still listed after the failed round
+    assert uploader.upload_closed() == 1 and bucket.list() == ["m/1/2026-09-01/old-1.jsonl"]
+    late = capture.root / "m" / "1" / "2026-09-01" / "old-2.jsonl"
+    late.write_bytes(b'{"id":"late"}\n')
+    yesterday = capture.root / "m" / "1" / "2026-09-20" / "y-1.jsonl"
+    yesterday.parent.mkdir(parents=True)
+    yesterday.write_bytes(b'{"id":"y"}\n')
+    assert uploader.closed_segments() == [yesterday]
