@@ -109,8 +109,8 @@ class OutputsFull(ServiceError):
 
 
 class StoreUnavailable(ServiceError):
-    """The session store (a shared Redis) did not answer in time or failed: come back in a
-    second (503)."""
+    """A store (the session store's shared Redis, the capture bucket) did not answer in
+    time or failed: come back in a second (503)."""
 
     status = 503
     headers = {"Retry-After": "1"}  # noqa: RUF012 (read only)

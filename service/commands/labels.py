@@ -31,7 +31,8 @@ def add_labels_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                           "index or name, text (a language model's next words) or JSON (a "
                           "list)")
     imp.add_argument("--capture", metavar="DIR", required=True,
-                     help="the capture folder (orthornn serve --capture DIR)")
+                     help="the capture folder or bucket (orthornn serve --capture DIR or "
+                          "s3://BUCKET/PREFIX: the labels become one object there)")
     imp.add_argument("--name", required=True, help="the model's name")
     imp.add_argument("--repo", metavar="REPO", required=True,
                      help="the model repository (the manifest of the version that answered "
@@ -110,7 +111,7 @@ def run_import(args: argparse.Namespace) -> int:
     items, numbers = read_label_file(path)
     if not items:
         raise ValueError(f"FILE: {str(path)!r} holds no labels")
-    store = LabelStore(Path(args.capture), folder_only(args.repo, "--repo"), source="import")
+    store = LabelStore(args.capture, folder_only(args.repo, "--repo"), source="import")
     try:
         count = store.add(args.name, items, limit=None)
     except LabelError as error:

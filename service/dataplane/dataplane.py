@@ -95,9 +95,12 @@ class DataPlane:
         # captures, written beside them as the replica capture claimed
         self.capture = capture
         self.outputs = OutputsInFlight(settings.max_output_bytes_in_flight)
-        self.label_store = None if settings.capture is None or capture is None \
-            or settings.capture_uri is not None else \
-            LabelStore(settings.capture, settings.repo, capture.replica, metrics)
+        # (on a bucket: labels are objects there, the index reads its copy and the spool)
+        self.label_store = None if settings.capture is None or capture is None else \
+            LabelStore(settings.capture, settings.repo, capture.replica, metrics) \
+            if settings.capture_uri is None else \
+            LabelStore(settings.capture_uri, settings.repo, capture.replica, metrics,
+                       spool=settings.capture)
 
     def _tag(self, route: str) -> request.Scope | None:
         """Capture's tag of this request (None: capture off, or no sample to decide)."""
@@ -150,9 +153,6 @@ class DataPlane:
     async def label(self, name: str, body: bytes) -> dict:
         """POST /v2/models/{name}/labels: the body's labels of captured requests, all or
         none (``service.loop.labels``); 409 when capture is off (nothing to label)."""
-        if self.label_store is None and self.settings.capture_uri is not None:
-            raise Conflict("labels: capture is on a bucket (--capture s3://...), where labels "
-                           "are not taken yet; capture to a folder to take labels")
         if self.label_store is None:
             raise Conflict("labels: capture is off; labels are taken for captured requests "
                            "only (orthornn serve --capture DIR)")

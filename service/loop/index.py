@@ -1,7 +1,9 @@
 """The index of one model's captured and labelled ids (docs/capture.md, "Labels"), read
 incrementally from the segment and label files of every replica, so that a label request
 does not rescan the captures: where each id's record starts, the ids captured more than
-once (a retry, or a squat: ``ambiguous``), and the ids already labelled."""
+once (a retry, or a squat: ``ambiguous``), and the ids already labelled. On a bucket it
+reads two folders: the local copy of the bucket's objects and this replica's spool, where a
+segment lives until its upload (the same key in both: read once)."""
 
 from __future__ import annotations
 
@@ -50,16 +52,21 @@ class _Segment:
     ids: list[str] = field(default_factory=list)  # the ids it gave the index
     evicted: bool = False
     done: bool = False  # closed and read to its end
+    missing: int = 0  # refreshes in a row that found it in no folder
 
 
 class CaptureIndex:
     """One model's captured ids (id -> where its record starts) and labelled ids, kept up
     to date by reading only the bytes appended since the last ``refresh``: the segments of
     every replica on the volume and every replica's label files. Memory: the ids (at most
-    ``max_ids``; then the oldest day's segments are forgotten, ids and labels alike)."""
+    ``max_ids``; then the oldest day's segments are forgotten, ids and labels alike).
+    ROOTS: the capture folder, or on a bucket its local copy and the spool."""
 
-    def __init__(self, root: Path, model: str, max_ids: int = MAX_INDEXED_IDS):
-        self.root, self.model, self.max_ids = Path(root), model, max_ids
+    def __init__(self, roots: Path | tuple[Path, ...], model: str,
+                 max_ids: int = MAX_INDEXED_IDS):
+        self.roots = tuple(Path(r) for r in roots) if isinstance(roots, tuple) \
+            else (Path(roots),)
+        self.model, self.max_ids = model, max_ids
         self._segments: dict[str, _Segment] = {}
         self._by_number: list[_Segment] = []
         self._ids: dict[str, int] = {}  # id -> segment number << 40 | offset
@@ -74,27 +81,38 @@ class CaptureIndex:
         return len(self._ids)
 
     def refresh(self) -> None:
-        folder = self.root / self.model
-        if not folder.is_dir():
+        if not any((root / self.model).is_dir() for root in self.roots):
             return
         listed = set()
-        for path in segments(self.root, self.model):
-            key = segment_name(path, self.root)
-            listed.add(key)
-            segment = self._segments.get(key)
-            if segment is None:
-                segment = _Segment(key, len(self._by_number), path.parent.name)
-                self._segments[key] = segment
-                self._by_number.append(segment)
-            if not segment.done:
-                self._tail(segment)
-                # closed by rename, never written again: read to its end once, then skipped
-                segment.done = not path.name.endswith(OPEN)
-        for key, segment in self._segments.items():  # deleted (retention): ids forgotten
-            if key not in listed and not segment.evicted and not any(
-                    Path(f"{self.root / key}{end}").exists() for end in ("", OPEN)):
+        for root in self.roots:
+            for path in segments(root, self.model):
+                key = segment_name(path, root)
+                if key in listed:  # uploaded, and still in the spool
+                    continue
+                listed.add(key)
+                segment = self._segments.get(key)
+                if segment is None:
+                    segment = _Segment(key, len(self._by_number), path.parent.name)
+                    self._segments[key] = segment
+                    self._by_number.append(segment)
+                segment.missing = 0
+                if not segment.done:
+                    self._tail(segment)
+                    # closed by rename, never written again: read to its end once
+                    segment.done = not path.name.endswith(OPEN)
+        # deleted (retention): ids forgotten when the segment is in no folder; on a bucket
+        # only at the second refresh in a row, as the first may fall between its upload's
+        # unlink from the spool and the copy's next sync from the bucket
+        strikes = 2 if len(self.roots) > 1 else 1
+        for segment in self._segments.values():
+            if segment.key in listed or segment.evicted or any(
+                    Path(f"{root / segment.key}{end}").exists()
+                    for root in self.roots for end in ("", OPEN)):
+                continue
+            segment.missing += 1
+            if segment.missing >= strikes:
                 self._forget(segment)
-        for path in label_files(self.root, self.model):
+        for path in (p for root in self.roots for p in label_files(root, self.model)):
             offset = self._label_offsets.get(path, 0)
             data = _read_from(path, offset)
             end = data.rfind(b"\n") + 1
@@ -110,9 +128,8 @@ class CaptureIndex:
         size = _READ
         while True:
             try:
-                data = _read_from(self.root / segment.key, segment.offset, size, alt=OPEN)
-            except FileNotFoundError:  # gone (retention): its ids go with it
-                self._forget(segment)
+                data = self._read(segment, segment.offset, size)
+            except FileNotFoundError:  # gone since the listing: ``refresh`` tells
                 return
             end = data.rfind(b"\n") + 1
             if not end:
@@ -177,7 +194,7 @@ class CaptureIndex:
         try:
             data, size = b"", 1 << 16
             while b"\n" not in data:
-                more = _read_from(self.root / segment.key, offset + len(data), size, alt=OPEN)
+                more = self._read(segment, offset + len(data), size)
                 if not more:
                     return None
                 data += more
@@ -186,6 +203,16 @@ class CaptureIndex:
         except FileNotFoundError:
             return None
         return next((r for r in found if r.get("id") == rid), None)  # a batch's: its own
+
+    def _read(self, segment: _Segment, offset: int, size: int) -> bytes:
+        """SIZE bytes of SEGMENT from OFFSET, from whichever folder holds it, closed or
+        open (closed by rename, or uploaded, between the listing and the read)."""
+        for root in self.roots:
+            try:
+                return _read_from(root / segment.key, offset, size, alt=OPEN)
+            except FileNotFoundError:
+                continue
+        raise FileNotFoundError(segment.key)
 
 
 def _read_from(path: Path, offset: int, size: int = -1, alt: str | None = None) -> bytes:

@@ -7,7 +7,10 @@ dataset`` and the retraining trigger read is ``export.artifacts.loop.captures``.
 
 A batch of labels is all or nothing: every label is checked before one ``write`` appends
 them all, under an flock of the replica's file (a torn line a crash left is skipped by
-every reader and fenced off by the next write)."""
+every reader and fenced off by the next write). On a bucket (``--capture s3://...``) a
+batch is one new object (``<replica>-<ns>.jsonl``: no append on object storage), and the
+index reads a local copy of the bucket's objects, synced by listing at most once a second,
+beside this replica's spool."""
 
 from __future__ import annotations
 
@@ -28,14 +31,17 @@ from orthornn.export.artifacts.loop.captures import (
     LABELS,
     REQUEST_ID_RULE,
     is_request_id,
+    mirror_captures,
     replica_name,
 )
 from orthornn.export.artifacts.manifest import Manifest
 from orthornn.export.artifacts.package import read_manifest
+from orthornn.export.artifacts.records import atomic_write
 from orthornn.export.artifacts.repository import check_name
+from orthornn.export.artifacts.storage import Exists, is_object_uri, local_folder, open_store
 from orthornn.export.artifacts.vocabulary import UNK, words
 
-from ..errors import ClientError, NotFound
+from ..errors import ClientError, NotFound, StoreUnavailable
 from .index import MAX_INDEXED_IDS, CaptureIndex
 
 if TYPE_CHECKING:  # (the store runs without prometheus_client too: orthornn labels import)
@@ -44,6 +50,7 @@ if TYPE_CHECKING:  # (the store runs without prometheus_client too: orthornn lab
 MAX_LABELS = 10_000  # labels in one request (or one import batch)
 MAX_TOKENS = 4_096  # next tokens in one language-model label (per sequence)
 _MANIFESTS = 64  # manifests kept (versions are immutable: never re-read)
+_SYNC_S = 1.0  # on a bucket: the index's copy listed at most this often
 
 
 class LabelError(ClientError):
@@ -165,14 +172,21 @@ def today(now: float) -> str:
 
 
 class LabelStore:
-    """Labels of the captures under ROOT, checked against the packages of the model
+    """Labels of the captures under ROOT (a folder, or ``s3://BUCKET/PREFIX`` with SPOOL,
+    this replica's spool, if it serves), checked against the packages of the model
     repository REPO, written as REPLICA (capture's claimed name: no two replicas share a
     file); SOURCE: "api" or "import". Thread-safe: one batch at a time per process."""
 
-    def __init__(self, root: Path, repo: Path, replica: str | None = None,
+    def __init__(self, root: Path | str, repo: Path, replica: str | None = None,
                  metrics: Metrics | None = None, *, source: str = "api",
-                 max_ids: int = MAX_INDEXED_IDS, clock: Callable[[], float] = time.time):
-        self.root, self.repo, self.metrics = Path(root), Path(repo), metrics
+                 spool: Path | None = None, max_ids: int = MAX_INDEXED_IDS,
+                 clock: Callable[[], float] = time.time):
+        self.bucket = open_store(str(root).rstrip("/"), "--capture") \
+            if is_object_uri(str(root)) else None
+        self.root = local_folder(self.bucket.uri, "captures") if self.bucket else Path(root)
+        self.roots = (self.root,) if spool is None else (self.root, Path(spool))
+        self._synced: dict[str, float] = {}  # model -> when its copy was last listed
+        self.repo, self.metrics = Path(repo), metrics
         self.replica, self.source, self.max_ids, self.clock = \
             replica_name(replica, f"import-{socket.gethostname()}-{os.getpid()}"), source, \
             max_ids, clock
@@ -183,9 +197,21 @@ class LabelStore:
     def index(self, model: str) -> CaptureIndex:
         found = self._indexes.get(model)
         if found is None:
-            found = self._indexes[model] = CaptureIndex(self.root, model, self.max_ids)
+            found = self._indexes[model] = CaptureIndex(self.roots, model, self.max_ids)
+        now = time.monotonic()
+        if self.bucket is not None and now - self._synced.get(model, -_SYNC_S) >= _SYNC_S:
+            try:
+                mirror_captures(self.bucket, self.root, model)
+            except Exception as error:  # obstore's and the disk's errors alike
+                raise self._unavailable(error) from None
+            self._synced[model] = now
         found.refresh()
         return found
+
+    def _unavailable(self, error: Exception) -> StoreUnavailable:
+        return StoreUnavailable(f"the capture bucket {self.bucket.uri if self.bucket else ''}"
+                                f" could not be used ({str(error)[:200]}); no label was "
+                                f"stored: send them again")
 
     def _version(self, model: str, version: int) -> _Version:
         key = (model, version)
@@ -283,7 +309,21 @@ class LabelStore:
     def _append(self, model: str, data: bytes, now: float) -> None:
         """DATA (whole lines) at the end of this replica's file of the day, one write under
         an flock; a torn last line a crash left is closed by a newline first, so that it
-        stays one bad line that readers skip."""
+        stays one bad line that readers skip. On a bucket: one new object, then the same
+        bytes in the index's copy."""
+        if self.bucket is not None:
+            key = f"{model}/{LABELS}/{today(now)}/{self.replica}-{time.time_ns()}.jsonl"
+            try:
+                try:
+                    self.bucket.write_if_absent(key, data)
+                except Exists:  # the same nanosecond on a clock that went back: once more
+                    key = key.replace(".jsonl", f"-{os.getpid()}{threading.get_ident()}.jsonl")
+                    self.bucket.write_if_absent(key, data)
+            except Exception as error:
+                raise self._unavailable(error) from None
+            (self.root / key).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.root / key, lambda tmp: tmp.write_bytes(data))
+            return
         folder = self.root / model / LABELS / today(now)
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(folder / f"{self.replica}-1.jsonl",

@@ -302,6 +302,80 @@ def _bucket_records(store) -> list[str]:
     return sorted(ids)
 
 
+LABELS_TOKEN = "labels-token-of-the-bucket-test"
+
+
+def test_labels_on_a_bucket_are_objects_there_that_every_replica_follows(s3_env, tmp_path):
+    """``--capture s3://...``: a batch of labels is one object in the bucket; the replica
+    that answered takes a label for a request still in its spool or already uploaded;
+    another replica, with its own spool, finds the first one's captures and labels by
+    listing: it takes a label for what the first captured, never a second one."""
+    from orthornn.training.config import TrainConfig
+    from orthornn.training.trainer import train
+
+    run, repo = tmp_path / "digits", tmp_path / "repo"
+    train(TrainConfig(arch="svdrnn", task="digits", hidden_size=8, steps=2, batch_size=8,
+                      log_every=2, out=str(run)), progress=False)
+    assert orthornn("export", run, "--repo", repo, "--name", "digits",
+                    "--no-progress").returncode == 0
+    uri = f"{s3_env.location()}/labelled"
+    store = open_store(uri)
+    env = {**s3_env.env, "ORTHORNN_LABELS_TOKEN": LABELS_TOKEN}
+
+    def replica(name: str, age: str) -> Replica:
+        return Replica(repo, env=env, args=[
+            "--capture", uri, "--capture-spool", str(tmp_path / f"spool-{name}"),
+            "--capture-segment-age-s", age, "--capture-replica", name])
+
+    def send(to: Replica, *ids: str) -> None:
+        for rid in ids:
+            r = httpx.post(f"{to.url}/predict", headers={"X-Request-Id": rid}, timeout=30,
+                           json={"model": "digits", "inputs": [[[0.5]] * 64]})
+            assert r.status_code == 200, r.text
+
+    def label(to: Replica, *ids: str) -> tuple[int, str]:
+        r = httpx.post(f"{to.url}/v2/models/digits/labels", timeout=30,
+                       headers={"Authorization": f"Bearer {LABELS_TOKEN}"},
+                       json=[{"id": rid, "label": 3} for rid in ids])
+        assert r.status_code in (200, 409, 422), r.text
+        return r.status_code, r.text
+
+    def labels_in_bucket() -> list[str]:
+        return sorted(line["id"] for key in store.list("digits/labels/")
+                      for line in map(json.loads, store.read(key).data.splitlines()))
+
+    first, second = replica("a", "1"), replica("b", "60")
+    with first, second:
+        send(first, "up0", "up1")
+        _until(lambda: sorted(k.rsplit("/", 1)[-1] for k in store.list("digits/1/"))[:1],
+               ["a-1.jsonl"], 30)  # closed at 1 s and uploaded
+        send(first, "spooled")  # in a's spool only, for a second
+        assert label(first, "up0", "spooled")[0] == 200
+        assert len(store.list("digits/labels/")) == 1  # one object a batch
+        assert label(first, "up0")[0] == 409  # a label is given once
+        _until(lambda: any(k.endswith("a-2.jsonl") for k in store.list("digits/1/")), True,
+               30)
+        # the other replica: a's captures and labels by listing the bucket
+        assert label(second, "up1")[0] == 200
+        status, text = label(second, "spooled")
+        assert status == 409 and "already labelled" in text, text
+        assert label(second, "never-sent")[0] == 422
+        assert label(first, "up1")[0] == 409  # b's label, seen by a through the bucket
+        send(first, "bulk")
+        _until(lambda: any(k.endswith("a-3.jsonl") for k in store.list("digits/1/")), True,
+               30)
+    # in bulk, from the command line, into the bucket as well
+    (tmp_path / "bulk.csv").write_text("id,label\nbulk,5\n")
+    imported = orthornn("labels", "import", tmp_path / "bulk.csv", "--capture", uri,
+                        "--repo", repo, "--name", "digits")
+    assert imported.returncode == 0, imported.stderr
+    again = orthornn("labels", "import", tmp_path / "bulk.csv", "--capture", uri,
+                     "--repo", repo, "--name", "digits")
+    assert again.returncode == 2 and "already labelled" in again.stderr, again.stderr
+    assert labels_in_bucket() == ["bulk", "spooled", "up0", "up1"]
+    assert "Traceback" not in first.output() + second.output()
+
+
 def test_captures_go_to_the_bucket_and_the_commands_read_them_there(s3_env, run_dir,
                                                                     tmp_path):
     """``orthornn serve --capture s3://...``: segments close at their age and are uploaded,

@@ -128,7 +128,6 @@ def local_captures(location: str | Path, model: str, show: bool = False) -> Path
     (a segment's object is written once and never changed: its name is enough) and a file
     whose object is gone (the retention) removed. ValueError naming --capture when the
     folder is missing or the bucket cannot be read."""
-    from ..records import atomic_write
     from ..storage import check_location, is_object_uri, local_folder, open_store
 
     text = check_location(str(location), "--capture")
@@ -140,6 +139,17 @@ def local_captures(location: str | Path, model: str, show: bool = False) -> Path
     store = open_store(uri, "--capture")
     store.check()
     root = local_folder(uri, "captures")
+    mirror_captures(store, root, model, show)
+    return root
+
+
+def mirror_captures(store: Any, root: Path, model: str, show: bool = False) -> None:
+    """ROOT made a copy of MODEL's segments and labels in STORE (``local_captures``):
+    the objects not yet there downloaded, the files whose object is gone removed.
+    STORE's errors pass through."""
+    from ..records import atomic_write
+
+    uri = store.uri
     keys = {k for k in store.list(f"{check_name(model)}/") if _is_capture_key(k)}
     mine = {p.relative_to(root).as_posix() for p in (root / model).glob("*/*/*.jsonl")}
     missing = sorted(keys - mine)
@@ -154,7 +164,6 @@ def local_captures(location: str | Path, model: str, show: bool = False) -> Path
         bar.close()
     for gone in mine - keys:
         (root / gone).unlink(missing_ok=True)
-    return root
 
 
 def _is_capture_key(key: str) -> bool:

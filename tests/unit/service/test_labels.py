@@ -209,6 +209,34 @@ def test_the_index_reads_only_what_was_appended(tmp_path):
     assert len(index) == 4 and index.record("y1") is None and index.record("x1") is not None
 
 
+def test_on_a_bucket_the_index_reads_the_spool_and_the_copy_as_one(tmp_path):
+    """A segment moves from the spool to the bucket's local copy (uploaded, unlinked, then
+    mirrored): read once under its key, and its ids kept through the one refresh that
+    finds it in neither folder; forgotten at the second."""
+    copy, spool = tmp_path / "copy", tmp_path / "spool"
+    day = "m/1/2026-11-27"
+    (spool / day).mkdir(parents=True)
+    (copy / day).mkdir(parents=True)
+    (spool / day / "a-1.jsonl").write_bytes(segment_line("s1") + segment_line("s2"))
+    index = CaptureIndex((copy, spool), "m")
+    index.refresh()
+    assert len(index) == 2
+    (copy / day / "a-1.jsonl").write_bytes(segment_line("s1") + segment_line("s2"))
+    index.refresh()  # in both folders: one segment, its ids once
+    assert len(index) == 2 and index.record("s2")["id"] == "s2"
+    (spool / day / "a-1.jsonl").unlink()
+    (copy / day / "a-1.jsonl").unlink()
+    index.refresh()  # between the spool's unlink and the copy's sync
+    assert len(index) == 2 and index.record("s1") is None  # unreadable, yet not forgotten
+    (copy / day / "a-1.jsonl").write_bytes(segment_line("s1") + segment_line("s2"))
+    index.refresh()
+    assert index.record("s1")["id"] == "s1"  # read from the copy
+    (copy / day / "a-1.jsonl").unlink()
+    index.refresh()
+    index.refresh()  # gone from both, twice: forgotten
+    assert len(index) == 0
+
+
 def test_the_index_forgets_the_oldest_days_beyond_its_bound(tmp_path):
     for day, ids in (("2026-11-25", "ab"), ("2026-11-26", "cd"), ("2026-11-27", "ef")):
         folder = tmp_path / "m" / "1" / day
