@@ -60,9 +60,11 @@ LIVE_LM = ("retraining.enabled=true", *CAPTURE, "retraining.trigger.enabled=true
 BUCKET = ("modelRepository.uri=s3://models/repo",
           "modelRepository.endpoint=http://seaweedfs.storage:8333",
           "modelRepository.region=eu-west-1", "modelRepository.existingSecret=s3-keys")
+# capture and labels on a bucket too (docs/capture.md, "Capture on object storage")
+BUCKET_CAPTURE = (*BUCKET, *CAPTURE, "capture.uri=s3://captures/prod")
 VARIANTS = {"defaults": (), "full": tuple(FULL), "rollout": ROLLOUT, "capture": CAPTURE,
             "distributed": DISTRIBUTED, "nccl": GPU, "live": LIVE, "live-lm": LIVE_LM,
-            "bucket": BUCKET}
+            "bucket": BUCKET, "bucket-capture": BUCKET_CAPTURE}
 # Each way of keeping server-side sessions (values "sessions.*"), and the Ingress with
 # session affinity: every combination is linted and validated like the defaults.
 SESSIONS = {
@@ -314,7 +316,7 @@ def _kubernetes_validate(variants: dict, tmp_path) -> None:
         # ServiceMonitor is a CRD (prometheus-operator): no Kubernetes schema to check it by.
         docs = [d for d in render(*sets) if d["kind"] != "ServiceMonitor"]
         # ConfigMap, Deployment, ... (test_default_render); on a bucket no claim
-        assert len(docs) >= (7 if name == "bucket" else 8), name
+        assert len(docs) >= (7 if name.startswith("bucket") else 8), name  # no PVC
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump_all(docs))
         files.append(str(path))
@@ -504,6 +506,30 @@ def test_serving_pods_on_a_bucket_mirror_it_into_an_empty_dir_and_claim_no_volum
     server = plain["containers"][0]
     assert not any("secretRef" in e for e in server["envFrom"])
     assert not any(e["name"].startswith("AWS_") for e in server["env"])
+
+
+def test_capture_on_a_bucket_spools_into_an_empty_dir_and_uploads_there():
+    docs = render(*BUCKET_CAPTURE)
+    assert "PersistentVolumeClaim" not in kinds(docs)
+    pod = _pods(docs)["Deployment"]
+    server = pod["containers"][0]
+    config = one(docs, "ConfigMap")["data"]
+    assert config["ORTHORNN_CAPTURE"] == "s3://captures/prod"
+    assert config["ORTHORNN_CAPTURE_SPOOL"] == "/captures"
+    mounts = {m["mountPath"]: m for m in server["volumeMounts"]}
+    assert mounts["/captures"]["name"] == "capture-spool" and "subPath" not in mounts["/captures"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["capture-spool"] == {"name": "capture-spool",
+                                        "emptyDir": {"sizeLimit": "1Gi"}}
+    assert "persistentVolumeClaim" not in volumes["models"]
+    # the service reads these settings: the bucket is capture_uri, the spool the folder
+    from orthornn.service.settings import Settings
+
+    settings = Settings(repo=str(ROOT), **{k.removeprefix("ORTHORNN_").lower(): v
+                                           for k, v in config.items()
+                                           if k.startswith("ORTHORNN_CAPTURE")})
+    assert settings.capture_uri == "s3://captures/prod"
+    assert settings.capture == settings.capture_spool == Path("/captures")
 
 
 def test_model_repository_claim_is_shared_with_retraining():
@@ -803,8 +829,14 @@ def test_network_policies_pass_kubernetes_validate(tmp_path):
     (["modelRepository.uri=gs://models/repo"], "modelRepository/uri"),
     (["modelRepository.uri=s3:/models/repo"], "modelRepository/uri"),
     (["modelRepository.endpoint=seaweedfs:8333"], "modelRepository/endpoint"),
-    ([*BUCKET, "retraining.enabled=true"], "retraining.enabled and capture.enabled still need"),
-    ([*BUCKET, *CAPTURE], "retraining.enabled and capture.enabled still need"),
+    ([*BUCKET, "retraining.enabled=true"], "retraining.enabled still needs the shared volume"),
+    ([*BUCKET, *CAPTURE], "capture.enabled with modelRepository.uri needs capture.uri"),
+    ([*CAPTURE, "capture.uri=s3://captures/prod"], "capture.uri needs modelRepository.uri"),
+    ([*BUCKET, *CAPTURE, "capture.uri=s3://models/repo/captures"], "or inside it"),
+    ([*BUCKET, *CAPTURE, "capture.uri=s3://models/repo/"], "or inside it"),
+    ([*BUCKET, *CAPTURE, "capture.uri=s3:/captures"], "capture/uri"),
+    ([*BUCKET, *CAPTURE, "capture.uri=s3://captures", "capture.spoolSizeLimit=lots"],
+     "capture/spoolSizeLimit"),
 ])
 def test_bad_values_fail_at_render_time(sets, message):
     result = template(*sets)

@@ -127,8 +127,18 @@ random one on a first install (so upgrades keep it); helm template needs one giv
 {{- if le (int .Values.terminationGracePeriodSeconds) (int $drain) }}
 {{- fail (printf "terminationGracePeriodSeconds (%d) must be greater than lifecycle.shutdownDelaySeconds + lifecycle.drainSeconds (%d)" (int .Values.terminationGracePeriodSeconds) (int $drain)) }}
 {{- end }}
-{{- if and .Values.modelRepository.uri (or .Values.retraining.enabled .Values.capture.enabled) }}
-{{- fail "modelRepository.uri serves from a bucket; retraining.enabled and capture.enabled still need the shared volume (persistence.enabled, modelRepository.uri empty)" }}
+{{- if and .Values.modelRepository.uri .Values.retraining.enabled }}
+{{- fail "modelRepository.uri serves from a bucket; retraining.enabled still needs the shared volume (persistence.enabled, modelRepository.uri empty)" }}
+{{- end }}
+{{- if and .Values.modelRepository.uri .Values.capture.enabled (not .Values.capture.uri) }}
+{{- fail "capture.enabled with modelRepository.uri needs capture.uri (s3://BUCKET/PREFIX, beside the repository, not inside it): there is no shared volume to capture to" }}
+{{- end }}
+{{- $repoPrefix := printf "%s/" (trimSuffix "/" .Values.modelRepository.uri) }}
+{{- if and .Values.capture.uri .Values.modelRepository.uri (or (eq (trimSuffix "/" .Values.capture.uri) (trimSuffix "/" .Values.modelRepository.uri)) (hasPrefix $repoPrefix .Values.capture.uri)) }}
+{{- fail (printf "capture.uri (%s) must not be modelRepository.uri or inside it (%s): the repository's listing would take the captures for models" .Values.capture.uri .Values.modelRepository.uri) }}
+{{- end }}
+{{- if and .Values.capture.uri (not .Values.modelRepository.uri) }}
+{{- fail "capture.uri needs modelRepository.uri (the bucket's endpoint, region and credentials are modelRepository's); without it, captures go to the shared volume" }}
 {{- end }}
 {{- if and .Values.retraining.enabled (not .Values.persistence.enabled) }}
 {{- fail "retraining.enabled needs persistence.enabled: the jobs publish into the shared model repository volume" }}
