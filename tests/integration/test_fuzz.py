@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FUZZ = ROOT / "tests" / "fuzz"
-RUNS = {"predict_json": 3000, "oip_json": 3000, "oip_binary": 3000, "sessions": 100,
+RUNS = {"predict_json": 3000, "oip_json": 3000, "oip_binary": 3000, "sessions": 40,
         "oip_fields": 2000, "trailers": 300}
 
 pytest.importorskip("atheris")

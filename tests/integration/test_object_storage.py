@@ -180,10 +180,18 @@ def test_a_claimed_version_without_its_manifest_is_no_version(s3_env, run_dir):
     ("s3://Bad_Bucket/repo", "the bucket must be 3-63 lower-case letters"),
     ("s3://models//repo", "the prefix has an empty"),
 ])
-def test_a_malformed_location_gets_one_line(run_dir, tmp_path, repo, message):
-    done = orthornn("export", run_dir, "--repo", repo, "--name", "m", cwd=tmp_path)
-    assert done.returncode == 2 and message in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == []  # nothing written
+def test_a_malformed_location_gets_one_line(run_dir, tmp_path, repo, message, capsys,
+                                            monkeypatch):
+    from orthornn.cli import main
+
+    monkeypatch.chdir(tmp_path)  # in-process: the command's code and exit status, no import
+    try:
+        code = main(["export", str(run_dir), "--repo", repo, "--name", "m"])
+    except SystemExit as exit:  # argparse's error
+        code = exit.code
+    stderr = capsys.readouterr().err
+    assert code == 2 and message in stderr, stderr
+    assert "Traceback" not in stderr and list(tmp_path.iterdir()) == []  # nothing written
 
 
 def test_a_missing_bucket_or_refused_keys_get_one_line_before_any_work(s3_env, run_dir,
