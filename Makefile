@@ -44,8 +44,8 @@ images: $(VENV)/.installed-serve
 # build, fuzz or render, run a benchmark briefly to check what it writes, not its numbers,
 # or serve paced clients while a loop, a rollout or a promotion runs, asserting what was
 # answered, not how fast; their bounds are minutes) run on two workers, the longest first
-# (tests/conftest.py, FIRST). Beside them, at the same time, the rest but ALONE, on two
-# workers a file each (the servers, sessions, Prometheus, browsers and images: they wait on each other more than
+# (tests/conftest.py, FIRST). Then the rest but ALONE, on two workers a file each (the
+# servers, sessions, Prometheus, browsers and images: they wait on each other more than
 # they compute; a file's fixtures, the Triton compilation among them, built once; what
 # they time are lower bounds, a hold or a deadline, which load only lengthens). ALONE,
 # last, in one process: what bounds a latency or a throughput from above, which a second

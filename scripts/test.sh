@@ -3,9 +3,9 @@
 # (the quickstart's trainings, the service tests' packages, then the images' build;
 # tests/background.py), so that they use the cores the installs and the lint leave idle;
 # then the dev extra and the tools, and the three phases of the Makefile: BESIDE on two
-# workers and, at the same time, the rest but ALONE on two workers a file each (the lint
-# and the docs niced beside those two; the phases adopt the jobs: ORTHORNN_BACKGROUND),
-# then ALONE in one process. The exit trap ends whatever is still running.
+# workers, the rest but ALONE on two workers a file each (the lint and the docs niced
+# beside those two; the phases adopt the jobs: ORTHORNN_BACKGROUND), ALONE in one
+# process. The exit trap ends whatever is still running.
 #
 #   bash scripts/test.sh VENV "BESIDE..." "ALONE..."
 set -euo pipefail
@@ -31,8 +31,7 @@ export ORTHORNN_BACKGROUND=$PWD/$jobs
 rm -rf "$jobs"
 mkdir -p "$jobs"
 lint=""
-second=""
-trap 'for pid in $lint $second; do kill "$pid" 2>/dev/null || true; done; "$py" -m tests.background stop "$jobs" || true' EXIT
+trap '[ -z "$lint" ] || kill "$lint" 2>/dev/null || true; "$py" -m tests.background stop "$jobs" || true' EXIT
 
 # the quickstart's trainings and the service tests' packages need only torch and the
 # train extra
@@ -50,24 +49,13 @@ step "images' build started"
 # on each other), and are waited for before the third phase, which runs alone
 nice -n 19 make --no-print-directory lint docs > build/lint.log 2>&1 &
 lint=$!
-# the second phase beside the first (its tests wait on servers more than they compute, and
-# what they time load only lengthens: the cycles they leave idle are the first phase's),
-# its output shown once it ended
+# shellcheck disable=SC2086  # BESIDE is a list of paths
+"$py" -m pytest -q -n 2 --dist worksteal $beside
+step "first phase done"
 # shellcheck disable=SC2046  # the --ignore flags are words
 "$py" -m pytest -q -n 2 --dist loadfile \
-    $(for path in $beside $alone; do printf -- '--ignore=%s ' "$path"; done) \
-    > build/second-phase.log 2>&1 &
-second=$!
-first_code=0
-# shellcheck disable=SC2086  # BESIDE is a list of paths
-"$py" -m pytest -q -n 2 --dist worksteal $beside || first_code=$?
-step "first phase done"
-second_code=0
-finish "$second" build/second-phase.log || second_code=$?
-second=""
+    $(for path in $beside $alone; do printf -- '--ignore=%s ' "$path"; done)
 step "second phase done"
-[ "$first_code" = 0 ] || exit "$first_code"
-[ "$second_code" = 0 ] || exit "$second_code"
 finish "$lint" build/lint.log
 step "lint and docs done"
 # shellcheck disable=SC2086  # ALONE is a list of paths

@@ -11,7 +11,11 @@ serve` processes of this checkout:
   folder server and a bucket server polling every second, alternated for --rounds rounds;
   the ratio is of the medians;
 - capture's upload: POST /predict with every request captured to a folder, and to the
-  bucket with a segment closed and uploaded every second, alternated likewise.
+  bucket with a segment closed and uploaded every second, alternated likewise;
+- a node lost with its disk: a server capturing every request to the bucket (segments
+  closed at --loss-segment-age-s) answers one client for --loss-s, is killed (SIGKILL) and
+  its spool deleted; the answered requests missing from the bucket, and how long before
+  the kill the oldest of them was answered.
 
 --repo DIR serves the models of that repository (for instance the quickstart's
 `.quickstart/models`: its two models), for the start-to-ready rows only; by default a
@@ -87,11 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--round-s", type=float, default=2.0)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--loss-segment-age-s", type=float, default=5.0)
+    parser.add_argument("--loss-s", type=float, default=12.0)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "object_storage.json"))
     args = parser.parse_args(argv)
     for name in ("starts", "swaps", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
+    if not (args.loss_segment_age_s > 0 and args.loss_s > 0):
+        parser.error("--loss-segment-age-s and --loss-s must be positive")
     work = Path(tempfile.mkdtemp(prefix="orthornn-bench-s3-"))
     try:
         if args.repo:
@@ -154,6 +162,7 @@ def measure(args: argparse.Namespace, folder: Path, uri: str, models: list[str],
     results["swap_delay_s"] = swaps(args, uri, run, body, env, work)
     results["throughput"] = throughput(args, folder, uri, body, env, work)
     results["capture_throughput"] = capture_throughput(args, folder, uri, body, env, work)
+    results["node_loss"] = node_loss(args, folder, uri, body, env, work)
     return results
 
 
@@ -211,6 +220,50 @@ def capture_throughput(args: argparse.Namespace, folder: Path, uri: str, body: b
     return {**rows, "segments_uploaded": len(open_store(captures).list())}
 
 
+def node_loss(args: argparse.Namespace, folder: Path, uri: str, body: bytes,
+              env: dict[str, str], work: Path) -> dict:
+    """What a node that disappears with its local disk loses: every request captured to
+    the bucket, one client answered for --loss-s, then SIGKILL and the spool deleted."""
+    from orthornn.export.artifacts.loop.captures import line_records
+    from orthornn.export.artifacts.storage import open_store
+
+    captures = uri.rsplit("/", 1)[0] + "/loss-captures"
+    spool = work / "loss-spool"
+    _, server = ready_s(str(folder), [
+        "--capture", captures, "--capture-spool", str(spool), "--capture-replica", "lost",
+        "--capture-segment-age-s", str(args.loss_segment_age_s)], env)
+    answered: dict[str, float] = {}  # request id -> when its answer came
+    try:
+        deadline = time.time() + args.loss_s
+        while time.time() < deadline:
+            rid = f"loss-{len(answered)}"
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{server.port}/predict", data=body,
+                headers={"Content-Type": "application/json", "X-Request-Id": rid})
+            with urllib.request.urlopen(req, timeout=10) as r:
+                r.read()
+            answered[rid] = time.time()
+        server.proc.kill()
+        killed = time.time()
+        server.proc.wait()
+    finally:
+        server.stop()
+    shutil.rmtree(spool)  # the node's disk, gone with it
+    store = open_store(captures)
+    kept = {record["id"] for key in store.list() if "/labels/" not in key
+            for line in store.read(key).data.splitlines()
+            for record in line_records(line) or []}  # a batch's line: its records
+    lost = [rid for rid in answered if rid not in kept]
+    oldest = max((killed - answered[rid] for rid in lost), default=0.0)
+    print(f"node loss: {len(lost)} of {len(answered)} answered requests not in the bucket, "
+          f"the oldest answered {oldest:.2f} s before the kill (segment age "
+          f"{args.loss_segment_age_s:g} s)", flush=True)
+    return {"segment_age_s": args.loss_segment_age_s, "answered": len(answered),
+            "in_bucket": len(kept & answered.keys()), "lost": len(lost),
+            "oldest_lost_s": round(oldest, 3),
+            "not_answered_in_bucket": len(kept - answered.keys())}
+
+
 def compare(args: argparse.Namespace, body: bytes, servers: dict[str, Server]) -> dict:
     """--rounds rounds of POST /predict on each of SERVERS, alternated; each one's median
     rate and its ratio to the first's."""
@@ -255,6 +308,11 @@ def table(results: dict) -> None:
               f"(to capture to a folder) |")
     if uploaded is not None:
         print(f"| capture segments uploaded meanwhile | {uploaded} | |")
+    if "node_loss" in results:
+        loss = results["node_loss"]
+        print(f"| a node lost with its disk (segment age {loss['segment_age_s']:g} s): "
+              f"answered requests not in the bucket | {loss['lost']} of {loss['answered']}, "
+              f"the oldest answered {loss['oldest_lost_s']:.2f} s before | |")
 
 
 if __name__ == "__main__":

@@ -105,6 +105,7 @@ def test_object_storage_benchmark_runs(tmp_path):
     out = tmp_path / "object_storage.json"
     assert _load("object_storage").main(["--starts", "1", "--swaps", "1", "--rounds", "1",
                                          "--round-s", "0.2", "--concurrency", "2",
+                                         "--loss-segment-age-s", "1", "--loss-s", "2.5",
                                          "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["models"] == ["bench"]
@@ -117,6 +118,11 @@ def test_object_storage_benchmark_runs(tmp_path):
     assert capture["segments_uploaded"] >= 1  # the bucket's capture did upload
     assert capture["capture to a folder"]["ratio"] == 1.0
     assert capture["capture to the bucket, a segment a second"]["req_s"] > 0
+    # a node lost with its disk: every answered request is in the bucket or counted lost,
+    # and the bucket holds nothing that was not answered (the bound is the bench's number)
+    loss = result["node_loss"]
+    assert loss["in_bucket"] + loss["lost"] == loss["answered"] > 0
+    assert loss["not_answered_in_bucket"] == 0 and loss["oldest_lost_s"] >= 0
 
 
 def test_streaming_benchmark_runs(tmp_path):
