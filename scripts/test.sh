@@ -25,8 +25,8 @@ start=$(date +%s)
 mkdir -p build
 bash scripts/ci-debian.sh > build/ci-debian.log 2>&1 &
 debian=$!
-make --no-print-directory "$venv/.installed-serve"
-step "torch and the train and serve extras installed"
+make --no-print-directory "$venv/.installed-train"
+step "torch and the train extra installed"
 export ORTHORNN_BACKGROUND=$PWD/$jobs
 rm -rf "$jobs"
 mkdir -p "$jobs"
@@ -40,7 +40,7 @@ trap '[ -z "$lint" ] || kill "$lint" 2>/dev/null || true; "$py" -m tests.backgro
 step "quickstart trainings and packages started"
 finish "$debian" build/ci-debian.log
 make --no-print-directory "$venv/.installed" tools
-step "dev extra and tools installed"
+step "serve and dev extras and tools installed"
 # the images need podman (the tools) and the wheel the venv builds
 "$py" -m tests.background start-images "$jobs"
 step "images' build started"
