@@ -12,12 +12,12 @@ $(BIN)/python:
 # torch is installed on its own first: a bare `torch` requirement could pull a
 # several-GB CUDA build, while torch==2.13.0 takes the CPU build on this disk.
 # make serve needs only the train and serve extras (a newcomer's first command: the
-# quickest install); make test adds the dev extra on top. --no-compile: pip would compile
-# every module it installs (torch's alone: 17 s of a core, on make test's critical path);
-# Python compiles the ones imported at their first import instead.
-# The train extra alone first: make test starts the quickstart's trainings on it while
-# the rest installs; the dev extra holds the serve extra (one install for make test).
-PIP_INSTALL := $(BIN)/pip install --quiet --no-compile
+# quickest install); make test adds the dev extra on top. pip compiles the bytecode (not
+# --no-compile: where PYTHONDONTWRITEBYTECODE is set, every process would compile torch
+# again at its import). The train extra alone first: make test starts the quickstart's
+# trainings on it while the rest installs; the dev extra holds the serve extra (one
+# install for make test).
+PIP_INSTALL := $(BIN)/pip install --quiet
 $(VENV)/.installed-train: $(BIN)/python pyproject.toml
 	$(PIP_INSTALL) --upgrade pip
 	$(PIP_INSTALL) torch==$(TORCH_VERSION)
