@@ -163,10 +163,9 @@ def test_the_loop_unattended(tmp_path):
     # version 1 on the original digits; beside it, a candidate that will never see a capture
     # (a thread each: two runs that each took both cores took ten times as long)
     with ThreadPoolExecutor(2) as pool:
-        # (the blind one half as long: refused for what it never saw, not for its size)
         jobs = [pool.submit(orthornn, "train", "--config", config, "--no-progress", "--out",
-                            tmp_path / run, "--seed", seed, "--threads", 1, "--epochs", epochs)
-                for run, seed, epochs in (("v1", 0, TRAIN["epochs"]), ("blind", 1, 20))]
+                            tmp_path / run, "--seed", seed, "--threads", 1)
+                for run, seed in (("v1", 0), ("blind", 1))]
         for job in jobs:
             job.result()
     orthornn("export", tmp_path / "v1", "--repo", repo, "--name", "digits", "--no-progress")
