@@ -95,12 +95,12 @@ class DataPlane:
         # captures, written beside them as the replica capture claimed
         self.capture = capture
         self.outputs = OutputsInFlight(settings.max_output_bytes_in_flight)
-        # (on a bucket: labels are objects there, the index reads its copy and the spool)
+        # (on a bucket: labels are objects there; the index reads its copy and the spool,
+        # the folder capture writes)
+        on_bucket = settings.capture_uri is not None
         self.label_store = None if settings.capture is None or capture is None else \
-            LabelStore(settings.capture, settings.repo, capture.replica, metrics) \
-            if settings.capture_uri is None else \
-            LabelStore(settings.capture_uri, settings.repo, capture.replica, metrics,
-                       spool=settings.capture)
+            LabelStore(settings.capture_uri or settings.capture, settings.repo,
+                       capture.replica, metrics, spool=settings.capture if on_bucket else None)
 
     def _tag(self, route: str) -> request.Scope | None:
         """Capture's tag of this request (None: capture off, or no sample to decide)."""
