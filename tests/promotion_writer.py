@@ -22,6 +22,7 @@ import json
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 from orthornn.export.artifacts import records, repository, rollback, rollout
@@ -48,6 +49,10 @@ def main(role: str, model_dir: Path, rounds: int, seed: int, tag: str) -> None:
                                 lambda path, i=i: {"id": f"{tag}-{i}", "state": "aborted",
                                                    "round": i, "padding": "x" * 4096})
     for i in range(rounds):
+        # a pause outside the lock between rounds: a writer that was let go first cannot
+        # finish all its rounds before the others are scheduled on a loaded machine, so
+        # the writers contend for the lock throughout (the test checks they interleaved)
+        time.sleep(rng.uniform(0.002, 0.006))
         if role == "promote":
             version = rng.choice(on_disk)
             record = repository.promote(model_dir, version, "promote", f"{tag}:{i}")
