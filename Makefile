@@ -53,17 +53,19 @@ images: $(VENV)/.installed-serve
 # (tests/conftest.py, FIRST). Then the rest but ALONE, on two workers a file each (the
 # servers, sessions, Prometheus, browsers and images: they wait on each other more than
 # they compute; a file's fixtures, the Triton compilation among them, built once; what
-# they time are lower bounds, a hold or a deadline, which load only lengthens). ALONE,
-# last, in one process: what bounds a latency or a throughput from above, which a second
+# they time are lower bounds, a hold or a deadline, which load only lengthens), and
+# beside them, niced, IDLE: tests of BESIDE's kind that only compute (no server, no
+# bound shorter than minutes), on the cycles the second phase leaves idle. ALONE, last,
+# in one process: what bounds a latency or a throughput from above, which a second
 # process beside it would disturb.
 ALONE = tests/integration/test_slow_clients.py
-BESIDE = tests/unit tests/integration/test_distributed.py \
-	tests/integration/test_gate.py tests/integration/test_triton_ops.py \
+IDLE = tests/integration/test_reproducibility.py tests/integration/test_gate.py \
+	tests/integration/test_drift.py tests/integration/test_exporter.py \
 	tests/integration/test_precision.py tests/integration/test_drift_reference.py \
-	tests/integration/test_exporter.py \
-	tests/integration/test_reproducibility.py tests/integration/test_openapi_fuzz.py \
-	tests/integration/test_fuzz.py tests/integration/test_retraining_lm.py \
-	tests/integration/test_cli.py tests/integration/test_drift.py \
+	tests/integration/test_openapi_fuzz.py tests/integration/test_retraining_lm.py
+BESIDE = tests/unit tests/integration/test_distributed.py \
+	tests/integration/test_triton_ops.py tests/integration/test_fuzz.py \
+	tests/integration/test_cli.py \
 	tests/integration/test_promotion_writers.py tests/system/test_wheel.py \
 	tests/system/test_wheelhouse.py tests/system/test_new_user.py \
 	tests/system/test_deploy.py tests/system/test_ci.py tests/integration/test_bench.py \
@@ -73,7 +75,7 @@ BESIDE = tests/unit tests/integration/test_distributed.py \
 # scripts/test.sh: the long background jobs (the quickstart's trainings, the images) start
 # first, then the dev extra, the tools, the lint and the docs, then the two phases.
 test:
-	bash scripts/test.sh $(VENV) "$(BESIDE)" "$(ALONE)"
+	bash scripts/test.sh $(VENV) "$(BESIDE)" "$(IDLE)" "$(ALONE)"
 
 # The quickstart's word model trained again under other CPU kernels, its docs answers
 # checked against it (4 min of a core; make test's docs checks hold without it by

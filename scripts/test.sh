@@ -3,16 +3,18 @@
 # (the quickstart's trainings, the service tests' packages, then the images' build;
 # tests/background.py), so that they use the cores the installs and the lint leave idle;
 # then the dev extra and the tools, and the three phases of the Makefile: BESIDE on two
-# workers, the rest but ALONE on two workers a file each (the lint and the docs niced
-# beside those two; the phases adopt the jobs: ORTHORNN_BACKGROUND), ALONE in one
-# process. The exit trap ends whatever is still running.
+# workers, the rest but IDLE and ALONE on two workers a file each with IDLE niced beside
+# it (the lint and the docs niced beside those; the phases adopt the jobs:
+# ORTHORNN_BACKGROUND), ALONE in one process. The exit trap ends whatever is still
+# running.
 #
-#   bash scripts/test.sh VENV "BESIDE..." "ALONE..."
+#   bash scripts/test.sh VENV "BESIDE..." "IDLE..." "ALONE..."
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=$1
 beside=$2
-alone=$3
+idle=$3
+alone=$4
 py="$venv/bin/python"
 jobs=build/background
 step() { echo "make test: $1 at $(( $(date +%s) - start )) s" >&2; }
@@ -31,7 +33,8 @@ export ORTHORNN_BACKGROUND=$PWD/$jobs
 rm -rf "$jobs"
 mkdir -p "$jobs"
 lint=""
-trap '[ -z "$lint" ] || kill "$lint" 2>/dev/null || true; "$py" -m tests.background stop "$jobs" || true' EXIT
+idler=""
+trap 'for p in $lint $idler; do kill "$p" 2>/dev/null || true; done; "$py" -m tests.background stop "$jobs" || true' EXIT
 
 # the quickstart's trainings and the service tests' packages need only torch and the
 # train extra
@@ -52,10 +55,18 @@ lint=$!
 # shellcheck disable=SC2086  # BESIDE is a list of paths
 "$py" -m pytest -q -n 2 --dist worksteal $beside
 step "first phase done"
+# IDLE niced beside the second phase, whose servers leave a core idle half the time (its
+# own session, its own temporary folder); waited for before the third phase
+# shellcheck disable=SC2086  # IDLE is a list of paths
+nice -n 19 "$py" -m pytest -q -n 2 --dist worksteal --basetemp=build/pytest-idle $idle \
+    > build/idle.log 2>&1 &
+idler=$!
 # shellcheck disable=SC2046  # the --ignore flags are words
 "$py" -m pytest -q -n 2 --dist loadfile \
-    $(for path in $beside $alone; do printf -- '--ignore=%s ' "$path"; done)
+    $(for path in $beside $idle $alone; do printf -- '--ignore=%s ' "$path"; done)
 step "second phase done"
+finish "$idler" build/idle.log
+step "the idle tests done"
 finish "$lint" build/lint.log
 step "lint and docs done"
 # shellcheck disable=SC2086  # ALONE is a list of paths

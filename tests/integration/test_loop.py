@@ -161,11 +161,12 @@ def test_the_loop_unattended(tmp_path):
     config.write_text(yaml.safe_dump({**TRAIN, "data": str(original)}))
 
     # version 1 on the original digits; beside it, a candidate that will never see a capture
-    # (a thread each: two runs that each took both cores took ten times as long)
+    # (a quarter of the budget: it is refused whatever it scores on the original digits;
+    # a thread each: two runs that each took both cores took ten times as long)
     with ThreadPoolExecutor(2) as pool:
         jobs = [pool.submit(orthornn, "train", "--config", config, "--no-progress", "--out",
-                            tmp_path / run, "--seed", seed, "--threads", 1)
-                for run, seed in (("v1", 0), ("blind", 1))]
+                            tmp_path / run, "--seed", seed, "--threads", 1, *extra)
+                for run, seed, extra in (("v1", 0, ()), ("blind", 1, ("--epochs", 10)))]
         for job in jobs:
             job.result()
     orthornn("export", tmp_path / "v1", "--repo", repo, "--name", "digits", "--no-progress")
@@ -276,11 +277,13 @@ def test_the_loop_unattended(tmp_path):
                            "--no-progress", code=3)
         assert "refused by the gate" in refused.stderr, refused.stderr
         # whichever split it names (version 2 may also beat it on the original one), on
-        # the captured slice it is no better than version 1 was: refused against either
+        # the captured slice it is near chance, far below version 2: refused against either
+        # (not "below version 1 + the margin": two scores near chance on 80 sequences, the
+        # order of which the seed decides)
         (kept,) = (repo / "digits" / "rejected").glob("*/manifest.json")
         blind = json.loads(kept.read_text())["evaluation"]["splits"]["gate_data"]["value"]
         print(f"loop: the blind candidate {blind:.4f} on the captured slice")
-        assert blind < gate["gate_data"]["incumbent"] + gate["gate_data"]["margin"], blind
+        assert blind < gate["gate_data"]["candidate"] - 0.5, (blind, gate)
         assert json.loads((repo / "digits" / "promotion.json").read_text())["version"] == 2
     finally:
         for replica in replicas:
