@@ -14,6 +14,7 @@ the same kernel (same constexprs, warps and argument specialization) are merged.
 
     python scripts/compile_check.py               # the default set
     python scripts/compile_check.py --full        # every flag combination
+    python scripts/compile_check.py --target sm_90a   # one card's compilations only
     python scripts/compile_check.py --markdown    # the table of docs/gpu.md
     python scripts/compile_check.py --json out.json
 
@@ -245,9 +246,9 @@ def chain_configurations(full: bool = False, targets=tuple(TARGETS), aligns=ALIG
     return _merge(out)
 
 
-def configurations(full: bool = False) -> list[Config]:
-    """Every kernel compilation the check makes (see the module docstring)."""
-    return scan_configurations(full) + chain_configurations(full)
+def configurations(full: bool = False, targets=tuple(TARGETS)) -> list[Config]:
+    """Every kernel compilation the check makes for TARGETS (see the module docstring)."""
+    return scan_configurations(full, targets) + chain_configurations(full, targets)
 
 
 # -- compiling one configuration ------------------------------------------------------
@@ -458,13 +459,14 @@ def markdown(rows: list[dict]) -> str:
 
 
 def run_subprocess(out: str, full: bool = False, jobs: int | None = None,
-                   timeout: float = 900) -> dict:
+                   timeout: float = 900, targets=tuple(TARGETS)) -> dict:
     """Run this script in a fresh interpreter without TRITON_INTERPRET (the test
     session has it set) and return its JSON: {"versions": ..., "rows": [...]}."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     command = [sys.executable, os.path.abspath(__file__), "--json", out]
     if full:
         command.append("--full")
+    command += ["--target", ",".join(targets)]
     if jobs:
         command += ["--jobs", str(jobs)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
@@ -483,8 +485,15 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write every configuration's numbers here")
     parser.add_argument("--markdown", action="store_true", help="print the docs table")
     parser.add_argument("--only", help="kernels to check, comma-separated (e.g. scan_fwd)")
+    parser.add_argument("--target", default=",".join(TARGETS),
+                        help=f"cards to compile for, comma-separated (default: all of "
+                             f"{', '.join(TARGETS)})")
     args = parser.parse_args(argv)
-    configs = configurations(args.full)
+    targets = args.target.split(",")
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        parser.error(f"--target {','.join(unknown)}: not one of {', '.join(TARGETS)}")
+    configs = configurations(args.full, tuple(targets))
     if args.only:
         configs = [c for c in configs if c.kernel in args.only.split(",")]
     entries = compile_all(configs, args.jobs)
