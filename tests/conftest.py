@@ -70,6 +70,13 @@ def pytest_sessionfinish(session):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+    # One intra-op thread for what a test computes in its own process (the commands it
+    # starts choose theirs). Two test workers, each with torch's default of a thread per
+    # core, oversubscribe a 2-core machine: OpenMP's threads then spin at every barrier
+    # for a sibling that is not running. tests/unit/models beside two busy processes took
+    # 39 s of CPU with the default and 17 s with one thread (docs/design.md, "CI's time");
+    # an in-process training that picks its own count (train(threads=None)) still does.
+    torch.set_num_threads(1)
 
 
 # -- what users install: the wheel, built once per test session (tests/artifacts.py) -----
