@@ -39,13 +39,16 @@ def pytest_collection_modifyitems(config, items):
     # computing all the time) last: they fill the cores while the other worker ends on a
     # test that waits on servers (the first phase's last two minutes were a quarter idle
     # with the unit tests first).
-    images = [item for item in items if "containers" in item.keywords]
-    late = [item for item in items if item.nodeid.endswith(QUICKSTART_TEST)]
-    first = [item for item in items if item.nodeid.split("::")[0] in FIRST]
-    unit = [item for item in items if item.nodeid.startswith("tests/unit/")]
-    rest = [item for item in items if item not in images and item not in late
-            and item not in first and item not in unit]
-    items[:] = first + rest + unit + late + images
+    def rank(item) -> int:  # a stable sort: each group keeps its collection order
+        if "containers" in item.keywords:
+            return 4
+        if item.nodeid.endswith(QUICKSTART_TEST):
+            return 3
+        if item.nodeid.split("::")[0] in FIRST:
+            return 0
+        return 2 if item.nodeid.startswith("tests/unit/") else 1
+
+    items.sort(key=rank)
 
 
 def pytest_collection_finish(session):
@@ -74,7 +77,7 @@ def _seed():
     # starts choose theirs). Two test workers, each with torch's default of a thread per
     # core, oversubscribe a 2-core machine: OpenMP's threads then spin at every barrier
     # for a sibling that is not running. tests/unit/models beside two busy processes took
-    # 39 s of CPU with the default and 17 s with one thread (docs/design.md, "CI's time");
+    # 39 s of CPU with the default and 20 s with one thread (docs/design.md, "CI's time");
     # an in-process training that picks its own count (train(threads=None)) still does.
     torch.set_num_threads(1)
 
