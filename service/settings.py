@@ -81,8 +81,9 @@ class Settings(BaseSettings):
         "auto", description="run rollouts (REPO/<name>/rollout.json) from this replica's own "
                             "measurements, advancing, promoting and rolling back: on; off: "
                             "only measure and report them to `orthornn rollout run`, which "
-                            "adds every replica's; auto: on when the repository is writable "
-                            "here (one replica on a laptop), off when mounted read-only")
+                            "adds every replica's; auto: on when the repository is a folder "
+                            "writable here (one replica on a laptop), off when mounted "
+                            "read-only or a bucket")
     batching: bool = Field(True, description="dynamic batching on or off")
     max_batch_size: int = Field(32, ge=1, le=4096,
                                 description="sequences run together in one batch")

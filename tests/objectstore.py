@@ -147,3 +147,17 @@ def s3_env(seaweedfs, monkeypatch) -> SeaweedFS:
     for key, value in seaweedfs.env.items():
         monkeypatch.setenv(key, value)
     return seaweedfs
+
+
+def upload_model(folder: Path, uri: str) -> str:
+    """A model folder's versions (each manifest last, as export does) and promotion.json
+    copied to the model's URI in a bucket; returns URI."""
+    from orthornn.export.artifacts import remote
+    from orthornn.export.artifacts.storage import open_store
+
+    store = open_store(uri)
+    for version in sorted(p for p in folder.iterdir() if p.name.isdigit()):
+        remote.upload(store, version.name, version, last="manifest.json")
+    if (folder / "promotion.json").is_file():
+        store.write("promotion.json", (folder / "promotion.json").read_bytes())
+    return uri

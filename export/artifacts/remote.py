@@ -104,7 +104,7 @@ def read_record(store: Store, key: str) -> Any:
 def update(store: Store, key: str, change: Callable[[bytes | None], Any]) -> Any:
     """KEY's record replaced by CHANGE(its bytes, or None when absent), written only if
     no other writer replaced it since the read (else read and changed again); returns the
-    record written. CHANGE may raise to write nothing."""
+    record written. CHANGE may raise, or return None, to write nothing (then None)."""
     for attempt in range(TRIES):
         try:
             blob = store.read(key)
@@ -112,6 +112,8 @@ def update(store: Store, key: str, change: Callable[[bytes | None], Any]) -> Any
         except FileNotFoundError:
             current, etag = None, None
         record = change(current)
+        if record is None:
+            return None
         data = (json.dumps(record, indent=2) + "\n").encode()
         try:
             if etag is None:

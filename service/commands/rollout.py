@@ -11,13 +11,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 from orthornn.export.artifacts import rollout
-from orthornn.export.artifacts.repository import add_model_flags, model_dir_of
+from orthornn.export.artifacts.repository import Location, add_model_flags, model_dir_of
 from orthornn.export.artifacts.rollout import Plan, RolloutError
 from orthornn.export.artifacts.rollout.flags import add_rollout_flags, flags_named, plan_options
-from orthornn.export.artifacts.storage import folder_only
 
 from ..registry.controller import Controller
 
@@ -61,8 +59,7 @@ def add_rollout_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def run_rollout(args: argparse.Namespace) -> int:
-    folder_only(args.repo or "", "--repo")
-    model_dir = Path(model_dir_of(args))
+    model_dir = model_dir_of(args)  # a folder, or a model's URI in a bucket
     if args.action == "start":
         if args.candidate is None or not str(args.candidate).isdigit():
             raise RolloutError(f"--candidate must be a version number (a positive integer); "
@@ -162,7 +159,7 @@ def fetch_reports(urls: list[str], name: str) -> tuple[list[dict], list[str]]:
     return reports, missing
 
 
-def controller(model_dir: Path, args: argparse.Namespace) -> int:
+def controller(model_dir: Location, args: argparse.Namespace) -> int:
     """``rollout run``: step the rollout from every replica's report until it ends."""
     if not args.replicas:
         raise RolloutError("--replicas: required (the replicas' URLs, or dns:HOST:PORT)")
@@ -176,17 +173,18 @@ def controller(model_dir: Path, args: argparse.Namespace) -> int:
         raise RolloutError("--poll must be in [0.01, 3600] s and --timeout >= 0")
     deadline = time.monotonic() + timeout if timeout else None
     control = Controller(model_dir, ttl_s=max(3 * poll, 10.0))
+    name = args.name
     shown = None
     while True:
-        reports, missing = fetch_reports(replica_urls(args.replicas), model_dir.name)
+        reports, missing = fetch_reports(replica_urls(args.replicas), name)
         plan, stepped = control.step(reports)
         if plan is None:
-            raise RolloutError(f"no rollout for {model_dir.name!r}: `orthornn rollout start` "
+            raise RolloutError(f"no rollout for {name!r}: `orthornn rollout start` "
                                f"first")
         where = (plan.state, plan.stage, stepped)
         if where != shown:
             shown = where
-            print(f"{model_dir.name}: {plan.state}"
+            print(f"{name}: {plan.state}"
                   + (f" at {describe_stage(plan)}" if plan.running else f": {plan.reason}")
                   + ("" if stepped or not plan.running else
                      " (another controller holds the lease; watching)")

@@ -8,9 +8,9 @@ import os
 import socket
 import uuid
 from collections.abc import Sequence
-from pathlib import Path
 
 from orthornn.export.artifacts import rollout
+from orthornn.export.artifacts.repository import Location
 from orthornn.export.artifacts.rollout import Plan
 
 
@@ -18,8 +18,8 @@ class Controller:
     """MODEL_DIR's controller. ``ttl_s``: how long the lease outlives the last step (a
     controller that stops is replaced after it)."""
 
-    def __init__(self, model_dir: str | Path, ttl_s: float) -> None:
-        self.model_dir = Path(model_dir)
+    def __init__(self, model_dir: Location, ttl_s: float) -> None:
+        self.model_dir = model_dir  # a folder, or the model's URI in a bucket
         self.ttl_s = ttl_s
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 

@@ -21,6 +21,7 @@ from orthornn.export.artifacts import rollout
 from orthornn.export.artifacts.repository import (
     ACTIONS,
     PROMOTION,
+    Location,
     check_name,
     read_promotion,
     versions,
@@ -68,13 +69,14 @@ class VersionPolicy:
         self.pins = pins
         self.rollouts = rollouts
         self.repo = Path(settings.repo)
-        # a bucket's models are mirrored into self.repo before each scan; its rollouts
-        # need a folder's lock (docs/deployment.md, "Models on object storage")
+        # a bucket's models are mirrored into self.repo before each scan; whether a
+        # replica may write the bucket is not known before it tries: its controller runs
+        # when asked for ("on"), not on "auto"
         self.bucket = None if settings.repository_uri is None else BucketMirror(
             settings.repository_uri, self.repo, metrics)
-        self.controls_rollouts = self.bucket is None and (
-            settings.rollout_controller == "on" or (
-                settings.rollout_controller == "auto" and os.access(self.repo, os.W_OK)))
+        self.controls_rollouts = settings.rollout_controller == "on" or (
+            settings.rollout_controller == "auto" and self.bucket is None
+            and os.access(self.repo, os.W_OK))
         self._controllers: dict[str, Controller] = {}  # per model, when it controls
         self._plan_error: dict[str, str] = {}  # unreadable rollout.json (logged once)
         self._promotion: dict[str, dict] = {}  # the last readable promotion.json
@@ -161,12 +163,14 @@ class VersionPolicy:
         controller = self._controllers.get(name)
         if controller is None:
             ttl = 3 * max(self.settings.poll_interval_s, 1.0)
-            controller = self._controllers[name] = Controller(self.repo / name, ttl)
+            controller = self._controllers[name] = Controller(self._location(name), ttl)
         try:
             controller.step([report])
         except (OSError, ValueError) as error:
             log.error("%s: the rollout controller could not write the plan: %s", name, error)
             return
+        if self.bucket is not None:  # the plan as written, into the mirror
+            self.bucket.sync(name)
         self.sync_model(name)
 
     def sync_model(self, name: str) -> list[str]:
@@ -265,6 +269,10 @@ class VersionPolicy:
             raise NotFound(f"model {name!r} is not in the repository")
         return model_dir
 
+    def _location(self, name: str) -> Location:
+        """Where NAME's records are written: its folder, or its URI in the bucket."""
+        return self.repo / name if self.bucket is None else self.bucket.location(name)
+
     def load(self, name: str) -> list[str]:
         """The repository API's load: (re)load NAME now, retrying refused versions."""
         self._model_dir(name)
@@ -280,11 +288,10 @@ class VersionPolicy:
         does not wait for the next scan. {"model", "promoted", "previous"}; RollbackRefused
         names the usable versions. An unloaded model stays unloaded (only its promotion
         moves)."""
-        model_dir = self._model_dir(name)
+        self._model_dir(name)
         with self._rollback_lock:  # one promotion change at a time from this service
             try:
-                done = rollback_promotion(model_dir if self.bucket is None
-                                          else self.bucket.location(name), version)
+                done = rollback_promotion(self._location(name), version)
             except ValueError as error:
                 raise RollbackRefused(str(error)) from None
             except OSError as error:  # e.g. the repository is mounted read-only here
@@ -304,22 +311,20 @@ class VersionPolicy:
                       interval_s: float, min_requests: int, thresholds: dict) -> Plan:
         """The repository API's rollout start (``orthornn rollout start``'s rules); the
         plan, applied here at once."""
-        model_dir = self._model_dir(name)
+        self._model_dir(name)
         return self._write_plan(name, lambda: rollout.start(
-            model_dir, candidate, shadow=shadow, steps=steps, interval_s=interval_s,
+            self._location(name), candidate, shadow=shadow, steps=steps, interval_s=interval_s,
             min_requests=min_requests, thresholds=Thresholds(**thresholds)))
 
     def end_rollout(self, name: str, action: str) -> Plan:
         """The repository API's rollout promote or abort."""
-        model_dir = self._model_dir(name)
-        return self._write_plan(name, lambda: rollout.end_by_hand(model_dir, action))
+        self._model_dir(name)
+        return self._write_plan(name, lambda: rollout.end_by_hand(self._location(name),
+                                                                  action))
 
     def _write_plan(self, name: str, write: Callable[[], Plan]) -> Plan:
         """WRITE the plan (start, promote, abort) and apply it here at once; its refusal
         as the status it carries, an unwritable repository as 409."""
-        if self.bucket is not None:
-            raise RollbackRefused(f"a rollout needs a folder repository for now; "
-                                  f"{self.bucket.uri} is a bucket")
         try:
             plan = write()
         except RolloutError as error:
@@ -328,6 +333,8 @@ class VersionPolicy:
             raise RollbackRefused(
                 f"the model repository cannot be written here ({error}); run `orthornn "
                 f"rollout` where it is writable") from None
+        if self.bucket is not None:
+            self.bucket.sync(name)
         if name not in self.catalog.unloaded:
             self.sync_model(name)
         return plan

@@ -1,8 +1,9 @@
 """promotion.json and rollout.json under concurrent writers and killed writers
 (export/artifacts/records.py): every writer holds the model's one lock, re-reads under it,
-and replaces the file crash-safe. Writers are processes of their own
-(tests/promotion_writer.py), as the export CronJob, a person's rollback, the admin API and
-the rollout controller are."""
+and replaces the file crash-safe; in a bucket (export/artifacts/remote.py,
+rollout/bucket.py) every writer re-reads and writes only if unchanged since. Writers are
+processes of their own (tests/promotion_writer.py), as the export CronJob, a person's
+rollback, the admin API and the rollout controller are."""
 
 from __future__ import annotations
 
@@ -19,16 +20,19 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from orthornn.export.artifacts import records, repository, rollback, rollout
+from orthornn.export.artifacts import records, remote, repository, rollback, rollout
+from orthornn.export.artifacts.storage import open_store
 
+from .. import objectstore
 from ..service_helpers import gated, make_repo
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSIONS = [1, 2, 3, 4]
+seaweedfs, s3_env = objectstore.seaweedfs, objectstore.s3_env
 
 
 @pytest.fixture
-def model_dir(service_packages, tmp_path) -> Path:
+def folder_model(service_packages, tmp_path) -> Path:
     repo = make_repo(service_packages, tmp_path / "repo", {"adding": VERSIONS})
     for v in VERSIONS:
         gated(repo / "adding", v)
@@ -36,7 +40,17 @@ def model_dir(service_packages, tmp_path) -> Path:
     return repo / "adding"
 
 
-def writer(role: str, model_dir: Path, rounds: int, seed: int, tag: str) -> subprocess.Popen:
+@pytest.fixture(params=["folder", "bucket"])
+def location(request, folder_model) -> Path | str:
+    """The model in a folder, or the same versions in a bucket (s3://.../adding)."""
+    if request.param == "folder":
+        return folder_model
+    return objectstore.upload_model(
+        folder_model, f"{request.getfixturevalue('s3_env').location()}/adding")
+
+
+def writer(role: str, model_dir: Path | str, rounds: int, seed: int,
+           tag: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tests.promotion_writer", role,
                              str(model_dir), str(rounds), str(seed), tag], cwd=ROOT,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -55,10 +69,12 @@ def started(procs: list[subprocess.Popen]) -> None:
         proc.stdin.flush()
 
 
-def test_concurrent_writers_lose_no_action_and_keep_a_valid_order(model_dir):
+def test_concurrent_writers_lose_no_action_and_keep_a_valid_order(location):
     """Five processes at once (two promoting as export does, two rolling back, one
     starting rollouts that the controller finishes), 200 rounds in all: the history holds
-    every action that completed, each from the promotion the one before it left."""
+    every action that completed, each from the promotion the one before it left. In a
+    folder and in a bucket."""
+    model_dir = location
     roles = [("promote", 40), ("promote", 40), ("rollback", 40), ("rollback", 40),
              ("rollout", 40)]
     procs = [writer(role, model_dir, rounds, seed, f"w{seed}")
@@ -112,13 +128,24 @@ def test_concurrent_writers_lose_no_action_and_keep_a_valid_order(model_dir):
             assert d["reason"].startswith("not promoted: the promotion moved"), d
     assert len(history) == 1 + len(promoted) + sum(rollbacks.values()) + len(finished)
     assert rollout.read_plan(model_dir).state in ("promoted", "aborted")
-    assert not list(model_dir.glob(".*.tmp"))
+    if isinstance(model_dir, Path):
+        assert not list(model_dir.glob(".*.tmp"))
 
 
-def test_a_writer_killed_anywhere_leaves_the_old_file_or_the_new(model_dir):
+def _raw_plan(model_dir: Path | str) -> dict | None:
+    """rollout.json as JSON (the kill loop writes raw JSON, not a plan), None if none."""
+    if isinstance(model_dir, Path):
+        path = model_dir / rollout.ROLLOUT
+        return json.loads(path.read_text()) if path.exists() else None
+    return remote.read_record(open_store(model_dir), rollout.ROLLOUT)
+
+
+def test_a_writer_killed_anywhere_leaves_the_old_file_or_the_new(location):
     """SIGKILL at random points of a writer looping over promotion.json and rollout.json:
     after each kill both files parse and hold a state a write completed; the next writer
-    takes the lock (the dead one's is gone) and carries on from it."""
+    takes the lock (the dead one's is gone) and carries on from it. In a folder and in a
+    bucket (where a killed writer's request is all or nothing)."""
+    model_dir = location
     rng = random.Random(7)
     length = len(repository.read_promotion(model_dir)["history"])
     rounds = -1
@@ -136,8 +163,7 @@ def test_a_writer_killed_anywhere_leaves_the_old_file_or_the_new(model_dir):
         for before, entry in itertools.pairwise(history):
             assert entry["previous"] == before["version"]
         length = len(history)
-        path = model_dir / rollout.ROLLOUT  # the loop writes raw JSON, not a plan
-        plan = json.loads(path.read_text()) if path.exists() else None  # never partial
+        plan = _raw_plan(model_dir)  # never partial
         if plan is not None:
             assert plan["padding"] == "x" * 4096
             if plan["id"].startswith(f"k{kill}-"):
@@ -145,7 +171,8 @@ def test_a_writer_killed_anywhere_leaves_the_old_file_or_the_new(model_dir):
     assert length > 10  # the writers did write between the kills
     repository.promote(model_dir, 2, "rollback", "after the kills")
     assert repository.read_promotion(model_dir)["history"][-1]["reason"] == "after the kills"
-    assert not list(model_dir.glob(".*.tmp"))  # the killed writers' temporary files: gone
+    if isinstance(model_dir, Path):
+        assert not list(model_dir.glob(".*.tmp"))  # the killed writers' temporary files
 
 
 def test_an_atomic_write_syncs_the_file_then_renames_then_syncs_the_folder(tmp_path,
@@ -205,7 +232,8 @@ def test_the_lock_excludes_threads_and_is_reentrant(tmp_path):
     assert not overlaps and not records.holds(tmp_path)
 
 
-def test_an_unreadable_promotion_is_kept_aside_when_replaced(model_dir):
+def test_an_unreadable_promotion_is_kept_aside_when_replaced(folder_model):
+    model_dir = folder_model
     (model_dir / "promotion.json").write_text("")
     with pytest.raises(ValueError, match="cannot be read"):
         rollback.rollback(model_dir)  # which step back: unknown

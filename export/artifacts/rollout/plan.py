@@ -107,6 +107,11 @@ class Plan:
     breach: dict | None = None
     past: list[dict] = field(default_factory=list)
     current: dict | None = None
+    #: in a bucket, a plan that passed its last stage (or was promoted by hand) before the
+    #: promotion is written: {"state", "reason", "by_hand"}; whoever reads it next
+    #: completes it (``rollout.bucket_records``). Never set in a folder, where the lock makes the
+    #: two writes one.
+    finishing: dict | None = None
 
     @property
     def running(self) -> bool:
@@ -142,6 +147,8 @@ class Plan:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["state"] = str(self.state)
         d["thresholds"] = asdict(self.thresholds)
+        if self.finishing is None:  # rollout.json as it always was
+            del d["finishing"]
         return d
 
     @classmethod

@@ -1,6 +1,8 @@
-"""A rollout's plan in the repository: REPO/<name>/rollout.json, beside promotion.json,
-both written under the model's one lock and replaced crash-safe (``records``). Starting a
-rollout, one controller step (``step``), ending it by hand, and the controller's lease."""
+"""A rollout's plan in the repository: REPO/<name>/rollout.json, beside promotion.json.
+Starting a rollout, one controller step (``step``), ending it by hand, and the
+controller's lease. What each decides is one pure function of the plan as read
+(``_advance``, ``_new_plan``, ``_lease``); a folder writes under the model's one lock,
+replaced crash-safe (``records``), a bucket by conditional writes (``bucket_records``)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,28 @@ from pathlib import Path
 
 from orthornn.export.artifacts import records
 from orthornn.export.artifacts.numbers import is_integer
-from orthornn.export.artifacts.repository import live_version, promote, read_promotion, versions
+from orthornn.export.artifacts.repository import (
+    Location,
+    live_version,
+    local_model,
+    promote,
+    read_promotion,
+    versions,
+)
+from orthornn.export.artifacts.storage import is_object_uri, open_store
 
-from .analysis import combine, decide
+from . import bucket_records
+from .changes import (
+    LEASE,
+    ROLLOUT,
+    advance,
+    end,
+    lease_change,
+    moved,
+    promotion_reason,
+    stamp,
+    utc_now,
+)
 from .plan import (
     DEFAULT_STEPS,
     SHADOW,
@@ -26,22 +47,12 @@ from .plan import (
     parse_steps,
 )
 
-ROLLOUT = "rollout.json"
-#: who controls a model's running rollout, until when (``take_lease``)
-LEASE = ".rollout-controller.json"
 
-
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.UTC)
-
-
-def _stamp(t: dt.datetime) -> str:
-    return t.isoformat(timespec="milliseconds")
-
-
-def read_plan(model_dir: str | Path) -> Plan | None:
+def read_plan(model_dir: Location) -> Plan | None:
     """The rollout of model_dir (running or finished), or None; ValueError when the file
     cannot be read."""
+    if is_object_uri(str(model_dir)):
+        return bucket_records.read_plan(open_store(str(model_dir)))
     path = Path(model_dir) / ROLLOUT
     try:
         return Plan.from_dict(json.loads(path.read_text()))
@@ -74,7 +85,7 @@ def gate_refusal(model_dir: Path, version: int) -> str | None:
             f"`orthornn export --gate --rollout` (or --gate --no-promote)")
 
 
-def start(model_dir: str | Path, candidate: int, *, shadow: float = 0.1,
+def start(model_dir: Location, candidate: int, *, shadow: float = 0.1,
           steps: str | Sequence[int] = DEFAULT_STEPS, interval_s: float = 60.0,
           min_requests: int = 100, thresholds: Thresholds | None = None) -> Plan:
     """Write a new running plan for CANDIDATE (verified, passed the gate, not the promoted
@@ -84,7 +95,6 @@ def start(model_dir: str | Path, candidate: int, *, shadow: float = 0.1,
         verify_package,
     )
 
-    model_dir = Path(model_dir)
     thresholds = thresholds or Thresholds()
     stages = parse_steps(steps)
     check_number("shadow", shadow, 0.0, 1.0)
@@ -97,37 +107,50 @@ def start(model_dir: str | Path, candidate: int, *, shadow: float = 0.1,
         raise RolloutError(f"candidate: version {candidate!r} is not in {str(model_dir)!r} "
                            f"(versions: {on_disk or 'none'})", 404, "candidate")
     _base(model_dir, on_disk, candidate)  # refused early, before the slow checks
-    why = gate_refusal(model_dir, candidate)
-    if why:
-        raise RolloutError(f"candidate: {why}", 409, "candidate")
-    try:
-        verify_package(model_dir / str(candidate))
-    except PackageError as error:
-        raise RolloutError(f"candidate: version {candidate} does not verify: {error}",
-                           409, "candidate") from None
-    with records.locked(model_dir):  # the promotion and the plan as they are now
-        promoted_version = _base(model_dir, on_disk, candidate)
+    with local_model(model_dir, lambda v: v == candidate) as folder:
+        why = gate_refusal(folder, candidate)
+        if why:
+            raise RolloutError(f"candidate: {why}", 409, "candidate")
         try:
-            current = read_plan(model_dir)
-        except ValueError:
-            current = None  # an unreadable plan is replaced
+            verify_package(folder / str(candidate))
+        except PackageError as error:
+            raise RolloutError(f"candidate: version {candidate} does not verify: {error}",
+                               409, "candidate") from None
+
+    def new_plan(current: Plan | None) -> Plan:
+        """The running plan, from the promotion and the plan as they are now."""
+        promoted_version = _base(model_dir, on_disk, candidate)
         if current is not None and current.running:
             raise RolloutError(f"a rollout of version {current.candidate} is already "
-                               f"running for {model_dir.name!r}; abort or promote it first",
-                               409)
-        now = _stamp(_now())
+                               f"running for {name!r}; abort or promote it first", 409)
+        now = stamp(utc_now())
         past = [] if current is None else [*current.past, current.summary()]
-        plan = Plan(id=uuid.uuid4().hex[:12], model=model_dir.name, candidate=candidate,
+        return Plan(id=uuid.uuid4().hex[:12], model=name, candidate=candidate,
                     promoted=promoted_version, state=Phase.RUNNING,
                     stages=([SHADOW] if shadow > 0 else []) + stages, stage=0,
                     stage_started=now, started=now, shadow=shadow,
                     interval_s=float(interval_s), min_requests=min_requests,
                     thresholds=thresholds, past=past)
+
+    name = _name(model_dir)
+    if is_object_uri(str(model_dir)):
+        return bucket_records.replace_plan(open_store(str(model_dir)), new_plan)
+    model_dir = Path(model_dir)
+    with records.locked(model_dir):
+        try:
+            current = read_plan(model_dir)
+        except ValueError:
+            current = None  # an unreadable plan is replaced
+        plan = new_plan(current)
         _write(model_dir, plan)
     return plan
 
 
-def _base(model_dir: Path, on_disk: list[int], candidate: int) -> int:
+def _name(model_dir: Location) -> str:
+    return str(model_dir).rstrip("/").rsplit("/", 1)[-1]
+
+
+def _base(model_dir: Location, on_disk: list[int], candidate: int) -> int:
     """The promoted version a rollout of CANDIDATE starts from; RolloutError when none."""
     try:
         promoted_version = read_promotion(model_dir)["version"]
@@ -135,7 +158,7 @@ def _base(model_dir: Path, on_disk: list[int], candidate: int) -> int:
         raise RolloutError(str(error), 409) from None
     live = live_version(on_disk, promoted_version)
     if promoted_version is None or live != promoted_version:
-        raise RolloutError(f"candidate: model {model_dir.name!r} has no promoted version to "
+        raise RolloutError(f"candidate: model {_name(model_dir)!r} has no promoted version to "
                            f"compare with; promote one first (orthornn export --gate)", 409,
                            "candidate")
     if candidate == promoted_version:
@@ -144,120 +167,104 @@ def _base(model_dir: Path, on_disk: list[int], candidate: int) -> int:
     return promoted_version
 
 
-def _stage_record(plan: Plan, analysis: dict, outcome: str, now: dt.datetime) -> dict:
-    return {"stage": plan.stage_name, "started": plan.stage_started, "ended": _stamp(now),
-            "outcome": outcome, **analysis}
-
-
-def _finish(model_dir: Path, plan: Plan, state: Phase, reason: str, now: dt.datetime,
-            broken: dict | None = None) -> Plan:
-    """End PLAN (the caller holds the lock); PROMOTED promotes the candidate first."""
-    plan.state, plan.ended, plan.reason, plan.breach, plan.current = \
-        state, _stamp(now), reason, broken, None
-    if state == Phase.PROMOTED:
-        promote(model_dir, plan.candidate, "promote", f"rollout {plan.id}: {reason}")
+def _promote_folder(model_dir: Path, plan: Plan, now: dt.datetime) -> Plan:
+    """PLAN's ``finishing`` done under the lock: the candidate promoted, or the rollout
+    aborted when the promotion moved since it started (never over another writer's
+    promotion: a person's rollback); then the plan written."""
+    reason = (plan.finishing or {})["reason"]
+    try:
+        why = moved(read_promotion(model_dir), plan)
+    except ValueError as error:
+        why = str(error)
+    if why:
+        end(plan, Phase.ABORTED, f"not promoted: {why}", now)
+    else:
+        promote(model_dir, plan.candidate, "promote", promotion_reason(plan, reason))
+        end(plan, Phase.PROMOTED, reason, now)
     _write(model_dir, plan)
     return plan
 
 
-def _moved(model_dir: Path, plan: Plan) -> str:
-    """Why PLAN's candidate may not be promoted now ('' when it may): the promotion is no
-    longer the version the rollout started from (a rollback, an export promoted another
-    since), or it cannot be read. Under the lock."""
-    try:
-        now = read_promotion(model_dir)
-    except ValueError as error:
-        return str(error)
-    if now["version"] == plan.promoted:
-        return ""
-    last = now["history"][-1] if now["history"] else {}
-    how = f" ({last.get('action')} at {last.get('time')})" if last else ""
-    return (f"the promotion moved from version {plan.promoted} to {now['version']}{how} "
-            f"since the rollout started")
-
-
-def step(model_dir: str | Path, reports: Sequence[dict],
+def step(model_dir: Location, reports: Sequence[dict],
          now: dt.datetime | None = None) -> Plan | None:
     """One controller step: combine REPORTS (the replicas'), decide, and write the plan
     when the stage advances, the candidate is promoted, or a threshold breaks. The plan as
     it is now (None: no rollout). The current stage's analysis so far is the plan's
     ``current`` (written when it changed)."""
+    now = now or utc_now()
+    if is_object_uri(str(model_dir)):
+        return bucket_records.step(open_store(str(model_dir)),
+                                   lambda plan: advance(plan, reports, now), now)
     model_dir = Path(model_dir)
-    now = now or _now()
     with records.locked(model_dir):
         plan = read_plan(model_dir)
         if plan is None or not plan.running:
             return plan
-        action, analysis = decide(plan, combine(plan, reports), now)
-        if action == "wait":  # the analysis so far, for `orthornn rollout status`
-            current = _stage_record(plan, analysis, "running", now)
-            before = plan.current or {}
-            plan.current = current
-            if {k: v for k, v in before.items() if k != "ended"} != \
-                    {k: v for k, v in current.items() if k != "ended"}:
-                _write(model_dir, plan)
+        if not advance(plan, reports, now):
             return plan
-        if action == "rollback":
-            broken = analysis.pop("breach")
-            plan.analysis = [*plan.analysis, _stage_record(plan, analysis, "breached", now)]
-            return _finish(model_dir, plan, Phase.ROLLED_BACK,
-                           f"{plan.where()}: {broken['message']}", now, broken)
-        plan.analysis = [*plan.analysis, _stage_record(plan, analysis, "passed", now)]
-        if plan.stage + 1 == len(plan.stages):
-            moved = _moved(model_dir, plan)
-            if moved:  # never over another writer's promotion (a person's rollback)
-                return _finish(model_dir, plan, Phase.ABORTED, f"not promoted: {moved}", now)
-            done = ", ".join(f"{s}%" if s != SHADOW else str(s) for s in plan.stages)
-            return _finish(model_dir, plan, Phase.PROMOTED, f"passed {done}", now)
-        plan.stage, plan.stage_started, plan.current = plan.stage + 1, _stamp(now), None
+        if plan.finishing:
+            return _promote_folder(model_dir, plan, now)
         _write(model_dir, plan)
         return plan
 
 
-def end_by_hand(model_dir: str | Path, action: str) -> Plan:
+def end_by_hand(model_dir: Location, action: str) -> Plan:
     """Promote the candidate now (ACTION "promote") or stop the rollout ("abort": the
     promoted version stays); RolloutError when no rollout is running."""
-    model_dir = Path(model_dir)
-    now = _now()
-    with records.locked(model_dir):
-        try:
-            plan = read_plan(model_dir)
-        except ValueError as error:
-            raise RolloutError(str(error), 409) from None
+    now = utc_now()
+    name = _name(model_dir)
+
+    def ended(plan: Plan | None) -> Plan:
+        """PLAN ended by hand (a promotion as ``finishing``); RolloutError if not running."""
         if plan is None or not plan.running:
-            raise RolloutError(f"no rollout is running for {model_dir.name!r}"
+            raise RolloutError(f"no rollout is running for {name!r}"
                                + (f" (the last one: {plan.state})" if plan else ""), 409)
         if action == "promote":
-            moved = _moved(model_dir, plan)
-            if moved:
-                raise RolloutError(f"version {plan.candidate} is not promoted: {moved}; "
+            plan.finishing = {"state": str(Phase.PROMOTED), "by_hand": True,
+                              "reason": f"promoted by hand {plan.where()}"}
+            return plan
+        return end(plan, Phase.ABORTED, f"aborted by hand {plan.where()}", now)
+
+    if is_object_uri(str(model_dir)):
+        return bucket_records.end_by_hand(open_store(str(model_dir)), ended, now)
+    model_dir = Path(model_dir)
+    with records.locked(model_dir):
+        try:
+            plan = ended(read_plan(model_dir))
+        except ValueError as error:
+            raise RolloutError(str(error), 409) from None
+        if plan.finishing:
+            try:
+                why = moved(read_promotion(model_dir), plan)
+            except ValueError as error:
+                why = str(error)
+            if why:
+                raise RolloutError(f"version {plan.candidate} is not promoted: {why}; "
                                    f"abort this rollout and start another", 409)
-            return _finish(model_dir, plan, Phase.PROMOTED, f"promoted by hand "
-                           f"{plan.where()}", now)
-        return _finish(model_dir, plan, Phase.ABORTED, f"aborted by hand {plan.where()}", now)
+            return _promote_folder(model_dir, plan, now)
+        _write(model_dir, plan)
+        return plan
 
 
-def take_lease(model_dir: str | Path, owner: str, ttl_s: float,
+def take_lease(model_dir: Location, owner: str, ttl_s: float,
                now: dt.datetime | None = None) -> bool:
     """Whether OWNER controls model_dir's rollouts for the next TTL_S seconds: the lease
     is free, expired or already OWNER's (then renewed). Two controllers (two writable
     replicas, or one and ``orthornn rollout run``) never both step one rollout."""
-    model_dir = Path(model_dir)
-    now = now or _now()
-    path = model_dir / LEASE
+    now = now or utc_now()
+    if is_object_uri(str(model_dir)):
+        return bucket_records.take_lease(open_store(str(model_dir)),
+                                 lambda data: lease_change(data, owner, ttl_s, now))
+    path = Path(model_dir) / LEASE
     with records.locked(model_dir):
         try:
-            lease = json.loads(path.read_text())
-            holder, until = lease["owner"], dt.datetime.fromisoformat(lease["until"])
-        except (OSError, ValueError, KeyError, TypeError):
-            holder, until = None, now  # none, or unreadable: free
-        if holder not in (None, owner) and until > now:
-            return False
-        if holder == owner and until - now > dt.timedelta(seconds=ttl_s / 2):
-            return True  # renewed at half its term: not a write and two fsyncs per step
-        records.replace_json(path, {"owner": owner,
-                                    "until": _stamp(now + dt.timedelta(seconds=ttl_s))})
-    return True
+            data: bytes | None = path.read_bytes()
+        except OSError:
+            data = None
+        lease = lease_change(data, owner, ttl_s, now)
+        if isinstance(lease, dict):
+            records.replace_json(path, lease)
+    return lease is not False
 
 
 def rolled_back(plan: Plan | None) -> dict[int, dict]:

@@ -51,57 +51,81 @@ class S3:
         self.bucket, self.prefix = split_uri(self.uri)
         self._store = _client(self.bucket, self.prefix)
 
+    def _failed(self, key: str, error: BaseException) -> OSError:
+        """An obstore error (not a missing key) as one OSError line naming the object: the
+        store did not answer, or refused; callers treat it as any other I/O error."""
+        return OSError(f"{self.uri}/{key}: {describe(error)}")
+
     def read(self, key: str) -> Blob:
         import obstore
+        from obstore.exceptions import BaseError
 
-        result = obstore.get(self._store, check_key(key))
-        return Blob(bytes(result.bytes()), str(result.meta["e_tag"]))
+        try:
+            result = obstore.get(self._store, check_key(key))
+            return Blob(bytes(result.bytes()), str(result.meta["e_tag"]))
+        except BaseError as error:
+            raise self._failed(key, error) from None
 
     def read_if_changed(self, key: str, etag: str) -> Blob | None:
         import obstore
-        from obstore.exceptions import NotModifiedError
+        from obstore.exceptions import BaseError, NotModifiedError
 
         try:
             result = obstore.get(self._store, check_key(key), options={"if_none_match": etag})
+            return Blob(bytes(result.bytes()), str(result.meta["e_tag"]))
         except NotModifiedError:
             return None
-        return Blob(bytes(result.bytes()), str(result.meta["e_tag"]))
+        except BaseError as error:
+            raise self._failed(key, error) from None
 
-    def _put(self, key: str, data: bytes, mode: Any) -> str:
+    def _put(self, key: str, data: bytes, mode: Any,
+             conflict: Exception | None = None) -> str:
+        """PUT KEY in MODE; CONFLICT raised for S3's 412 (or a missing key under If-Match)."""
         import obstore
+        from obstore.exceptions import (
+            AlreadyExistsError,
+            BaseError,
+            NotFoundError,
+            PreconditionError,
+        )
 
-        result = obstore.put(self._store, check_key(key), data, mode=mode)
-        return str(result["e_tag"])
+        try:
+            result = obstore.put(self._store, check_key(key), data, mode=mode)
+            return str(result["e_tag"])
+        except (AlreadyExistsError, PreconditionError, NotFoundError) as error:
+            if conflict is None:
+                raise self._failed(key, error) from None
+            raise conflict from None
+        except BaseError as error:
+            raise self._failed(key, error) from None
 
     def write(self, key: str, data: bytes) -> str:
         return self._put(key, data, "overwrite")
 
     def write_if_absent(self, key: str, data: bytes) -> str:
-        from obstore.exceptions import AlreadyExistsError, PreconditionError
-
-        try:
-            return self._put(key, data, "create")
-        except (AlreadyExistsError, PreconditionError):
-            raise Exists(key) from None
+        return self._put(key, data, "create", Exists(key))
 
     def write_if_unchanged(self, key: str, data: bytes, etag: str) -> str:
-        from obstore.exceptions import NotFoundError, PreconditionError
-
-        try:
-            return self._put(key, data, {"e_tag": etag})
-        except (PreconditionError, NotFoundError):
-            raise Changed(key) from None
+        return self._put(key, data, {"e_tag": etag}, Changed(key))
 
     def list(self, prefix: str = "") -> list[str]:
         import obstore
+        from obstore.exceptions import BaseError
 
-        pages = obstore.list(self._store, prefix=prefix or None)
-        return sorted(str(meta["path"]) for page in pages for meta in page)
+        try:
+            pages = obstore.list(self._store, prefix=prefix or None)
+            return sorted(str(meta["path"]) for page in pages for meta in page)
+        except BaseError as error:
+            raise self._failed(prefix or "*", error) from None
 
     def delete(self, key: str) -> None:
         import obstore
+        from obstore.exceptions import BaseError
 
-        obstore.delete(self._store, check_key(key))  # S3 answers 204 for a missing key too
+        try:  # S3 answers 204 for a missing key too
+            obstore.delete(self._store, check_key(key))
+        except BaseError as error:
+            raise self._failed(key, error) from None
 
     def check(self) -> None:
         """One listing request; a failure is one line naming the setting and the cause."""

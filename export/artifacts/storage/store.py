@@ -141,6 +141,6 @@ def folder_only(location: str | Path, setting: str) -> Path:
     if is_object_uri(text):
         raise ValueError(f"{setting}: {text} is a bucket; this command reads a local folder "
                          f"(on object storage so far: orthornn export, versions, rollback, "
-                         f"serve, and --capture of capture dataset, monitor, "
+                         f"rollout, serve, and --capture of capture dataset, monitor, "
                          f"retrain-trigger and labels import)")
     return Path(text)
