@@ -368,23 +368,38 @@ def replicas(repo: Path, count: int, **options) -> Iterator[list[Replica]]:
 
 
 class CuttingProxy:
-    """A TCP proxy to 127.0.0.1:TARGET_PORT that, once ``arm(marker)``-ed, passes the next
-    client bytes holding MARKER on to the server and then cuts that connection instead of
-    passing the server's reply back: the command applied, its reply lost (what a broken
-    connection does to a client that then retries). ``cuts`` counts them."""
+    """A TCP proxy to 127.0.0.1:TARGET_PORT that, once ``arm(marker)``-ed, cuts the
+    connection whose client bytes hold MARKER (``cuts`` counts them):
+
+    - ``where="reply"`` (the default): the bytes pass on to the server, and the reply is
+      cut after its first KEEP bytes: with KEEP 0 the command applied and its reply lost
+      (what a broken connection does to a client that then retries), with more a download
+      cut in the middle;
+    - ``where="request"``: only the first half of those bytes reach the server (an upload
+      cut in the middle: the server never gets the whole request).
+
+    TIMES: how many connections are cut (None: every matching one until ``disarm()``,
+    so that a client's retries are cut too)."""
 
     def __init__(self, target_port: int):
         self.target_port = target_port
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.marker: bytes | None = None
+        self.where, self.keep, self.times = "reply", 0, 1
         self.cuts = 0
         self.lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def arm(self, marker: bytes) -> None:
+    def arm(self, marker: bytes, where: str = "reply", keep: int = 0,
+            times: int | None = 1) -> None:
+        assert where in ("reply", "request")
         with self.lock:
-            self.marker = marker
+            self.marker, self.where, self.keep, self.times = marker, where, keep, times
+
+    def disarm(self) -> None:
+        with self.lock:
+            self.marker = None
 
     def _accept(self) -> None:
         while True:
@@ -393,29 +408,52 @@ class CuttingProxy:
             except OSError:  # closed
                 return
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            cut = threading.Event()  # set: the next reply is swallowed, both ends closed
+            cut: list[int] = []  # [KEEP]: the next reply is cut after KEEP bytes
             threading.Thread(target=self._to_server, args=(client, upstream, cut),
                              daemon=True).start()
             threading.Thread(target=self._to_client, args=(upstream, client, cut),
                              daemon=True).start()
 
+    def _matches(self, data: bytes) -> str | None:
+        """Where to cut the connection that sent DATA (None: nowhere); counts it down."""
+        with self.lock:
+            if self.marker is None or self.marker not in data:
+                return None
+            if self.times is not None:
+                self.times -= 1
+                if self.times == 0:
+                    self.marker = None
+            return self.where
+
     def _to_server(self, client: socket.socket, upstream: socket.socket,
-                   cut: threading.Event) -> None:
+                   cut: list[int]) -> None:
         with contextlib.suppress(OSError):
             while data := client.recv(65536):
-                with self.lock:
-                    if self.marker is not None and self.marker in data:
-                        self.marker = None
-                        cut.set()
+                where = self._matches(data)
+                if where == "request":  # half of it, then the connection is gone
+                    upstream.sendall(data[:len(data) // 2])
+                    with self.lock:
+                        self.cuts += 1
+                    for sock in (client, upstream):
+                        with contextlib.suppress(OSError):
+                            sock.shutdown(socket.SHUT_RDWR)
+                    return
+                if where == "reply":
+                    cut.append(self.keep)
                 upstream.sendall(data)
         with contextlib.suppress(OSError):
             upstream.shutdown(socket.SHUT_WR)
 
     def _to_client(self, upstream: socket.socket, client: socket.socket,
-                   cut: threading.Event) -> None:
+                   cut: list[int]) -> None:
         with contextlib.suppress(OSError):
             while data := upstream.recv(65536):
-                if cut.is_set():  # the marked command's reply: lost with the connection
+                if cut:  # the marked command's reply: cut after its first KEEP bytes
+                    if cut[0] > 0:
+                        client.sendall(data[:cut[0]])
+                        cut[0] -= len(data[:cut[0]])
+                        if cut[0] > 0:
+                            continue
                     with self.lock:
                         self.cuts += 1
                     break

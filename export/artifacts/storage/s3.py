@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from .store import Blob, Changed, Exists, check_key, split_uri
@@ -26,6 +27,8 @@ TIMEOUT = "30s"
 CONNECT_TIMEOUT = "5s"
 MAX_RETRIES = 3
 RETRY_TIMEOUT = dt.timedelta(seconds=20)
+#: the user metadata (x-amz-meta-orthornn-write) that marks a conditional write as its own
+WRITER = "orthornn-write"
 
 
 def _client(bucket: str, prefix: str) -> Any:
@@ -80,7 +83,11 @@ class S3:
 
     def _put(self, key: str, data: bytes, mode: Any,
              conflict: Exception | None = None) -> str:
-        """PUT KEY in MODE; CONFLICT raised for S3's 412 (or a missing key under If-Match)."""
+        """PUT KEY in MODE; CONFLICT raised for S3's 412 (or a missing key under If-Match).
+        A conditional PUT carries a nonce of its own (user metadata, WRITER): when its
+        reply was lost (a cut connection) and obstore's retry then met a 412, or every try
+        failed, the object is read back, and carrying the nonce it is this write's, done
+        once (else a record's change would be applied twice, a created manifest refused)."""
         import obstore
         from obstore.exceptions import (
             AlreadyExistsError,
@@ -89,15 +96,36 @@ class S3:
             PreconditionError,
         )
 
+        nonce = None if conflict is None else uuid.uuid4().hex
         try:
-            result = obstore.put(self._store, check_key(key), data, mode=mode)
+            result = obstore.put(self._store, check_key(key), data, mode=mode,
+                                 attributes=None if nonce is None else {WRITER: nonce})
             return str(result["e_tag"])
         except (AlreadyExistsError, PreconditionError, NotFoundError) as error:
             if conflict is None:
                 raise self._failed(key, error) from None
-            raise conflict from None
+            etag = self._written_by(key, nonce)
+            if etag is None:
+                raise conflict from None
+            return etag
         except BaseError as error:
-            raise self._failed(key, error) from None
+            etag = None if nonce is None else self._written_by(key, nonce)
+            if etag is None:
+                raise self._failed(key, error) from None
+            return etag
+
+    def _written_by(self, key: str, nonce: str | None) -> str | None:
+        """KEY's ETag if the object there was written with NONCE, else None."""
+        import obstore
+        from obstore.exceptions import BaseError
+
+        try:
+            result = obstore.get(self._store, key)
+        except (FileNotFoundError, BaseError):
+            return None
+        if result.attributes.get(WRITER) != nonce:
+            return None
+        return str(result.meta["e_tag"])
 
     def write(self, key: str, data: bytes) -> str:
         return self._put(key, data, "overwrite")
