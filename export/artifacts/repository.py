@@ -71,6 +71,22 @@ def local_model(model_dir: Location, whole: Callable[[int], bool] = lambda v: Tr
                             whole)
 
 
+@contextmanager
+def local_repo(repo: str | Path, name: str, setting: str = "--repo") -> Iterator[Path]:
+    """A folder laid out as a repository that holds REPO's model NAME: REPO itself, or for
+    a bucket a mirror of that model (every version, its records) in a temporary folder,
+    removed afterwards: for the loop's commands, which read versions' files (manifests,
+    references, graphs) as a folder's. A bucket that does not answer: ValueError naming
+    SETTING."""
+    if not is_object_uri(check_location(str(repo), setting)):
+        yield Path(repo)
+        return
+    location = model_location(repo, name)
+    open_store(str(location), setting).check()
+    with local_model(location) as model_dir:
+        yield model_dir.parent
+
+
 def last_name(location: Location) -> str:
     """The last name of a location: a model's name, or a version's number."""
     return str(location).rstrip("/").rsplit("/", 1)[-1]

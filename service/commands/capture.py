@@ -6,6 +6,7 @@ does not import)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,16 +58,17 @@ def add_capture_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
 def run_dataset(args: argparse.Namespace) -> int:
     from orthornn.export.artifacts.loop.captures import local_captures
     from orthornn.export.artifacts.loop.dataset import holdout_path, write_dataset
-    from orthornn.export.artifacts.storage import folder_only
+    from orthornn.export.artifacts.repository import check_name, local_repo
 
     share = number("--holdout-share", args.holdout_share)
     capture = local_captures(args.capture, args.name, show=not args.no_progress)
-    summary = write_dataset(capture, args.name, Path(args.out),
-                            None if args.holdout is None else Path(args.holdout),
-                            since=args.since, window_days=number("--window", args.window),
-                            holdout_share=share,
-                            repo=None if args.repo is None else folder_only(args.repo, "--repo"),
-                            progress=not args.no_progress)
+    with contextlib.ExitStack() as stack:  # a bucket's model: mirrored while it is read
+        repo = None if args.repo is None else \
+            stack.enter_context(local_repo(args.repo, check_name(args.name)))
+        summary = write_dataset(capture, args.name, Path(args.out),
+                                None if args.holdout is None else Path(args.holdout),
+                                since=args.since, window_days=number("--window", args.window),
+                                holdout_share=share, repo=repo, progress=not args.no_progress)
     for line in summary.lines():
         print(f"{args.name}: {line}")
     held = "" if share == 0 else \

@@ -102,7 +102,7 @@ def read_label_file(path: Path) -> tuple[list[dict], list[int]]:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from orthornn.export.artifacts.storage import folder_only
+    from orthornn.export.artifacts.repository import check_name, local_repo
 
     from ..errors import ServiceError
     from ..loop.labels import LabelError, LabelStore
@@ -111,9 +111,10 @@ def run_import(args: argparse.Namespace) -> int:
     items, numbers = read_label_file(path)
     if not items:
         raise ValueError(f"FILE: {str(path)!r} holds no labels")
-    store = LabelStore(args.capture, folder_only(args.repo, "--repo"), source="import")
     try:
-        count = store.add(args.name, items, limit=None)
+        with local_repo(args.repo, check_name(args.name)) as repo:  # a bucket's: mirrored
+            count = LabelStore(args.capture, repo, source="import").add(args.name, items,
+                                                                        limit=None)
     except LabelError as error:
         where = f"{path} line {numbers[error.index]}" if error.index is not None else str(path)
         field = f"{error.field}: " if error.field else ""

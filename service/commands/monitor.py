@@ -29,8 +29,7 @@ from orthornn.export.artifacts.loop.captures import (
 )
 from orthornn.export.artifacts.loop.error_rate import error_rates
 from orthornn.export.artifacts.loop.monitor import Window, iso, monitor
-from orthornn.export.artifacts.repository import check_name
-from orthornn.export.artifacts.storage import folder_only
+from orthornn.export.artifacts.repository import check_name, local_repo
 
 from .flags import number
 
@@ -123,9 +122,15 @@ def run_monitor(args: argparse.Namespace) -> int:
     if not repo_value:
         raise ValueError("--repo: required (or ORTHORNN_REPO): the versions' references and "
                          "graphs are in the repository")
-    repo = folder_only(repo_value, "--repo")
-    if not (repo / name).is_dir():
-        raise ValueError(f"--repo, --name: no model {name!r} in {str(repo)!r}")
+    with local_repo(repo_value, name) as repo:  # a bucket's model: mirrored while read
+        if not (repo / name).is_dir():
+            raise ValueError(f"--repo, --name: no model {name!r} in {repo_value!r}")
+        return report(args, capture, repo, name)
+
+
+def report(args: argparse.Namespace, capture: Path, repo: Path, name: str) -> int:
+    """The drift windows and labelled error rates of NAME's captures against REPO's
+    versions, printed (and written as JSON and a plot when asked); the exit code."""
     start, window = parse_since(args.since), parse_window(args.window)
     since = None if start is None else start.timestamp()
     if args.plot:

@@ -17,11 +17,7 @@ from pathlib import Path
 
 from orthornn.export.artifacts.loop.captures import local_captures
 from orthornn.export.artifacts.loop.trigger import DriftCheck, decide
-from orthornn.export.artifacts.repository import (
-    add_model_flags,
-    check_name,
-)
-from orthornn.export.artifacts.storage import folder_only
+from orthornn.export.artifacts.repository import add_model_flags, check_name, local_repo
 
 from .flags import number
 
@@ -81,15 +77,16 @@ def run_trigger(args: argparse.Namespace) -> int:
     missing = [flag for flag, v in (("--repo", args.repo), ("--name", args.name)) if not v]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
-    if not folder_only(args.repo, "--repo").is_dir():
-        raise ValueError(f"--repo {args.repo!r} is not a folder (the model repository)")
-    model_dir = Path(args.repo) / check_name(args.name)  # absent: no version yet
+    name = check_name(args.name)
     min_labels = int(number("--min-labels", args.min_labels, 1, 1e9, integer=True))
     cooldown = number("--cooldown", args.cooldown, 0, MAX_COOLDOWN_HOURS)
-    capture = local_captures(args.capture, args.name)  # a bucket's: copied once, for both
-    decision = decide(capture, model_dir, min_labels=min_labels, cooldown_hours=cooldown,
-                      drift=args.drift,
-                      drift_check=monitor_check(capture, Path(args.repo), args.name))
+    with local_repo(args.repo, name) as repo:  # a bucket's model: mirrored once, for both
+        if not repo.is_dir():
+            raise ValueError(f"--repo {args.repo!r} is not a folder (the model repository)")
+        capture = local_captures(args.capture, name)  # a bucket's: copied once, for both
+        decision = decide(capture, repo / name,  # absent: no version yet
+                          min_labels=min_labels, cooldown_hours=cooldown, drift=args.drift,
+                          drift_check=monitor_check(capture, repo, name))
     if args.reason_file:
         Path(args.reason_file).write_text(decision.reason + "\n")
     print(f"orthornn retrain-trigger: {decision.message}")

@@ -437,15 +437,35 @@ def test_captures_go_to_the_bucket_and_the_commands_read_them_there(s3_env, run_
     for key in store.list():
         (folder / key).parent.mkdir(parents=True, exist_ok=True)
         (folder / key).write_bytes(store.read(key).data)
-    for command in (["retrain-trigger", "--repo", repo, "--name", "adder", "--min-labels", "3",
+    # and with the repository in a bucket too (--repo s3://...: the model mirrored)
+    repo_uri = f"{s3_env.location()}/repo"
+    objectstore.upload_model(repo / "adder", f"{repo_uri}/adder")
+    for command in (["retrain-trigger", "--name", "adder", "--min-labels", "3",
                      "--cooldown", "0"],
-                    ["monitor", "--repo", repo, "--name", "adder"]):
-        on_bucket = orthornn(*command, "--capture", uri)
-        on_folder = orthornn(*command, "--capture", folder)
-        assert (on_bucket.returncode, on_bucket.stdout) == \
-            (on_folder.returncode, on_folder.stdout), (on_bucket.stderr, on_folder.stderr)
-        assert on_bucket.returncode in (0, 1) and "Traceback" not in on_bucket.stderr, \
-            on_bucket.stderr  # 2: refused
+                    ["monitor", "--name", "adder"],
+                    ["capture", "dataset", "--name", "adder", "--out", "OUT"]):
+        runs = [(uri, repo), (folder, repo), (uri, repo_uri), (folder, repo_uri)]
+        done = [orthornn(*[str(tmp_path / "d.npz") if a == "OUT" else a for a in command],
+                         "--capture", capture, "--repo", models) for capture, models in runs]
+        first = done[0]
+        if command[0] == "capture":  # a regression model's captures: refused, as read
+            assert first.returncode == 2 and "is a regress model" in first.stderr
+        else:  # 2: refused
+            assert first.returncode in (0, 1) and "Traceback" not in first.stderr, \
+                first.stderr
+        for other, (capture, models) in zip(done[1:], runs[1:], strict=True):
+            assert (other.returncode, other.stdout, other.stderr.splitlines()[-1:]) == \
+                (first.returncode, first.stdout, first.stderr.splitlines()[-1:]), \
+                (capture, models, other.stderr)
     assert "4 labels" in orthornn("retrain-trigger", "--repo", repo, "--name", "adder",
                                   "--min-labels", "3", "--cooldown", "0", "--capture",
                                   uri).stdout
+    # labels judged against the bucket's repository as against the folder (the model's
+    # task read from its manifest: a regression model takes none)
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text(json.dumps({"id": sent[4], "label": [0.25]}) + "\n")
+    refused = [orthornn("labels", "import", labels, "--capture", folder, "--repo", models,
+                        "--name", "adder") for models in (repo, repo_uri)]
+    assert [r.returncode for r in refused] == [2, 2]
+    assert refused[0].stderr == refused[1].stderr and "(task regress) takes no labels" in \
+        refused[1].stderr

@@ -62,9 +62,17 @@ BUCKET = ("modelRepository.uri=s3://models/repo",
           "modelRepository.region=eu-west-1", "modelRepository.existingSecret=s3-keys")
 # capture and labels on a bucket too (docs/capture.md, "Capture on object storage")
 BUCKET_CAPTURE = (*BUCKET, *CAPTURE, "capture.uri=s3://captures/prod")
+# retraining on live data with everything in buckets: the original data on a volume of its
+# own (there is no models volume), the rollout's controller on the bucket
+BUCKET_RETRAINING = (*BUCKET_CAPTURE, *LIVE[:1], *LIVE[4:-1], *ROLLOUT[1:])
+BUCKET_LIVE = (*BUCKET_RETRAINING, "retraining.extraVolumes[0].name=data",
+               "retraining.extraVolumes[0].persistentVolumeClaim.claimName=training-data",
+               "retraining.extraVolumeMounts[0].name=data",
+               "retraining.extraVolumeMounts[0].mountPath=/data",
+               "retraining.trainConfig.data=/data/original.npz")
 VARIANTS = {"defaults": (), "full": tuple(FULL), "rollout": ROLLOUT, "capture": CAPTURE,
             "distributed": DISTRIBUTED, "nccl": GPU, "live": LIVE, "live-lm": LIVE_LM,
-            "bucket": BUCKET, "bucket-capture": BUCKET_CAPTURE}
+            "bucket": BUCKET, "bucket-capture": BUCKET_CAPTURE, "bucket-live": BUCKET_LIVE}
 # Each way of keeping server-side sessions (values "sessions.*"), and the Ingress with
 # session affinity: every combination is linted and validated like the defaults.
 SESSIONS = {
@@ -508,6 +516,33 @@ def test_serving_pods_on_a_bucket_mirror_it_into_an_empty_dir_and_claim_no_volum
     assert not any(e["name"].startswith("AWS_") for e in server["env"])
 
 
+def test_retraining_on_a_bucket_publishes_there_without_a_claim():
+    docs = render(*BUCKET_LIVE)
+    assert "PersistentVolumeClaim" not in kinds(docs)
+    pods = _pods(docs)
+    for kind in ("CronJob", "Job"):
+        pod = pods[kind]
+        (job,) = pod["containers"]
+        env = {e["name"]: e.get("value") for e in job["env"]}
+        assert env["ORTHORNN_REPO"] == "s3://models/repo", kind  # the commands' --repo
+        assert env["ORTHORNN_CAPTURES"] == "s3://captures/prod"
+        assert env["AWS_ENDPOINT_URL"] == "http://seaweedfs.storage:8333"
+        assert env["AWS_REGION"] == "eu-west-1"
+        assert job["envFrom"] == [{"secretRef": {"name": "s3-keys"}}]  # the keys, by name
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert "models" not in volumes and not any("persistentVolumeClaim" in v and
+                                                   v["name"] != "data"
+                                                   for v in volumes.values())
+        assert volumes["data"]["persistentVolumeClaim"] == {"claimName": "training-data"}
+        mounts = {m["mountPath"]: m["name"] for m in job["volumeMounts"]}
+        assert mounts["/data"] == "data" and "models" not in mounts.values()
+        script = job["args"][0]
+        assert 'orthornn rollout run --repo "$ORTHORNN_REPO"' in script
+        assert "--data /data/original.npz" in script
+    # the servers only measure: the job's controller steps the rollout in the bucket
+    assert one(docs, "ConfigMap", "orthornn")["data"]["ORTHORNN_ROLLOUT_CONTROLLER"] == "off"
+
+
 def test_capture_on_a_bucket_spools_into_an_empty_dir_and_uploads_there():
     docs = render(*BUCKET_CAPTURE)
     assert "PersistentVolumeClaim" not in kinds(docs)
@@ -829,7 +864,8 @@ def test_network_policies_pass_kubernetes_validate(tmp_path):
     (["modelRepository.uri=gs://models/repo"], "modelRepository/uri"),
     (["modelRepository.uri=s3:/models/repo"], "modelRepository/uri"),
     (["modelRepository.endpoint=seaweedfs:8333"], "modelRepository/endpoint"),
-    ([*BUCKET, "retraining.enabled=true"], "retraining.enabled still needs the shared volume"),
+    ([*BUCKET_RETRAINING, "retraining.trainConfig.data=/models/data/original.npz"],
+     "retraining.trainConfig.data (/models/data/original.npz) is on the models volume"),
     ([*BUCKET, *CAPTURE], "capture.enabled with modelRepository.uri needs capture.uri"),
     ([*CAPTURE, "capture.uri=s3://captures/prod"], "capture.uri needs modelRepository.uri"),
     ([*BUCKET, *CAPTURE, "capture.uri=s3://models/repo/captures"], "or inside it"),

@@ -135,12 +135,9 @@ def local_folder(uri: str, kind: str) -> Path:
 
 
 def folder_only(location: str | Path, setting: str) -> Path:
-    """LOCATION as a Path, for what reads a folder only so far; ValueError naming SETTING
-    for a bucket's URI (or a malformed one)."""
+    """LOCATION as a Path, for a setting that takes a local folder only (a cache, a
+    spool); ValueError naming SETTING for a bucket's URI (or a malformed one)."""
     text = check_location(str(location), setting)
     if is_object_uri(text):
-        raise ValueError(f"{setting}: {text} is a bucket; this command reads a local folder "
-                         f"(on object storage so far: orthornn export, versions, rollback, "
-                         f"rollout, serve, and --capture of capture dataset, monitor, "
-                         f"retrain-trigger and labels import)")
+        raise ValueError(f"{setting}: {text} is a bucket; {setting} takes a local folder")
     return Path(text)

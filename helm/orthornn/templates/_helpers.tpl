@@ -121,14 +121,38 @@ random one on a first install (so upgrades keep it); helm template needs one giv
 {{- include "orthornn.keptSecret" (list . .Values.auth.adminToken (include "orthornn.fullname" .) "admin-token" 40 "auth.adminToken is empty and there is no cluster to find the release's Secret in (helm template, helm lint, Argo CD): a token generated here would change at every render. Give one with --set auth.adminToken=$(openssl rand -hex 24), or create a Secret (kubectl create secret generic orthornn-admin --from-literal=admin-token=$(openssl rand -hex 24)) and set auth.existingSecret=orthornn-admin (docs/deployment.md, \"Secrets\")") }}
 {{- end }}
 
+{{/* A pod's settings of the bucket (modelRepository.uri): the endpoint and the region, as
+the AWS tools read them. The keys come by envFrom (orthornn.bucketKeys), or else the pod's
+web identity. Nothing without a bucket. */}}
+{{- define "orthornn.bucketEnv" -}}
+{{- $bucket := .Values.modelRepository }}
+{{- if $bucket.uri }}
+{{- with $bucket.endpoint }}
+- name: AWS_ENDPOINT_URL
+  value: {{ . | quote }}
+{{- end }}
+{{- with $bucket.region }}
+- name: AWS_REGION
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY of the bucket, by reference to
+modelRepository.existingSecret (an envFrom entry). */}}
+{{- define "orthornn.bucketKeys" -}}
+{{- $bucket := .Values.modelRepository }}
+{{- if and $bucket.uri $bucket.existingSecret }}
+- secretRef:
+    name: {{ $bucket.existingSecret | quote }}
+{{- end }}
+{{- end }}
+
 {{/* Cross-field checks the JSON schema cannot express. */}}
 {{- define "orthornn.validate" -}}
 {{- $drain := add .Values.lifecycle.shutdownDelaySeconds .Values.lifecycle.drainSeconds }}
 {{- if le (int .Values.terminationGracePeriodSeconds) (int $drain) }}
 {{- fail (printf "terminationGracePeriodSeconds (%d) must be greater than lifecycle.shutdownDelaySeconds + lifecycle.drainSeconds (%d)" (int .Values.terminationGracePeriodSeconds) (int $drain)) }}
-{{- end }}
-{{- if and .Values.modelRepository.uri .Values.retraining.enabled }}
-{{- fail "modelRepository.uri serves from a bucket; retraining.enabled still needs the shared volume (persistence.enabled, modelRepository.uri empty)" }}
 {{- end }}
 {{- if and .Values.modelRepository.uri .Values.capture.enabled (not .Values.capture.uri) }}
 {{- fail "capture.enabled with modelRepository.uri needs capture.uri (s3://BUCKET/PREFIX, beside the repository, not inside it): there is no shared volume to capture to" }}
@@ -140,8 +164,16 @@ random one on a first install (so upgrades keep it); helm template needs one giv
 {{- if and .Values.capture.uri (not .Values.modelRepository.uri) }}
 {{- fail "capture.uri needs modelRepository.uri (the bucket's endpoint, region and credentials are modelRepository's); without it, captures go to the shared volume" }}
 {{- end }}
-{{- if and .Values.retraining.enabled (not .Values.persistence.enabled) }}
-{{- fail "retraining.enabled needs persistence.enabled: the jobs publish into the shared model repository volume" }}
+{{- if and .Values.retraining.enabled (not .Values.persistence.enabled) (not .Values.modelRepository.uri) }}
+{{- fail "retraining.enabled needs a model repository the jobs publish into: persistence.enabled (the shared volume) or modelRepository.uri (a bucket)" }}
+{{- end }}
+{{- if and .Values.retraining.enabled .Values.modelRepository.uri .Values.retraining.fromCaptures.enabled }}
+{{- range $key := list "data" "corpus" }}
+{{- $path := toString (index $.Values.retraining.trainConfig $key | default "") }}
+{{- if or (eq $path $.Values.persistence.mountPath) (hasPrefix (printf "%s/" (trimSuffix "/" $.Values.persistence.mountPath)) $path) }}
+{{- fail (printf "retraining.trainConfig.%s (%s) is on the models volume, which a repository in a bucket (modelRepository.uri) does not mount: put the original data in the training image or on a volume of retraining.extraVolumes / retraining.extraVolumeMounts" $key $path) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- if and .Values.autoscaling.enabled (lt (int .Values.autoscaling.maxReplicas) (int .Values.autoscaling.minReplicas)) }}
 {{- fail "autoscaling.maxReplicas must be at least autoscaling.minReplicas" }}
@@ -366,16 +398,22 @@ spec:
           fi
           {{- end }}
           exit "$status"
+      {{- with include "orthornn.bucketKeys" . }}
+      envFrom:
+        {{- . | nindent 8 }}
+      {{- end }}
       env:
+        # the repository: the shared volume, or the bucket (modelRepository.uri)
         - name: ORTHORNN_REPO
-          value: {{ .Values.persistence.mountPath | quote }}
+          value: {{ .Values.modelRepository.uri | default .Values.persistence.mountPath | quote }}
+        {{- include "orthornn.bucketEnv" . | nindent 8 }}
         - name: ORTHORNN_MODEL_NAME
           value: {{ $r.modelName | quote }}
         - name: ORTHORNN_EXPORT_MODE
           value: {{ $r.exportMode | quote }}
         {{- if $live }}
         - name: ORTHORNN_CAPTURES
-          value: {{ $captured.mountPath | quote }}
+          value: {{ .Values.capture.uri | default $captured.mountPath | quote }}
         {{- end }}
         {{- if $rollout.enabled }}
         - name: ORTHORNN_ROLLOUT_REPLICAS
@@ -404,8 +442,10 @@ spec:
         {{- end }}
         {{- toYaml $resources | nindent 8 }}
       volumeMounts:
+        {{- if not .Values.modelRepository.uri }}
         - name: models
           mountPath: {{ .Values.persistence.mountPath }}
+        {{- end }}
         - name: train-config
           mountPath: /config
           readOnly: true
@@ -413,17 +453,25 @@ spec:
           mountPath: /runs
         - name: tmp
           mountPath: /tmp
-        {{- if $live }}
+        {{- if and $live (not .Values.capture.uri) }}
         # the models volume's captures/ folder, read-only: the trigger and the data set read it
         - name: models
           mountPath: {{ $captured.mountPath }}
           subPath: captures
           readOnly: true
         {{- end }}
+        {{- with $r.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
   volumes:
+    {{- if not .Values.modelRepository.uri }}
     - name: models
       persistentVolumeClaim:
         claimName: {{ include "orthornn.claimName" . }}
+    {{- end }}
+    {{- with $r.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
     - name: train-config
       configMap:
         name: {{ include "orthornn.fullname" . }}-train
