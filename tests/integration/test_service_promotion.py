@@ -21,6 +21,7 @@ from orthornn.service.registry.policy import promotion_changes
 from orthornn.service.settings import Settings
 from prometheus_client.parser import text_string_to_metric_families
 
+from .. import objectstore
 from ..service_helpers import OWNER, LiveServer, make_repo, publish_copy, reference
 
 TOKEN = {"Authorization": "Bearer tok"}
@@ -30,6 +31,8 @@ EVALUATION = {"metric": "mse", "value": 0.0123, "higher_is_better": False, "spli
 LINEAGE = {"config_sha256": "cd" * 32, "train_data_fingerprint": "ef" * 32,
            "orthornn_version": "0.1.0", "source_revision": "f8237b6", "parent": 3,
            "created": "2025-01-01T00:00:00+00:00"}
+
+seaweedfs, s3_env = objectstore.seaweedfs, objectstore.s3_env
 
 
 def set_manifest(package: Path, **fields) -> None:
@@ -372,14 +375,22 @@ class Clients:
         assert not self.failures, self.failures[:3]
 
 
+@pytest.mark.parametrize("where", ["folder", "bucket"])
 def test_promotion_changes_swap_under_load_and_sessions_keep_their_version(
-        service_packages, tmp_path):
+        where, service_packages, tmp_path, request):
+    """In a folder, and with the repository in a bucket (a SeaweedFS; the service serves
+    a mirror of it): the same swaps, sessions, answers and counts."""
     repo = make_repo(service_packages, tmp_path / "repo", {"adding": [1, 2, 3]})
-    model_dir = repo / "adding"
+    model_dir = repo / "adding"  # the packages' files: the answers' reference
     promote(model_dir, 1, "publish")
     promote(model_dir, 2, "promote")
+    served, records, options = repo, model_dir, {}
+    if where == "bucket":
+        served = f"{request.getfixturevalue('s3_env').location()}/repo"
+        records = objectstore.upload_model(model_dir, f"{served}/adding")
+        options = {"repository_cache": str(tmp_path / "cache")}
     whole = np.array([[0.5, 1.0], [0.25, 0.0], [0.1, 1.0], [0.7, 0.0], [0.3, 1.0]])
-    with LiveServer(repo=repo, poll_interval_s=0.2, admin_token="tok") as srv, \
+    with LiveServer(repo=served, poll_interval_s=0.2, admin_token="tok", **options) as srv, \
             Clients(srv.url, repo, [1, 2, 3]) as load, \
             httpx.Client(base_url=srv.url, timeout=30) as http:
         registry = srv.app.state.registry
@@ -389,7 +400,7 @@ def test_promotion_changes_swap_under_load_and_sessions_keep_their_version(
         r = http.post("/predict", json={"model": "adding", "inputs": [whole[:3].tolist()],
                                         "session": "pinned", "start": True}, headers=OWNER)
         assert r.status_code == 200 and r.json()["version"] == 2
-        promote(model_dir, 3, "promote", "passed the gate")  # found by the next scan
+        promote(records, 3, "promote", "passed the gate")  # found by the next scan
         load.wait_for(srv, 3)
         assert registry.serving() == {"adding": [3]}
         r = http.post("/predict", json={"model": "adding", "inputs": [whole[3:].tolist()],
@@ -405,7 +416,7 @@ def test_promotion_changes_swap_under_load_and_sessions_keep_their_version(
         r = http.post("/v2/repository/models/adding/rollback", headers=TOKEN)
         assert r.json() == {"model": "adding", "promoted": 2, "previous": 3}
         load.wait_for(srv, 2)
-        promote(model_dir, 1, "rollback", "by hand")
+        promote(records, 1, "rollback", "by hand")
         load.wait_for(srv, 1)
         text = http.get("/metrics").text
     assert not load.failures, load.failures[:5]
