@@ -145,9 +145,13 @@ def _security(pod: dict, container: dict, key: str):
         key, pod.get("securityContext", {}).get(key))
 
 
-def _env(container: dict, rendered: Rendered) -> dict[str, str]:
+def _env(container: dict, rendered: Rendered,
+         secrets: dict[str, dict[str, str]]) -> dict[str, str]:
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
+        if "secretRef" in source:  # a Secret made beside the chart (an existingSecret)
+            env.update(secrets[source["secretRef"]["name"]])
+            continue
         ref = source["configMapRef"]["name"]
         env.update(rendered.named("ConfigMap", ref)["data"])
     for item in container.get("env", []):
@@ -164,11 +168,12 @@ def _env(container: dict, rendered: Rendered) -> dict[str, str]:
 
 
 def run_flags(workload: dict, rendered: Rendered, host_paths: dict[str, Path],
-              scratch: Path) -> list[str]:
+              scratch: Path, secrets: dict[str, dict[str, str]] | None = None) -> list[str]:
     """`podman run` flags and image and arguments for the first container of WORKLOAD's
     pod: `[flags..., image, args...]`. HOST_PATHS gives a host folder for each volume that
     is neither an emptyDir nor a ConfigMap (the PVC); ConfigMap volumes are written under
-    SCRATCH."""
+    SCRATCH. SECRETS: the data of the Secrets the chart names but does not render (as
+    `kubectl create secret` made them)."""
     pod = pod_spec(workload)
     container = pod["containers"][0]
     uid, gid = _security(pod, container, "runAsUser"), _security(pod, container, "runAsGroup")
@@ -182,7 +187,7 @@ def run_flags(workload: dict, rendered: Rendered, host_paths: dict[str, Path],
     for cap in container.get("securityContext", {}).get("capabilities", {}).get("drop", []):
         flags += ["--cap-drop", cap]
     assert not _security(pod, container, "privileged"), "privileged pods are not run here"
-    for name, value in _env(container, rendered).items():
+    for name, value in _env(container, rendered, secrets or {}).items():
         flags += ["--env", f"{name}={value}"]
     fs_group = pod.get("securityContext", {}).get("fsGroup")
     if fs_group is not None:

@@ -37,7 +37,7 @@ from orthornn.export.artifacts.loop.captures import (
 from orthornn.export.artifacts.manifest import Manifest
 from orthornn.export.artifacts.package import read_manifest
 from orthornn.export.artifacts.records import atomic_write
-from orthornn.export.artifacts.repository import check_name
+from orthornn.export.artifacts.repository import check_name, versions
 from orthornn.export.artifacts.storage import Exists, is_object_uri, local_folder, open_store
 from orthornn.export.artifacts.vocabulary import UNK, words
 
@@ -50,7 +50,8 @@ if TYPE_CHECKING:  # (the store runs without prometheus_client too: orthornn lab
 MAX_LABELS = 10_000  # labels in one request (or one import batch)
 MAX_TOKENS = 4_096  # next tokens in one language-model label (per sequence)
 _MANIFESTS = 64  # manifests kept (versions are immutable: never re-read)
-_SYNC_S = 1.0  # on a bucket: the index's copy listed at most this often
+_SYNC_S = 1.0  # on a bucket: the index's copy of today and yesterday listed this often
+_FULL_SYNC_S = 300.0  # and all of it (a new version's folder, the retention's deletions)
 
 
 class LabelError(ClientError):
@@ -186,6 +187,7 @@ class LabelStore:
         self.root = local_folder(self.bucket.uri, "captures") if self.bucket else Path(root)
         self.roots = (self.root,) if spool is None else (self.root, Path(spool))
         self._synced: dict[str, float] = {}  # model -> when its copy was last listed
+        self._full: dict[str, float] = {}  # model -> when all of it was last listed
         self.repo, self.metrics = Path(repo), metrics
         self.replica, self.source, self.max_ids, self.clock = \
             replica_name(replica, f"import-{socket.gethostname()}-{os.getpid()}"), source, \
@@ -200,11 +202,20 @@ class LabelStore:
             found = self._indexes[model] = CaptureIndex(self.roots, model, self.max_ids)
         now = time.monotonic()
         if self.bucket is not None and now - self._synced.get(model, -_SYNC_S) >= _SYNC_S:
+            whole = now - self._full.get(model, -_FULL_SYNC_S) >= _FULL_SYNC_S
+            wall = self.clock()
+            # an object uploaded since the last listing is in today's folder or
+            # yesterday's (a segment closes within its age), save a predecessor's
+            # leftovers: the whole listing's, every _FULL_SYNC_S
             try:
-                mirror_captures(self.bucket, self.root, model)
+                mirror_captures(self.bucket, self.root, model, days=None if whole else
+                                (today(wall - 86400), today(wall)),
+                                versions=tuple(versions(self.repo / model)))
             except Exception as error:  # obstore's and the disk's errors alike
                 raise self._unavailable(error) from None
             self._synced[model] = now
+            if whole:
+                self._full[model] = now
         found.refresh()
         return found
 

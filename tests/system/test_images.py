@@ -26,9 +26,14 @@ import httpx
 import numpy as np
 import pytest
 import yaml
+from orthornn.export.artifacts import remote, repository
+from orthornn.export.artifacts.storage import open_store
 
 from .. import containers as c
+from .. import objectstore
 from ..service_helpers import LiveServer, free_port, make_repo, publish_copy
+
+seaweedfs = objectstore.seaweedfs
 
 # the image build (minutes, cold) runs beside the other tests, and the training container
 # trains: longer than the suite's default timeout
@@ -280,6 +285,50 @@ def test_hot_swap_under_load_fails_no_request(served, service_packages):
             t.join()
     assert not failures, failures[:5]
     assert 1 in versions and versions[-1] == 2, versions[-5:]
+
+
+def test_the_serving_pod_on_a_bucket_serves_it_and_follows_it(engine, seaweedfs,
+                                                            service_packages, tmp_path,
+                                                            monkeypatch):
+    """The chart's Deployment with modelRepository.uri (a bucket of a SeaweedFS on
+    loopback, its keys in an existingSecret) run by the engine: ready with the bucket's
+    model mirrored into its cache volume, and a version published there swapped in."""
+    for key, value in seaweedfs.env.items():
+        monkeypatch.setenv(key, value)
+    repo = f"{seaweedfs.location()}/repo"
+    stage = make_repo(service_packages, tmp_path / "stage", {"adding": [1]})
+    repository.promote(stage / "adding", 1, "publish", "first")
+    objectstore.upload_model(stage / "adding", f"{repo}/adding")
+    port = free_port()
+    rendered = helm_template(f"containerPort={port}", f"modelRepository.uri={repo}",
+                             f"modelRepository.endpoint={seaweedfs.endpoint}",
+                             "modelRepository.existingSecret=s3-keys",
+                             "config.pollIntervalSeconds=0.5")
+    keys = {k: v for k, v in seaweedfs.env.items() if k.startswith("AWS_ACCESS_KEY_ID")
+            or k.startswith("AWS_SECRET")}
+    deployment = rendered.one("Deployment", "server")
+    flags = c.run_flags(deployment, rendered, {}, tmp_path / "scratch",
+                        secrets={"s3-keys": keys})
+    name = c.container_name("bucket")
+    url = f"http://127.0.0.1:{port}"
+    c.sh(engine, "run", "--detach", "--name", name, *flags)
+    try:
+        c.wait_status(url + "/v2/health/ready", 200, 60, name)
+        body = predict_body(2, 6, 2, seed=3)
+        assert httpx.post(url + "/predict", json=body, timeout=10).json()["version"] == 1
+        cache = tmp_path / "scratch" / "emptyDir" / "models"  # the chart's cache emptyDir
+        assert (cache / "adding" / "1" / "manifest.json").is_file()
+        remote.upload(open_store(f"{repo}/adding"), "2", service_packages / "adding" / "2",
+                      last="manifest.json")
+        repository.promote(f"{repo}/adding", 2, "promote", "second")
+        deadline = time.monotonic() + 60
+        while httpx.post(url + "/predict", json=body, timeout=10).json()["version"] != 2:
+            assert time.monotonic() < deadline, c.sh(engine, "logs", name).stderr[-3000:]
+            time.sleep(0.2)
+        logs = c.sh(engine, "logs", name, check=False)
+        assert "Traceback" not in logs.stdout + logs.stderr
+    finally:
+        c.sh(engine, "rm", "--force", name, check=False)
 
 
 def test_training_image_runs_the_cronjob_and_the_server_swaps_it_in(served):

@@ -143,15 +143,31 @@ def local_captures(location: str | Path, model: str, show: bool = False) -> Path
     return root
 
 
-def mirror_captures(store: Any, root: Path, model: str, show: bool = False) -> None:
+def mirror_captures(store: Any, root: Path, model: str, show: bool = False,
+                    days: tuple[str, ...] | None = None, versions: tuple[int, ...] = ()
+                    ) -> None:
     """ROOT made a copy of MODEL's segments and labels in STORE (``local_captures``):
     the objects not yet there downloaded, the files whose object is gone removed.
-    STORE's errors pass through."""
+    DAYS: only those day folders (``YYYY-MM-DD``) of the copy's version folders and of the
+    labels, and of VERSIONS (the repository's: a version whose first captures are not in
+    the copy yet), one listing each (the labels' index follows new objects every second:
+    a listing of the whole retention there would be tens of thousands of keys), nothing
+    removed; None: the whole model. STORE's errors pass through."""
     from ..records import atomic_write
 
     uri = store.uri
-    keys = {k for k in store.list(f"{check_name(model)}/") if _is_capture_key(k)}
-    mine = {p.relative_to(root).as_posix() for p in (root / model).glob("*/*/*.jsonl")}
+    name = check_name(model)
+    if days is None:
+        listed = store.list(f"{name}/")
+        mine = {p.relative_to(root).as_posix() for p in (root / model).glob("*/*/*.jsonl")}
+    else:
+        subs = {p.name for p in (root / model).glob("*") if p.is_dir()} | {LABELS} | \
+            {str(v) for v in versions}
+        listed = [k for sub in sorted(subs) for day in days
+                  for k in store.list(f"{name}/{sub}/{day}/")]
+        mine = {p.relative_to(root).as_posix() for day in days
+                for p in (root / model).glob(f"*/{day}/*.jsonl")}
+    keys = {k for k in listed if _is_capture_key(k)}
     missing = sorted(keys - mine)
     bar = progress_bar(len(missing), f"{model}: from {uri}", "file", show)
     for key in missing:
@@ -162,8 +178,9 @@ def mirror_captures(store: Any, root: Path, model: str, show: bool = False) -> N
             bar.update()
     if bar is not None:
         bar.close()
-    for gone in mine - keys:
-        (root / gone).unlink(missing_ok=True)
+    if days is None:
+        for gone in mine - keys:
+            (root / gone).unlink(missing_ok=True)
 
 
 def _is_capture_key(key: str) -> bool:

@@ -169,6 +169,42 @@ def test_the_commands_copy_of_a_bucket_follows_it(tmp_path, monkeypatch):
         local_captures(tmp_path / "none", "m")
 
 
+def test_the_label_index_lists_the_recent_days_and_all_only_now_and_then(tmp_path):
+    """mirror_captures with DAYS (what the labels' index runs every second): one listing
+    per version folder of the copy and the labels, of those days only; a new object of
+    those days fetched, nothing removed; the whole listing (every few minutes) fetches an
+    old day's object and removes what the bucket no longer holds."""
+    from orthornn.export.artifacts.loop.captures import mirror_captures
+
+    bucket, root = Local(tmp_path / "bucket"), tmp_path / "copy"
+    listed: list[str] = []
+    list_all = bucket.list
+    bucket.list = lambda prefix="": listed.append(prefix) or list_all(prefix)  # type: ignore
+    line = b'{"id":"a","model":"m","version":1,"inputs":[],"outputs":[]}\n'
+    old, yesterday, today = "2026-09-01", "2026-09-19", "2026-09-20"
+    for key in (f"m/1/{old}/r-1.jsonl", f"m/2/{yesterday}/r-1.jsonl"):
+        bucket.write(key, line)
+    mirror_captures(bucket, root, "m")
+    assert listed == ["m/"]
+    bucket.write(f"m/2/{today}/r-2.jsonl", line)
+    bucket.write(f"m/labels/{today}/r-1.jsonl", b'{"id":"a","label":1}\n')
+    bucket.write(f"m/1/{old}/r-2.jsonl", line)  # a predecessor's leftover, sent late
+    bucket.delete(f"m/1/{old}/r-1.jsonl")  # the retention
+    listed.clear()
+    bucket.write(f"m/3/{today}/r-1.jsonl", line)  # a new version's first captures
+    mirror_captures(bucket, root, "m", days=(yesterday, today), versions=(2, 3))
+    assert sorted(listed) == sorted(f"m/{sub}/{day}/" for sub in ("1", "2", "3", "labels")
+                                    for day in (yesterday, today))
+    copied = lambda: sorted(p.relative_to(root).as_posix() for p in root.rglob("*.jsonl"))  # noqa: E731
+    assert copied() == [f"m/1/{old}/r-1.jsonl", f"m/2/{yesterday}/r-1.jsonl",
+                        f"m/2/{today}/r-2.jsonl", f"m/3/{today}/r-1.jsonl",
+                        f"m/labels/{today}/r-1.jsonl"]
+    mirror_captures(bucket, root, "m")  # the whole listing
+    assert copied() == [f"m/1/{old}/r-2.jsonl", f"m/2/{yesterday}/r-1.jsonl",
+                        f"m/2/{today}/r-2.jsonl", f"m/3/{today}/r-1.jsonl",
+                        f"m/labels/{today}/r-1.jsonl"]
+
+
 def test_old_days_are_listed_until_a_round_sends_everything_then_only_the_last_two(setup,
                                                                                    monkeypatch):
     """What a predecessor left in a past day's folder is sent, even when the first round
