@@ -303,7 +303,7 @@ def test_the_serving_pod_on_a_bucket_serves_it_and_follows_it(engine, seaweedfs,
     rendered = helm_template(f"containerPort={port}", f"modelRepository.uri={repo}",
                              f"modelRepository.endpoint={seaweedfs.endpoint}",
                              "modelRepository.existingSecret=s3-keys",
-                             "config.pollIntervalSeconds=0.5")
+                             "config.pollIntervalSeconds=1")
     keys = {k: v for k, v in seaweedfs.env.items() if k.startswith("AWS_ACCESS_KEY_ID")
             or k.startswith("AWS_SECRET")}
     deployment = rendered.one("Deployment", "server")
