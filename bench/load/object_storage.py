@@ -11,7 +11,10 @@ serve` processes of this checkout:
   folder server and a bucket server polling every second, alternated for --rounds rounds;
   the ratio is of the medians;
 - capture's upload: POST /predict with every request captured to a folder, and to the
-  bucket with a segment closed and uploaded every second, alternated likewise;
+  bucket, a segment closed every second in both (and uploaded), alternated likewise;
+  beside the rates (which the S3 server's own CPU on the same cores lowers), each
+  server's CPU time per request, and the share of the server's CPU that its upload
+  threads (the uploader, obstore's runtime) used;
 - a node lost with its disk: a server capturing every request to the bucket (segments
   closed at --loss-segment-age-s) answers one client for --loss-s, is killed (SIGKILL) and
   its spool deleted; the answered requests missing from the bucket, and how long before
@@ -205,15 +208,15 @@ def throughput(args: argparse.Namespace, folder: Path, uri: str, body: bytes,
 
 def capture_throughput(args: argparse.Namespace, folder: Path, uri: str, body: bytes,
                        env: dict[str, str], work: Path) -> dict:
-    """/predict capturing every request to a folder, and to the bucket with a segment
-    closed and uploaded every second (the default is every 60 s at most: this is the
-    upload's cost sixty times over)."""
+    """/predict capturing every request to a folder, and to the bucket, with a segment
+    closed every second in both (the default is every 60 s at most: this is the upload's
+    cost sixty times over; the closing itself is on both sides)."""
     from orthornn.export.artifacts.storage import open_store
 
     captures = uri.rsplit("/", 1)[0] + "/captures"
     rows = compare(args, body, {
         "capture to a folder": ready_s(str(folder), [
-            "--capture", str(work / "capture")], env)[1],
+            "--capture", str(work / "capture"), "--capture-segment-age-s", "1"], env)[1],
         "capture to the bucket, a segment a second": ready_s(str(folder), [
             "--capture", captures, "--capture-spool", str(work / "spool"),
             "--capture-segment-age-s", "1"], env)[1]})
@@ -264,28 +267,67 @@ def node_loss(args: argparse.Namespace, folder: Path, uri: str, body: bytes,
             "not_answered_in_bucket": len(kept - answered.keys())}
 
 
+#: the server's threads that upload capture segments: the uploader (service/loop/upload.py
+#: names it) and obstore's runtime, which sends the requests
+UPLOAD_THREADS = ("capture-upload", "tokio-rt-worker")
+
+
+def cpu_s(pid: int, threads: tuple[str, ...] = ()) -> float:
+    """The CPU time a process has used, in seconds: all its threads, or those named
+    THREADS."""
+    if not threads:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1]
+        if name in threads:
+            total += int(fields.split()[11]) + int(fields.split()[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def compare(args: argparse.Namespace, body: bytes, servers: dict[str, Server]) -> dict:
     """--rounds rounds of POST /predict on each of SERVERS, alternated; each one's median
-    rate and its ratio to the first's."""
+    rate and its ratio to the first's, and the server's own CPU time per request (its
+    work, which the client's and the S3 server's share of this machine's cores does not
+    blur) and its ratio."""
     requests = [request("POST", "/predict", body)]
     rates: dict[str, list[float]] = {kind: [] for kind in servers}
+    cpu: dict[str, list[float]] = {kind: [] for kind in servers}
+    upload = dict.fromkeys(servers, 0.0)
+    total = dict.fromkeys(servers, 0.0)
     try:
         for k in range(args.rounds):
             pair = list(servers.items())
             for kind, server in (pair if k % 2 == 0 else pair[::-1]):
+                pid = server.proc.pid
+                before, uploading = cpu_s(pid), cpu_s(pid, UPLOAD_THREADS)
                 seconds, latencies, errors = asyncio.run(load(
                     server.port, requests, args.concurrency, args.round_s, 10**9))
                 if errors:
                     raise RuntimeError(f"{kind}: {errors[:3]}")
                 rates[kind].append(len(latencies) / seconds)
+                used = cpu_s(pid) - before
+                cpu[kind].append(used / len(latencies) * 1e6)
+                total[kind] += used
+                upload[kind] += cpu_s(pid, UPLOAD_THREADS) - uploading
             print(f"round {k + 1}/{args.rounds}: " + ", ".join(
-                f"{kind} {v[-1]:.0f} req/s" for kind, v in rates.items()), flush=True)
+                f"{kind} {v[-1]:.0f} req/s ({cpu[kind][-1]:.0f} us CPU each)"
+                for kind, v in rates.items()), flush=True)
     finally:
         for server in servers.values():
             server.stop()
     base = statistics.median(next(iter(rates.values())))
+    base_cpu = statistics.median(next(iter(cpu.values())))
     return {kind: {"req_s": round(statistics.median(v), 1),
-                   "ratio": round(statistics.median(v) / base, 3)}
+                   "ratio": round(statistics.median(v) / base, 3),
+                   "cpu_us_per_request": round(statistics.median(cpu[kind]), 1),
+                   "cpu_ratio": round(statistics.median(cpu[kind]) / base_cpu, 3),
+                   "upload_cpu_share": round(upload[kind] / total[kind], 4)}
             for kind, v in rates.items()}
 
 
@@ -301,11 +343,17 @@ def table(results: dict) -> None:
               f"{swap['max']:.2f} s | |")
     for kind, row in results.get("throughput", {}).items():
         print(f"| /predict throughput, {kind} | {row['req_s']:.0f} req/s | {row['ratio']} |")
+        print(f"| server CPU per request, {kind} | {row['cpu_us_per_request']:.0f} us | "
+              f"{row['cpu_ratio']} |")
     capture = dict(results.get("capture_throughput", {}))
     uploaded = capture.pop("segments_uploaded", None)
     for kind, row in capture.items():
         print(f"| /predict throughput, {kind} | {row['req_s']:.0f} req/s | {row['ratio']} "
               f"(to capture to a folder) |")
+        print(f"| server CPU per request, {kind} | {row['cpu_us_per_request']:.0f} us | "
+              f"{row['cpu_ratio']} (to capture to a folder) |")
+        print(f"| the upload's threads' share of the server's CPU, {kind} | "
+              f"{100 * row['upload_cpu_share']:.2f}% | |")
     if uploaded is not None:
         print(f"| capture segments uploaded meanwhile | {uploaded} | |")
     if "node_loss" in results:

@@ -117,6 +117,8 @@ def test_object_storage_benchmark_runs(tmp_path):
     capture = result["capture_throughput"]
     assert capture["segments_uploaded"] >= 1  # the bucket's capture did upload
     assert capture["capture to a folder"]["ratio"] == 1.0
+    assert capture["capture to a folder"]["cpu_ratio"] == 1.0
+    assert capture["capture to a folder"]["upload_cpu_share"] == 0  # no uploader, no obstore
     assert capture["capture to the bucket, a segment a second"]["req_s"] > 0
     # a node lost with its disk: every answered request is in the bucket or counted lost,
     # and the bucket holds nothing that was not answered (the bound is the bench's number)
