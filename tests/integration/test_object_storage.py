@@ -222,6 +222,15 @@ def _answer(url: str) -> int:
     return r.json()["version"]
 
 
+def _send(url: str, model: str, sequence: list, ids) -> None:
+    """One /predict of SEQUENCE to MODEL under each request id of IDS, each answered 200
+    with its id echoed."""
+    for rid in ids:
+        r = httpx.post(f"{url}/predict", headers={"X-Request-Id": rid}, timeout=30,
+                       json={"model": model, "inputs": [sequence]})
+        assert r.status_code == 200 and r.headers["X-Request-Id"] == rid, r.text
+
+
 def _until(what, expected, seconds: float = 60) -> None:
     deadline = time.monotonic() + seconds
     while (got := what()) != expected:
@@ -337,10 +346,7 @@ def test_labels_on_a_bucket_are_objects_there_that_every_replica_follows(s3_env,
             "--capture-segment-age-s", age, "--capture-replica", name])
 
     def send(to: Replica, *ids: str) -> None:
-        for rid in ids:
-            r = httpx.post(f"{to.url}/predict", headers={"X-Request-Id": rid}, timeout=30,
-                           json={"model": "digits", "inputs": [[[0.5]] * 64]})
-            assert r.status_code == 200, r.text
+        _send(to.url, "digits", [[0.5]] * 64, ids)
 
     def label(to: Replica, *ids: str) -> tuple[int, str]:
         r = httpx.post(f"{to.url}/v2/models/digits/labels", timeout=30,
@@ -403,10 +409,7 @@ def test_captures_go_to_the_bucket_and_the_commands_read_them_there(s3_env, run_
 
     def send(first: int, count: int) -> list[str]:
         ids = [f"q{i}" for i in range(first, first + count)]
-        for rid in ids:
-            r = httpx.post(f"{replica.url}/predict", headers={"X-Request-Id": rid}, timeout=30,
-                           json={"model": "adder", "inputs": [[[0.25, 0.0]] * 5 + [[0.5, 1.0]]]})
-            assert r.status_code == 200 and r.headers["X-Request-Id"] == rid, r.text
+        _send(replica.url, "adder", [[0.25, 0.0]] * 5 + [[0.5, 1.0]], ids)
         return ids
 
     replica.start()
