@@ -94,9 +94,6 @@ def run_export(args: argparse.Namespace) -> int:
     from .builder.exporter import AlreadyPublished, export_run
 
     if is_object_uri(check_location(args.repo, "--repo")):
-        if args.rollout:  # rollout.json's controller and lease take the folder's lock
-            raise ValueError("--rollout: a rollout needs a folder repository for now; with "
-                             "--repo s3://... publish with --gate --no-promote, or promote")
         open_store(args.repo).check()  # a missing bucket or refused keys: before any work
 
     min_metric = None if args.min_metric is None else _float("--min-metric", args.min_metric)
@@ -110,20 +107,21 @@ def run_export(args: argparse.Namespace) -> int:
                          "a candidate that passed it)")
     if args.rollout and args.no_promote:
         raise ValueError("--rollout and --no-promote: choose one")
+    from .artifacts.repository import model_location, version_of
     from .artifacts.repository import promoted as promoted_version
     from .artifacts.rollout import RolloutError, read_plan, start
 
     options = plan_options(args) if args.rollout else {}  # bad flags: before any work
     if args.rollout:  # a running rollout refuses the new one: before anything is published
         try:
-            running = read_plan(Path(args.repo) / args.name)
+            running = read_plan(model_location(args.repo, args.name))
         except ValueError:
             running = None  # an unreadable plan is replaced (rollout.start)
         if running is not None and running.running:
             raise RolloutError(f"a rollout of version {running.candidate} is already "
                                f"running for {args.name!r}; `orthornn rollout abort` or "
                                f"`promote` it first (nothing was exported)")
-    if args.rollout and promoted_version(Path(args.repo) / args.name) is None:
+    if args.rollout and promoted_version(model_location(args.repo, args.name)) is None:
         print("orthornn export: no version is promoted yet, so there is nothing to roll out "
               "against: a candidate that passes is promoted at once", file=sys.stderr)
         args.rollout = False
@@ -137,7 +135,7 @@ def run_export(args: argparse.Namespace) -> int:
         print(path)
         if args.rollout:
             with flags_named():
-                plan = start(Path(path).parent, int(Path(path).name), **options)
+                plan = start(model_location(args.repo, args.name), version_of(path), **options)
             print(f"orthornn export: rollout {plan.id} of version {plan.candidate} "
                   f"started (orthornn rollout status --repo {args.repo} --name {args.name})",
                   file=sys.stderr)

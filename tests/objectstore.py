@@ -161,3 +161,16 @@ def upload_model(folder: Path, uri: str) -> str:
     if (folder / "promotion.json").is_file():
         store.write("promotion.json", (folder / "promotion.json").read_bytes())
     return uri
+
+
+def captured_ids(store, model: str) -> list[str]:
+    """The ids of every record in MODEL's segments in a capture bucket (the layout's keys
+    only), sorted."""
+    from orthornn.export.artifacts.loop.captures import line_records
+
+    ids = []
+    for key in store.list(f"{model}/"):
+        if key.split("/")[1].isdigit():
+            for line in store.read(key).data.splitlines():
+                ids.extend(r["id"] for r in line_records(line) or [])
+    return sorted(ids)

@@ -2,7 +2,9 @@
 replicas capturing every request into one folder, clients that shift, labels given back
 through the labels route, the chart's retraining script (trigger, captured data set,
 training, the two-split gate, the rollout controller) run by /bin/sh with the real
-``orthornn``, while clients keep sending.
+``orthornn``, while clients keep sending. In folders, and with the repository and the
+captures in buckets of a real SeaweedFS (the chart's bucket values; version 1 and the blind
+candidate trained once for both).
 
 Digits as 8 rows of 8 pixels (sklearn's, bundled). Version 1 learns the original digits;
 then the clients send inverted digits (1 - x), on which version 1 is near chance:
@@ -32,10 +34,16 @@ import httpx
 import numpy as np
 import pytest
 import yaml
+from orthornn.export.artifacts import repository
+from orthornn.export.artifacts.storage import open_store
 
+from .. import objectstore
 from ..cluster import ROOT, Replica
 from ..pace import Pace
+from ..service_helpers import wait_until
 from ..system.test_deploy import _retraining_scripts, one, render
+
+seaweedfs, s3_env = objectstore.seaweedfs, objectstore.s3_env
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -61,9 +69,11 @@ CHART = ("retraining.enabled=true", "capture.enabled=true",
          "retraining.rollout.maxLatencyRatio=50")
 
 
-def orthornn(*args: object, code: int = 0) -> subprocess.CompletedProcess:
+def orthornn(*args: object, code: int = 0, env: dict[str, str] | None = None
+             ) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, "-m", "orthornn", *map(str, args)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=600,
+                            env={**os.environ, **(env or {})})
     assert result.returncode == code, (result.stdout + result.stderr)[-3000:]
     return result
 
@@ -147,35 +157,97 @@ def accuracy(answers: list[dict], y: np.ndarray) -> float:
     return float(np.mean([a["outputs"][0]["index"] == t for a, t in zip(answers, y, strict=True)]))
 
 
-def test_the_loop_unattended(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The original digits (an .npz), the job's train.yaml, version 1's run, and beside it a
+    candidate that will never see a capture (a quarter of the budget: it is refused
+    whatever it scores on the original digits); trained once for both variants, a thread
+    each (two runs that each took both cores took ten times as long)."""
+    work = tmp_path_factory.mktemp("loop-runs")
+    x, y, _ = digits()
+    original = work / "original.npz"
+    np.savez(original, x=x, y=y, labels=np.array([str(c) for c in range(10)]))
+    config = work / "train.yaml"
+    config.write_text(yaml.safe_dump({**TRAIN, "data": str(original)}))
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(orthornn, "train", "--config", config, "--no-progress", "--out",
+                            work / run, "--seed", seed, "--threads", 1, *extra)
+                for run, seed, extra in (("v1", 0, ()), ("blind", 1, ("--epochs", 10)))]
+        for job in jobs:
+            job.result()
+    return work
+
+
+class Store:
+    """Where the loop keeps its repository and captures: folders, or (BUCKET) prefixes of
+    a SeaweedFS's bucket, served through the chart's bucket values; what the test reads of
+    them, alike for both."""
+
+    def __init__(self, tmp_path, server: objectstore.SeaweedFS | None):
+        self.server = server
+        if server is None:
+            self.repo, self.captures = tmp_path / "repo", tmp_path / "captures"
+            self.env: dict[str, str] = {}
+            self.values: tuple[str, ...] = ()
+        else:
+            root = server.location()
+            self.repo, self.captures, self.env = f"{root}/repo", f"{root}/captures", server.env
+            self.values = (f"modelRepository.uri={self.repo}", f"capture.uri={self.captures}",
+                           f"modelRepository.endpoint={server.endpoint}",
+                           "modelRepository.existingSecret=s3-keys")
+        self.model = repository.model_location(self.repo, "digits")
+
+    def replica_args(self, tmp_path, i: int) -> list[str]:
+        if self.server is None:
+            return ["--capture", str(self.captures)]
+        # a segment a second: what a replica answered reaches the bucket (and the other
+        # replica's labels route) within about two seconds
+        return ["--capture", self.captures, "--capture-spool", str(tmp_path / f"spool-{i}"),
+                "--capture-segment-age-s", "1",
+                "--repository-cache", str(tmp_path / f"cache-{i}")]
+
+    def uploaded(self, ids: list[str]) -> None:
+        """(A bucket:) until every one of IDS is in an uploaded segment."""
+        if self.server is not None:
+            store, wanted = open_store(self.captures), set(ids)
+            wait_until(lambda: wanted <= set(objectstore.captured_ids(store, "digits")),
+                       timeout=60, interval=0.5, what="the captures uploaded")
+
+    def versions(self) -> list[int]:
+        return repository.versions(self.model)
+
+    def manifest(self, version: int) -> dict:
+        return json.loads(open_store(str(self.model)).read(f"{version}/manifest.json").data)
+
+    def promoted(self) -> int | None:
+        return repository.promoted(self.model)
+
+    def rejected(self) -> list[dict]:
+        store = open_store(str(self.model))
+        return [json.loads(store.read(k).data) for k in store.list(f"{repository.REJECTED}/")
+                if k.endswith("/manifest.json")]
+
+
+@pytest.mark.parametrize("where", ["folder", "bucket"])
+def test_the_loop_unattended(where, trained, tmp_path, request):
     sh = shutil.which("sh")
     if sh is None:
         pytest.skip("no POSIX sh")
     x, y, (train_idx, _, test_idx) = digits()
-    names = np.array([str(c) for c in range(10)])
-    original = tmp_path / "original.npz"
-    np.savez(original, x=x, y=y, labels=names)
-    repo, captures, runs = tmp_path / "repo", tmp_path / "captures", tmp_path / "runs"
+    store = Store(tmp_path, request.getfixturevalue("s3_env") if where == "bucket" else None)
+    repo, runs = store.repo, tmp_path / "runs"
     runs.mkdir()
-    config = tmp_path / "train.yaml"
-    config.write_text(yaml.safe_dump({**TRAIN, "data": str(original)}))
-
-    # version 1 on the original digits; beside it, a candidate that will never see a capture
-    # (a quarter of the budget: it is refused whatever it scores on the original digits;
-    # a thread each: two runs that each took both cores took ten times as long)
-    with ThreadPoolExecutor(2) as pool:
-        jobs = [pool.submit(orthornn, "train", "--config", config, "--no-progress", "--out",
-                            tmp_path / run, "--seed", seed, "--threads", 1, *extra)
-                for run, seed, extra in (("v1", 0, ()), ("blind", 1, ("--epochs", 10)))]
-        for job in jobs:
-            job.result()
-    orthornn("export", tmp_path / "v1", "--repo", repo, "--name", "digits", "--no-progress")
+    original, config = trained / "original.npz", trained / "train.yaml"
+    orthornn("export", trained / "v1", "--repo", repo, "--name", "digits", "--no-progress",
+             env=store.env)
 
     # the chart's retraining script, its paths pointed at this test's files
-    docs = render(*CHART, f"retraining.trainConfig.data={original}")
+    docs = render(*CHART, *store.values, f"retraining.trainConfig.data={original}")
     assert yaml.safe_load(one(docs, "ConfigMap", "-train")["data"]["train.yaml"])["task"] \
         == "classify"
     script, env = _retraining_scripts(docs)["Job"]
+    assert (env["ORTHORNN_REPO"], env["ORTHORNN_CAPTURES"]) == \
+        ((str(repo), str(store.captures)) if where == "bucket" else ("/models", "/captures"))
     for path, here in (("/config/train.yaml", config), ("/runs", runs),
                        ("/tmp/retrain-reason", tmp_path / "reason")):
         script = script.replace(path, str(here))
@@ -184,8 +256,8 @@ def test_the_loop_unattended(tmp_path):
     shim.write_text(f'#!/bin/sh\ncd "{ROOT}" && exec "{sys.executable}" -m orthornn "$@"\n')
     shim.chmod(0o755)
 
-    replicas = [Replica(repo, env={"ORTHORNN_LABELS_TOKEN": TOKEN},
-                        args=["--capture", str(captures), "--capture-sample", "1",
+    replicas = [Replica(repo, env={"ORTHORNN_LABELS_TOKEN": TOKEN, **store.env},
+                        args=[*store.replica_args(tmp_path, i), "--capture-sample", "1",
                               "--capture-replica", f"r{i}", "--poll-interval-s", "0.2",
                               "--rollout-controller", "off"]) for i in range(2)]
     urls = [r.url for r in replicas]
@@ -193,8 +265,9 @@ def test_the_loop_unattended(tmp_path):
     def job() -> str:
         result = subprocess.run(
             [sh, "-ec", script], capture_output=True, text=True, timeout=600,
-            env={**os.environ, **env, "ORTHORNN_REPO": str(repo),
-                 "ORTHORNN_CAPTURES": str(captures), "ORTHORNN_ROLLOUT_REPLICAS": ",".join(urls),
+            env={**os.environ, **env, **store.env, "ORTHORNN_REPO": str(repo),
+                 "ORTHORNN_CAPTURES": str(store.captures),
+                 "ORTHORNN_ROLLOUT_REPLICAS": ",".join(urls),
                  "PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}"})
         out = result.stdout + result.stderr
         with open(tmp_path / "job.log", "a") as log:  # what the Job's pod would log
@@ -211,9 +284,10 @@ def test_the_loop_unattended(tmp_path):
         before_test = send(urls, [f"test-{i}" for i in test_idx], x[test_idx])
         send(urls, [f"orig-{i}" for i in extra], x[extra])
         assert {a["version"] for a in before_test} == {1}
+        store.uploaded([f"orig-{i}" for i in extra])
         out = job()
         assert "retraining: nothing to do for digits" in out, out[-3000:]
-        assert sorted(p.name for p in (repo / "digits").iterdir() if p.name.isdigit()) == ["1"]
+        assert store.versions() == [1]
 
         # 2. the clients shift to inverted digits; the labelling system answers for those
         # of the training split's first 400 (the test split's stay unlabelled: evaluation)
@@ -223,6 +297,7 @@ def test_the_loop_unattended(tmp_path):
         answers = dict(zip(ids, send(urls, ids, 1.0 - x[shifted[order]]), strict=True))
         before_shifted = [answers[f"shift-{i}"] for i in test_idx]
         labelled = [{"id": f"shift-{i}", "label": int(y[i])} for i in train_idx[:400]]
+        store.uploaded(ids)  # a bucket: the other replica's answers labelled there too
         for k in range(0, len(labelled), 100):
             r = httpx.post(urls[k // 100 % 2] + "/v2/models/digits/labels", timeout=60,
                            json=labelled[k:k + 100],
@@ -237,7 +312,7 @@ def test_the_loop_unattended(tmp_path):
         assert len(load.answers) >= 40 and {s for s, _ in load.answers} == {200}
         # the canary served both
         assert {v for _, v in load.answers} == {1, 2}, (len(load.answers), out[-3000:])
-        manifest = json.loads((repo / "digits" / "2" / "manifest.json").read_text())
+        manifest = store.manifest(2)
         with np.load(runs / "captured.npz") as f:
             learned, segments = len(f["y"]), sorted(str(s) for s in f["segments"])
         # every replica's segments of the shift taught it (the names they keep once closed)
@@ -256,8 +331,7 @@ def test_the_loop_unattended(tmp_path):
         # the candidate beat the incumbent on the captured slice, by the margin at least
         assert gate["gate_data"]["candidate"] >= gate["gate_data"]["incumbent"] \
             + gate["gate_data"]["margin"], gate
-        promotion = json.loads((repo / "digits" / "promotion.json").read_text())
-        assert promotion["version"] == 2
+        assert store.promoted() == 2
 
         # 4. through the service again, now answered by version 2
         after_test = send(urls, [f"after-test-{i}" for i in test_idx], x[test_idx])
@@ -271,20 +345,20 @@ def test_the_loop_unattended(tmp_path):
         assert v2[0] >= v1[0] - 0.01, (v1, v2)  # and kept the original ones
 
         # 5. a candidate that learned nothing from the captures: refused on the captured slice
-        refused = orthornn("export", tmp_path / "blind", "--repo", repo, "--name", "digits",
+        refused = orthornn("export", trained / "blind", "--repo", repo, "--name", "digits",
                            "--gate", "--gate-data", runs / "captured-holdout.npz",
                            "--require-better-on-gate-data", "--tolerance", "0.01",
-                           "--no-progress", code=3)
+                           "--no-progress", code=3, env=store.env)
         assert "refused by the gate" in refused.stderr, refused.stderr
         # whichever split it names (version 2 may also beat it on the original one), on
         # the captured slice it is near chance, far below version 2: refused against either
         # (not "below version 1 + the margin": two scores near chance on 80 sequences, the
         # order of which the seed decides)
-        (kept,) = (repo / "digits" / "rejected").glob("*/manifest.json")
-        blind = json.loads(kept.read_text())["evaluation"]["splits"]["gate_data"]["value"]
+        (kept,) = store.rejected()
+        blind = kept["evaluation"]["splits"]["gate_data"]["value"]
         print(f"loop: the blind candidate {blind:.4f} on the captured slice")
         assert blind < gate["gate_data"]["candidate"] - 0.5, (blind, gate)
-        assert json.loads((repo / "digits" / "promotion.json").read_text())["version"] == 2
+        assert store.promoted() == 2
     finally:
         for replica in replicas:
             replica.kill()

@@ -308,18 +308,6 @@ def test_the_service_follows_the_bucket_and_keeps_serving_while_it_is_down(run_d
 
 # -- captures on a bucket -----------------------------------------------------------------
 
-def _bucket_records(store) -> list[str]:
-    """The ids of every record in the bucket's segments (the layout's keys only)."""
-    from orthornn.export.artifacts.loop.captures import line_records
-
-    ids = []
-    for key in store.list("adder/"):
-        if key.split("/")[1].isdigit():
-            for line in store.read(key).data.splitlines():
-                ids.extend(r["id"] for r in line_records(line) or [])
-    return sorted(ids)
-
-
 LABELS_TOKEN = "labels-token-of-the-bucket-test"
 
 
@@ -415,18 +403,19 @@ def test_captures_go_to_the_bucket_and_the_commands_read_them_there(s3_env, run_
     replica.start()
     try:
         sent = send(0, 10)
-        _until(lambda: _bucket_records(store), sorted(sent), 30)  # closed at 1 s, uploaded
+        captured = lambda: objectstore.captured_ids(store, "adder")  # noqa: E731
+        _until(captured, sorted(sent), 30)  # closed at 1 s, uploaded
         assert {p.name.endswith(".uploaded") for p in spool.rglob("*.jsonl*")} == {True}
         assert all(p.stat().st_size == 0 for p in spool.rglob("*.uploaded"))
         sent += send(10, 5)
         replica.kill()  # at once: the segment is still open in the spool
         assert list(spool.rglob("*.jsonl.open"))
         replica.start()
-        _until(lambda: _bucket_records(store), sorted(sent), 30)  # its start uploaded it
+        _until(captured, sorted(sent), 30)  # its start uploaded it
         sent += send(15, 3)
     finally:
         replica.stop()  # SIGTERM: the last segment closed and uploaded
-    assert _bucket_records(store) == sorted(sent)  # each once
+    assert captured() == sorted(sent)  # each once
     assert not list(spool.rglob("*.jsonl")) and not list(spool.rglob("*.jsonl.open"))
     text = replica.output()
     assert "Traceback" not in text, text
