@@ -329,10 +329,11 @@ class VersionPolicy:
             plan = write()
         except RolloutError as error:
             raise ServiceError(f"rollout of model {name!r}: {error}", error.status) from None
-        except OSError as error:  # e.g. the repository is mounted read-only here
+        except OSError as error:  # e.g. mounted read-only here, or the bucket down
+            where = "here" if self.bucket is None else f"in {self.bucket.uri} now"
             raise RollbackRefused(
-                f"the model repository cannot be written here ({error}); run `orthornn "
-                f"rollout` where it is writable") from None
+                f"the model repository cannot be written {where} ({error}); run `orthornn "
+                f"rollout` where it is writable, or again") from None
         if self.bucket is not None:
             self.bucket.sync(name)
         if name not in self.catalog.unloaded:

@@ -6,6 +6,7 @@ no partial version in a replica's mirror, which keeps serving and catches up."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 from pathlib import Path
@@ -137,3 +138,26 @@ def test_a_cut_download_leaves_no_partial_version_and_the_replica_catches_up(
             client.join(timeout=60)
     assert not failed, failed[:3]
     assert answered.count(1) > 0 and answered[-1] == 2
+
+
+def test_a_rollout_the_bucket_cannot_take_is_a_409_naming_it(proxy, seaweedfs,
+                                                             service_packages, tmp_path):
+    """The repository API's rollout start while every write of the plan is cut: a 409
+    whose body names the bucket, no 500, and no plan in the bucket."""
+    repo = f"{seaweedfs.location()}/repo"
+    uri = f"{repo}/adding"
+    for v in (1, 2):
+        repository.publish(repo, "adding", _copy(service_packages / "adding" / str(v)))
+    gated = open_store(uri)
+    manifest = json.loads(gated.read("2/manifest.json").data)
+    manifest["evaluation"] = {**(manifest["evaluation"] or {}), "gate": {"passed": True}}
+    gated.write("2/manifest.json", json.dumps(manifest).encode())  # what export --gate wrote
+    repository.promote(uri, 1, "publish", "first")
+    with LiveServer(repo=repo, repository_cache=str(tmp_path / "cache")) as server:
+        proxy.arm(b"PUT " + _path(uri, "rollout.json"), where="request", times=None)
+        r = httpx.post(server.url + "/v2/repository/models/adding/rollout/start",
+                       json={"candidate": 2, "shadow": 0}, timeout=120)
+        proxy.disarm()
+    assert r.status_code == 409, r.text
+    assert f"cannot be written in {repo} now" in r.json()["error"]
+    assert "rollout.json" not in open_store(uri).list()
