@@ -9,12 +9,13 @@ serve` processes of this checkout:
   opset each time) until the first answer from it, at the default poll interval (2 s);
 - throughput: POST /predict at --concurrency from this script's asyncio client against a
   folder server and a bucket server polling every second, alternated for --rounds rounds;
-  the ratio is of the medians;
+  the ratio is of the medians; the servers pinned to the last CPU, the client and the S3
+  server to the others (the peers harness's layout: a remote store takes no CPU of the
+  server's);
 - capture's upload: POST /predict with every request captured to a folder, and to the
   bucket, a segment closed every second in both (and uploaded), alternated likewise;
-  beside the rates (which the S3 server's own CPU on the same cores lowers), each
-  server's CPU time per request, and the share of the server's CPU that its upload
-  threads (the uploader, obstore's runtime) used;
+  beside the rates, each server's CPU time per request, and the share of the server's
+  CPU that its upload threads (the uploader, obstore's runtime) used;
 - a node lost with its disk: a server capturing every request to the bucket (segments
   closed at --loss-segment-age-s) answers one client for --loss-s, is killed (SIGKILL) and
   its spool deleted; the answered requests missing from the bucket, and how long before
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.update(s3.env)  # this process's uploads and exports
             uri = f"s3://{s3.shared}/repo"
             upload(folder, uri)
-            results = measure(args, folder, uri, models, run, s3.env, work)
+            assert s3.proc is not None
+            results = measure(args, folder, uri, models, run, s3.env, work, s3.proc.pid)
     finally:
         for key, value in saved.items():
             if value is None:
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(args: argparse.Namespace, folder: Path, uri: str, models: list[str],
-            run: Path | None, env: dict[str, str], work: Path) -> dict:
+            run: Path | None, env: dict[str, str], work: Path, store_pid: int) -> dict:
     starts: dict[str, list[float]] = {"folder": [], "bucket, empty cache": [],
                                       "bucket, warm cache": []}
     warm = work / "warm-cache"
@@ -163,8 +165,9 @@ def measure(args: argparse.Namespace, folder: Path, uri: str, models: list[str],
         return results
     body = json.dumps({"model": models[0], "inputs": [[[0.1] * 9] * 32]}).encode()
     results["swap_delay_s"] = swaps(args, uri, run, body, env, work)
-    results["throughput"] = throughput(args, folder, uri, body, env, work)
-    results["capture_throughput"] = capture_throughput(args, folder, uri, body, env, work)
+    results["throughput"] = throughput(args, folder, uri, body, env, work, store_pid)
+    results["capture_throughput"] = capture_throughput(args, folder, uri, body, env, work,
+                                                       store_pid)
     results["node_loss"] = node_loss(args, folder, uri, body, env, work)
     return results
 
@@ -197,17 +200,17 @@ def swaps(args: argparse.Namespace, uri: str, run: Path, body: bytes,
 
 
 def throughput(args: argparse.Namespace, folder: Path, uri: str, body: bytes,
-               env: dict[str, str], work: Path) -> dict:
+               env: dict[str, str], work: Path, store_pid: int) -> dict:
     """/predict against the folder and against the bucket polled every second."""
     return compare(args, body, {
         "folder": ready_s(str(folder), [], env)[1],
         "bucket, polled every 1 s": ready_s(uri, [
             "--repository-cache", str(work / "load-cache"), "--poll-interval-s", "1"],
-            env)[1]})
+            env)[1]}, (store_pid,))
 
 
 def capture_throughput(args: argparse.Namespace, folder: Path, uri: str, body: bytes,
-                       env: dict[str, str], work: Path) -> dict:
+                       env: dict[str, str], work: Path, store_pid: int) -> dict:
     """/predict capturing every request to a folder, and to the bucket, with a segment
     closed every second in both (the default is every 60 s at most: this is the upload's
     cost sixty times over; the closing itself is on both sides)."""
@@ -219,7 +222,7 @@ def capture_throughput(args: argparse.Namespace, folder: Path, uri: str, body: b
             "--capture", str(work / "capture"), "--capture-segment-age-s", "1"], env)[1],
         "capture to the bucket, a segment a second": ready_s(str(folder), [
             "--capture", captures, "--capture-spool", str(work / "spool"),
-            "--capture-segment-age-s", "1"], env)[1]})
+            "--capture-segment-age-s", "1"], env)[1]}, (store_pid,))
     return {**rows, "segments_uploaded": len(open_store(captures).list())}
 
 
@@ -290,11 +293,31 @@ def cpu_s(pid: int, threads: tuple[str, ...] = ()) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def compare(args: argparse.Namespace, body: bytes, servers: dict[str, Server]) -> dict:
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process PID on CPUS (threads it starts later inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except (ProcessLookupError, OSError):  # the thread ended meanwhile
+            continue
+
+
+def compare(args: argparse.Namespace, body: bytes, servers: dict[str, Server],
+            beside: tuple[int, ...] = ()) -> dict:
     """--rounds rounds of POST /predict on each of SERVERS, alternated; each one's median
-    rate and its ratio to the first's, and the server's own CPU time per request (its
-    work, which the client's and the S3 server's share of this machine's cores does not
-    blur) and its ratio."""
+    rate and its ratio to the first's, and the server's own CPU time per request and its
+    ratio. With two CPUs or more, as the peers harness does: the servers on the last CPU,
+    this client and the processes BESIDE (the S3 server) on the others, so that the
+    client's and the store's work (a remote store's, in a cluster) does not take the
+    server's; each server is then bound by its one CPU."""
+    everything = os.sched_getaffinity(0)
+    if len(everything) >= 2:
+        server_cpu = {max(everything)}
+        for server in servers.values():
+            pin(server.proc.pid, server_cpu)
+        for pid in beside:
+            pin(pid, everything - server_cpu)
+        os.sched_setaffinity(0, everything - server_cpu)
     requests = [request("POST", "/predict", body)]
     rates: dict[str, list[float]] = {kind: [] for kind in servers}
     cpu: dict[str, list[float]] = {kind: [] for kind in servers}
@@ -321,6 +344,9 @@ def compare(args: argparse.Namespace, body: bytes, servers: dict[str, Server]) -
     finally:
         for server in servers.values():
             server.stop()
+        os.sched_setaffinity(0, everything)
+        for pid in beside:
+            pin(pid, everything)
     base = statistics.median(next(iter(rates.values())))
     base_cpu = statistics.median(next(iter(cpu.values())))
     return {kind: {"req_s": round(statistics.median(v), 1),
