@@ -11,7 +11,7 @@ serve` processes of this checkout:
   folder server and a bucket server polling every second, alternated for --rounds rounds;
   the ratio is of the medians; the servers pinned to the last CPU, the client and the S3
   server to the others (the peers harness's layout: a remote store takes no CPU of the
-  server's);
+  server's); before the load, each idle server's CPU time a second (the poll's own cost);
 - capture's upload: POST /predict with every request captured to a folder, and to the
   bucket, a segment closed every second in both (and uploaded), alternated likewise;
   beside the rates, each server's CPU time per request, and the share of the server's
@@ -27,7 +27,7 @@ small svdrnn classifier is built and every row measured.
 Prints a table and writes bench/results/object_storage.json.
 
     python bench/load/object_storage.py [--repo DIR] [--starts 5] [--swaps 3] [--rounds 6]
-                                        [--round-s 2] [--concurrency 32]
+                                        [--round-s 2] [--concurrency 32] [--idle-s 10]
 """
 
 from __future__ import annotations
@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--round-s", type=float, default=2.0)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--idle-s", type=float, default=10.0,
+                        help="how long the idle servers' CPU is measured")
     parser.add_argument("--loss-segment-age-s", type=float, default=5.0)
     parser.add_argument("--loss-s", type=float, default=12.0)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "object_storage.json"))
@@ -102,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("starts", "swaps", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
-    if not (args.loss_segment_age_s > 0 and args.loss_s > 0):
-        parser.error("--loss-segment-age-s and --loss-s must be positive")
+    if not (args.loss_segment_age_s > 0 and args.loss_s > 0 and args.idle_s > 0):
+        parser.error("--loss-segment-age-s, --loss-s and --idle-s must be positive")
     work = Path(tempfile.mkdtemp(prefix="orthornn-bench-s3-"))
     try:
         if args.repo:
@@ -201,12 +203,23 @@ def swaps(args: argparse.Namespace, uri: str, run: Path, body: bytes,
 
 def throughput(args: argparse.Namespace, folder: Path, uri: str, body: bytes,
                env: dict[str, str], work: Path, store_pid: int) -> dict:
-    """/predict against the folder and against the bucket polled every second."""
-    return compare(args, body, {
+    """/predict against the folder and against the bucket polled every second; first,
+    each one's CPU time a second while idle (--idle-s): the poll's own cost, which no
+    load's noise blurs."""
+    servers = {
         "folder": ready_s(str(folder), [], env)[1],
         "bucket, polled every 1 s": ready_s(uri, [
             "--repository-cache", str(work / "load-cache"), "--poll-interval-s", "1"],
-            env)[1]}, (store_pid,))
+            env)[1]}
+    time.sleep(1.0)  # past the first polls
+    before = {kind: cpu_s(server.proc.pid) for kind, server in servers.items()}
+    time.sleep(args.idle_s)
+    idle = {kind: round((cpu_s(server.proc.pid) - before[kind]) / args.idle_s * 1000, 2)
+            for kind, server in servers.items()}
+    rows = compare(args, body, servers, (store_pid,))
+    for kind, row in rows.items():
+        row["idle_cpu_ms_per_s"] = idle[kind]
+    return rows
 
 
 def capture_throughput(args: argparse.Namespace, folder: Path, uri: str, body: bytes,
@@ -368,6 +381,7 @@ def table(results: dict) -> None:
         print(f"| swap delay (poll 2 s), median / max | {swap['median']:.2f} / "
               f"{swap['max']:.2f} s | |")
     for kind, row in results.get("throughput", {}).items():
+        print(f"| CPU a second while idle, {kind} | {row['idle_cpu_ms_per_s']:.1f} ms | |")
         print(f"| /predict throughput, {kind} | {row['req_s']:.0f} req/s | {row['ratio']} |")
         print(f"| server CPU per request, {kind} | {row['cpu_us_per_request']:.0f} us | "
               f"{row['cpu_ratio']} |")

@@ -105,6 +105,7 @@ def test_object_storage_benchmark_runs(tmp_path):
     out = tmp_path / "object_storage.json"
     assert _load("object_storage").main(["--starts", "1", "--swaps", "1", "--rounds", "1",
                                          "--round-s", "0.2", "--concurrency", "2",
+                                         "--idle-s", "0.3",
                                          "--loss-segment-age-s", "1", "--loss-s", "2.5",
                                          "--out", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -113,7 +114,8 @@ def test_object_storage_benchmark_runs(tmp_path):
                                                "bucket, warm cache"}
     assert result["swap_delay_s"]["median"] > 0
     assert set(result["throughput"]) == {"folder", "bucket, polled every 1 s"}
-    assert all(row["req_s"] > 0 for row in result["throughput"].values())
+    assert all(row["req_s"] > 0 and row["idle_cpu_ms_per_s"] >= 0
+               for row in result["throughput"].values())
     capture = result["capture_throughput"]
     assert capture["segments_uploaded"] >= 1  # the bucket's capture did upload
     assert capture["capture to a folder"]["ratio"] == 1.0
