@@ -99,6 +99,21 @@ def test_rollout_benchmark_runs(tmp_path):
     assert 0 < seen["canary 50%"]["candidate_share"] < 1
 
 
+def test_request_profile_benchmark_runs(tmp_path):
+    """bench/load/request_profile.py at a toy size: a profile of a loaded server, every
+    stage of the table there, the shares of the whole thread's time."""
+    out = tmp_path / "request_profile.json"
+    module = _load("request_profile")
+    assert module.main(["--seconds", "1", "--concurrency", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["requests"] > 0
+    assert set(result["stages"]) == {s for s, _ in module.STAGES} | {module.OTHER}
+    assert sum(row["share"] for row in result["stages"].values()) == pytest.approx(1, abs=1e-3)
+    # the request's own modules were profiled (its routes and dataplane took time)
+    assert result["stages"]["routes and admission"]["share"] > 0
+    assert result["stages"]["dataplane"]["share"] > 0
+
+
 def test_object_storage_benchmark_runs(tmp_path):
     """bench/load/object_storage.py against a SeaweedFS of its own: every row measured,
     the swap seen (the new version answered), no request failed."""

@@ -1,0 +1,128 @@
+"""Where a request's CPU goes (issue 62's first table): `orthornn serve` of this checkout run
+under cProfile (`python -m cProfile -m orthornn serve`), loaded with POST /predict at
+--concurrency from this script's asyncio client for --seconds, then stopped (SIGTERM:
+the server drains and exits, and cProfile writes its profile). The event loop's thread
+is the one profiled (cProfile follows the main thread: the inference runs beside it, in
+the batcher's thread); each function's own time is put in one stage by where it is
+defined, and the table gives each stage's share of the thread's time and its
+microseconds a request (cProfile's own cost inflates both alike: the shares are what to
+read, not the absolute times).
+
+Prints the table and writes bench/results/request_profile.json.
+
+    python bench/load/request_profile.py [--seconds 10] [--concurrency 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import pstats
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from client import build_package, free_port, load, request  # noqa: E402
+
+#: (stage, what a function's file path holds): the first that matches takes it (the
+#: project's modules as a checkout's service/... or an installed orthornn/service/...)
+STAGES = (
+    ("parse and checks (codecs, limits)", ("service/http/codecs", "service/http/limits")),
+    ("routes and admission", ("service/http/",)),
+    ("dataplane", ("service/dataplane/",)),
+    ("queue and batching", ("service/registry/",)),
+    ("sessions, capture, tracing", ("service/sessions/", "service/loop/",
+                                    "service/tracing")),
+    ("metrics", ("prometheus_client", "service/metrics")),
+    ("ASGI stack (FastAPI, Starlette)", ("fastapi/", "starlette/", "anyio/")),
+    ("HTTP read and write (uvicorn, httptools, h11)", ("uvicorn/", "httptools", "h11/")),
+    ("event loop (asyncio)", ("asyncio/",)),
+    ("server (orthornn's listener)", ("service/server/",)),
+)
+OTHER = "other"
+
+
+def stage_of(filename: str) -> str:
+    for stage, parts in STAGES:
+        if any(part in filename for part in parts):
+            return stage
+    return OTHER
+
+
+def profile(seconds: float, concurrency: int, work: Path) -> dict:
+    repo = build_package(work, 64, 32, 9)
+    body = json.dumps({"model": "bench", "inputs": [[[0.1] * 9] * 32]}).encode()
+    out, port = work / "serve.prof", free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cProfile", "-o", str(out), "-m", "orthornn", "serve",
+         "--repo", str(repo), "--port", str(port), "--log-level", "warning"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        from client import Server
+
+        waiter = Server.__new__(Server)  # its readiness wait, on this process
+        waiter.port, waiter.proc = port, proc
+        waiter.wait_ready()
+        took, latencies, errors = asyncio.run(load(port, [request("POST", "/predict", body)],
+                                                   concurrency, seconds, 10**9))
+        if errors:
+            raise RuntimeError(f"/predict failed: {errors[:3]}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    stats = pstats.Stats(str(out)).stats  # type: ignore[attr-defined]
+    by_stage = dict.fromkeys([s for s, _ in STAGES] + [OTHER], 0.0)
+    for (filename, _, _), (_, _, own, _, callers) in stats.items():
+        if filename != "~" or not callers:
+            by_stage[stage_of(filename)] += own
+            continue
+        # a builtin (orjson's parse, a numpy call, a socket's send): its time is its
+        # callers', shared as each caller's calls of it took
+        spent = sum(c[2] for c in callers.values()) or 1.0
+        for (caller_file, _, _), c in callers.items():
+            by_stage[stage_of(caller_file)] += own * c[2] / spent
+    total = sum(by_stage.values())
+    requests = len(latencies)
+    return {"requests": requests, "seconds": round(took, 2),
+            "req_s": round(requests / took, 1), "concurrency": concurrency,
+            "stages": {stage: {"share": round(own / total, 4),
+                               "us_per_request": round(own / requests * 1e6, 1)}
+                       for stage, own in sorted(by_stage.items(), key=lambda kv: -kv[1])}}
+
+
+def table(result: dict) -> None:
+    print(f"\n/predict under cProfile, c={result['concurrency']}: {result['requests']} "
+          f"requests in {result['seconds']} s ({result['req_s']:.0f} req/s, profiled)")
+    print("| stage (the event loop's thread) | share | us a request (profiled) |")
+    print("| --- | ---: | ---: |")
+    for stage, row in result["stages"].items():
+        print(f"| {stage} | {100 * row['share']:.1f}% | {row['us_per_request']:.1f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" /
+                                             "request_profile.json"))
+    args = parser.parse_args(argv)
+    if args.seconds <= 0 or args.concurrency < 1:
+        parser.error("--seconds must be positive and --concurrency at least 1")
+    with tempfile.TemporaryDirectory(prefix="orthornn-bench-profile-") as tmp:
+        result = profile(args.seconds, args.concurrency, Path(tmp))
+    table(result)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
