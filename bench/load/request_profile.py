@@ -4,7 +4,8 @@ under cProfile (`python -m cProfile -m orthornn serve`), loaded with POST /predi
 the server drains and exits, and cProfile writes its profile). The event loop's thread
 is the one profiled (cProfile follows the main thread: the inference runs beside it, in
 the batcher's thread); each function's own time is put in one stage by where it is
-defined, and the table gives each stage's share of the thread's time and its
+defined, less what a server started and stopped without load spent there (its imports,
+its model's load), and the table gives each stage's share of the thread's time and its
 microseconds a request (cProfile's own cost inflates both alike: the shares are what to
 read, not the absolute times).
 
@@ -36,7 +37,7 @@ from client import build_package, free_port, load, request  # noqa: E402
 STAGES = (
     ("parse and checks (codecs, limits)", ("service/http/codecs", "service/http/limits")),
     ("routes and admission", ("service/http/",)),
-    ("dataplane", ("service/dataplane/",)),
+    ("dataplane", ("service/dataplane/", "service/request")),
     ("queue and batching", ("service/registry/",)),
     ("sessions, capture, tracing", ("service/sessions/", "service/loop/",
                                     "service/tracing")),
@@ -56,24 +57,29 @@ def stage_of(filename: str) -> str:
     return OTHER
 
 
-def profile(seconds: float, concurrency: int, work: Path) -> dict:
-    repo = build_package(work, 64, 32, 9)
-    body = json.dumps({"model": "bench", "inputs": [[[0.1] * 9] * 32]}).encode()
-    out, port = work / "serve.prof", free_port()
+def stage_times(repo: Path, body: bytes, seconds: float, concurrency: int,
+                out: Path) -> tuple[dict[str, float], int, float]:
+    """Each stage's own time in the profiled thread of one server's whole life, loaded for
+    SECONDS (0: started, ready, stopped: what its start and its end cost), and the
+    requests answered and the load's length."""
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "cProfile", "-o", str(out), "-m", "orthornn", "serve",
          "--repo", str(repo), "--port", str(port), "--log-level", "warning"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    requests, took = 0, 0.0
     try:
         from client import Server
 
         waiter = Server.__new__(Server)  # its readiness wait, on this process
         waiter.port, waiter.proc = port, proc
         waiter.wait_ready()
-        took, latencies, errors = asyncio.run(load(port, [request("POST", "/predict", body)],
-                                                   concurrency, seconds, 10**9))
-        if errors:
-            raise RuntimeError(f"/predict failed: {errors[:3]}")
+        if seconds:
+            took, latencies, errors = asyncio.run(load(
+                port, [request("POST", "/predict", body)], concurrency, seconds, 10**9))
+            if errors:
+                raise RuntimeError(f"/predict failed: {errors[:3]}")
+            requests = len(latencies)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -88,8 +94,19 @@ def profile(seconds: float, concurrency: int, work: Path) -> dict:
         spent = sum(c[2] for c in callers.values()) or 1.0
         for (caller_file, _, _), c in callers.items():
             by_stage[stage_of(caller_file)] += own * c[2] / spent
+    return by_stage, requests, took
+
+
+def profile(seconds: float, concurrency: int, work: Path) -> dict:
+    """The loaded server's stages, less an unloaded one's (the imports, the model's load,
+    the end: not a request's)."""
+    repo = build_package(work, 64, 32, 9)
+    body = json.dumps({"model": "bench", "inputs": [[[0.1] * 9] * 32]}).encode()
+    idle, _, _ = stage_times(repo, body, 0, concurrency, work / "idle.prof")
+    loaded, requests, took = stage_times(repo, body, seconds, concurrency,
+                                         work / "loaded.prof")
+    by_stage = {stage: max(0.0, loaded[stage] - idle[stage]) for stage in loaded}
     total = sum(by_stage.values())
-    requests = len(latencies)
     return {"requests": requests, "seconds": round(took, 2),
             "req_s": round(requests / took, 1), "concurrency": concurrency,
             "stages": {stage: {"share": round(own / total, 4),
