@@ -301,10 +301,7 @@ class VersionPolicy:
                     f"run `orthornn rollback --repo REPO --name {name}` where it is") from None
         log.info("%s: rolled back to version %d (was %s) through the repository API", name,
                  done["promoted"], done["previous"])
-        if self.bucket is not None:
-            self.bucket.sync(name)
-        if name not in self.catalog.unloaded:
-            self.sync_model(name)
+        self._apply_written(name)
         return done
 
     def start_rollout(self, name: str, candidate: int, shadow: float, steps: list[int],
@@ -334,11 +331,17 @@ class VersionPolicy:
             raise RollbackRefused(
                 f"the model repository cannot be written {where} ({error}); run `orthornn "
                 f"rollout` where it is writable, or again") from None
+        self._apply_written(name)
+        return plan
+
+    def _apply_written(self, name: str) -> None:
+        """What the repository API has just written for NAME, applied here at once (a
+        bucket's first mirrored): the swap does not wait for the next scan. An unloaded
+        model stays unloaded."""
         if self.bucket is not None:
             self.bucket.sync(name)
         if name not in self.catalog.unloaded:
             self.sync_model(name)
-        return plan
 
     def unload(self, name: str) -> None:
         with self.loader.lock:

@@ -107,7 +107,7 @@ def _killed_after_finishing(location: str, plan: rollout.Plan, reason: str,
     end: the decision (``finishing``), with the promotion not written yet."""
     def finishing(data: bytes | None) -> dict:
         current = rollout.Plan.from_dict(json.loads(data or b""))
-        current.finishing = {"state": "promoted", "reason": reason, "by_hand": by_hand}
+        current.finishing = {"reason": reason, "by_hand": by_hand}
         return current.to_dict()
     remote.update(open_store(location), rollout.ROLLOUT, finishing)
 

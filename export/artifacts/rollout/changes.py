@@ -74,8 +74,7 @@ def advance(plan: Plan, reports: Sequence[dict], now: dt.datetime) -> bool:
     plan.analysis = [*plan.analysis, stage_record(plan, analysis, "passed", now)]
     if plan.stage + 1 == len(plan.stages):
         done = ", ".join(f"{s}%" if s != SHADOW else str(s) for s in plan.stages)
-        plan.current, plan.finishing = None, {"state": str(Phase.PROMOTED),
-                                              "reason": f"passed {done}", "by_hand": False}
+        plan.current, plan.finishing = None, {"reason": f"passed {done}", "by_hand": False}
         return True
     plan.stage, plan.stage_started, plan.current = plan.stage + 1, stamp(now), None
     return True

@@ -107,10 +107,10 @@ class Plan:
     breach: dict | None = None
     past: list[dict] = field(default_factory=list)
     current: dict | None = None
-    #: in a bucket, a plan that passed its last stage (or was promoted by hand) before the
-    #: promotion is written: {"state", "reason", "by_hand"}; whoever reads it next
-    #: completes it (``rollout.bucket_records``). Never set in a folder, where the lock makes the
-    #: two writes one.
+    #: in a bucket, a plan decided to be promoted (its last stage passed, or promoted by
+    #: hand) before the promotion is written: {"reason", "by_hand"}; whoever reads it next
+    #: completes it (``rollout.bucket_records``). Never written in a folder, where the lock
+    #: makes the two writes one.
     finishing: dict | None = None
 
     @property

@@ -1,8 +1,9 @@
 """A rollout's plan in the repository: REPO/<name>/rollout.json, beside promotion.json.
 Starting a rollout, one controller step (``step``), ending it by hand, and the
-controller's lease. What each decides is one pure function of the plan as read
-(``_advance``, ``_new_plan``, ``_lease``); a folder writes under the model's one lock,
-replaced crash-safe (``records``), a bucket by conditional writes (``bucket_records``)."""
+controller's lease. What each decides is a pure function of the records as read
+(``changes``: ``advance``, ``end``, ``lease_change``); a folder writes under the model's one
+lock, replaced crash-safe (``records``), a bucket by conditional writes
+(``bucket_records``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from orthornn.export.artifacts import records
 from orthornn.export.artifacts.numbers import is_integer
 from orthornn.export.artifacts.repository import (
     Location,
+    last_name,
     live_version,
     local_model,
     promote,
@@ -132,7 +134,7 @@ def start(model_dir: Location, candidate: int, *, shadow: float = 0.1,
                     interval_s=float(interval_s), min_requests=min_requests,
                     thresholds=thresholds, past=past)
 
-    name = _name(model_dir)
+    name = last_name(model_dir)
     if is_object_uri(str(model_dir)):
         return bucket_records.replace_plan(open_store(str(model_dir)), new_plan)
     model_dir = Path(model_dir)
@@ -146,10 +148,6 @@ def start(model_dir: Location, candidate: int, *, shadow: float = 0.1,
     return plan
 
 
-def _name(model_dir: Location) -> str:
-    return str(model_dir).rstrip("/").rsplit("/", 1)[-1]
-
-
 def _base(model_dir: Location, on_disk: list[int], candidate: int) -> int:
     """The promoted version a rollout of CANDIDATE starts from; RolloutError when none."""
     try:
@@ -158,7 +156,7 @@ def _base(model_dir: Location, on_disk: list[int], candidate: int) -> int:
         raise RolloutError(str(error), 409) from None
     live = live_version(on_disk, promoted_version)
     if promoted_version is None or live != promoted_version:
-        raise RolloutError(f"candidate: model {_name(model_dir)!r} has no promoted version to "
+        raise RolloutError(f"candidate: model {last_name(model_dir)!r} has no promoted version to "
                            f"compare with; promote one first (orthornn export --gate)", 409,
                            "candidate")
     if candidate == promoted_version:
@@ -167,15 +165,20 @@ def _base(model_dir: Location, on_disk: list[int], candidate: int) -> int:
     return promoted_version
 
 
-def _promote_folder(model_dir: Path, plan: Plan, now: dt.datetime) -> Plan:
-    """PLAN's ``finishing`` done under the lock: the candidate promoted, or the rollout
-    aborted when the promotion moved since it started (never over another writer's
-    promotion: a person's rollback); then the plan written."""
-    reason = (plan.finishing or {})["reason"]
+def _moved_folder(model_dir: Path, plan: Plan) -> str:
+    """Why PLAN's candidate may not be promoted over the promotion as it is now ('' when
+    it may; its unreadable record is a reason too). Under the lock."""
     try:
-        why = moved(read_promotion(model_dir), plan)
+        return moved(read_promotion(model_dir), plan)
     except ValueError as error:
-        why = str(error)
+        return str(error)
+
+
+def _promote_folder(model_dir: Path, plan: Plan, now: dt.datetime, why: str) -> Plan:
+    """PLAN's ``finishing`` done under the lock: the candidate promoted, or the rollout
+    aborted when the promotion moved since it started (WHY, ``_moved_folder``: never over
+    another writer's promotion, a person's rollback); then the plan written."""
+    reason = (plan.finishing or {})["reason"]
     if why:
         end(plan, Phase.ABORTED, f"not promoted: {why}", now)
     else:
@@ -203,7 +206,7 @@ def step(model_dir: Location, reports: Sequence[dict],
         if not advance(plan, reports, now):
             return plan
         if plan.finishing:
-            return _promote_folder(model_dir, plan, now)
+            return _promote_folder(model_dir, plan, now, _moved_folder(model_dir, plan))
         _write(model_dir, plan)
         return plan
 
@@ -212,7 +215,7 @@ def end_by_hand(model_dir: Location, action: str) -> Plan:
     """Promote the candidate now (ACTION "promote") or stop the rollout ("abort": the
     promoted version stays); RolloutError when no rollout is running."""
     now = utc_now()
-    name = _name(model_dir)
+    name = last_name(model_dir)
 
     def ended(plan: Plan | None) -> Plan:
         """PLAN ended by hand (a promotion as ``finishing``); RolloutError if not running."""
@@ -220,8 +223,7 @@ def end_by_hand(model_dir: Location, action: str) -> Plan:
             raise RolloutError(f"no rollout is running for {name!r}"
                                + (f" (the last one: {plan.state})" if plan else ""), 409)
         if action == "promote":
-            plan.finishing = {"state": str(Phase.PROMOTED), "by_hand": True,
-                              "reason": f"promoted by hand {plan.where()}"}
+            plan.finishing = {"reason": f"promoted by hand {plan.where()}", "by_hand": True}
             return plan
         return end(plan, Phase.ABORTED, f"aborted by hand {plan.where()}", now)
 
@@ -234,14 +236,11 @@ def end_by_hand(model_dir: Location, action: str) -> Plan:
         except ValueError as error:
             raise RolloutError(str(error), 409) from None
         if plan.finishing:
-            try:
-                why = moved(read_promotion(model_dir), plan)
-            except ValueError as error:
-                why = str(error)
+            why = _moved_folder(model_dir, plan)
             if why:
                 raise RolloutError(f"version {plan.candidate} is not promoted: {why}; "
                                    f"abort this rollout and start another", 409)
-            return _promote_folder(model_dir, plan, now)
+            return _promote_folder(model_dir, plan, now, why)
         _write(model_dir, plan)
         return plan
 
@@ -254,7 +253,7 @@ def take_lease(model_dir: Location, owner: str, ttl_s: float,
     now = now or utc_now()
     if is_object_uri(str(model_dir)):
         return bucket_records.take_lease(open_store(str(model_dir)),
-                                 lambda data: lease_change(data, owner, ttl_s, now))
+                                         lambda data: lease_change(data, owner, ttl_s, now))
     path = Path(model_dir) / LEASE
     with records.locked(model_dir):
         try:
