@@ -55,10 +55,11 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, repo: Path, batching: bool, extra: list[str],
-                 env: dict[str, str] | None = None):
-        """ENV: variables set for the server on top of this process's."""
+                 env: dict[str, str] | None = None, launcher: tuple[str, ...] = ()):
+        """ENV: variables set for the server on top of this process's; LAUNCHER: what
+        Python runs the server under (``-m cProfile -o FILE``)."""
         self.port = free_port()
-        cmd = [sys.executable, "-m", "orthornn", "serve", "--repo", str(repo),
+        cmd = [sys.executable, *launcher, "-m", "orthornn", "serve", "--repo", str(repo),
                "--port", str(self.port), "--log-level", "warning",
                "--batching" if batching else "--no-batching", *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from client import Server, build_package, load, request  # noqa: E402
+from client import Server, build_package, cpu_s, load, request  # noqa: E402
 
 
 def ready_s(repo: str, extra: list[str], env: dict[str, str]) -> tuple[float, Server]:
@@ -212,9 +212,10 @@ def throughput(args: argparse.Namespace, folder: Path, uri: str, body: bytes,
             "--repository-cache", str(work / "load-cache"), "--poll-interval-s", "1"],
             env)[1]}
     time.sleep(1.0)  # past the first polls
-    before = {kind: cpu_s(server.proc.pid) for kind, server in servers.items()}
+    before = {kind: cpu_s(server.proc.pid, False) for kind, server in servers.items()}
     time.sleep(args.idle_s)
-    idle = {kind: round((cpu_s(server.proc.pid) - before[kind]) / args.idle_s * 1000, 2)
+    idle = {kind: round((cpu_s(server.proc.pid, False) - before[kind]) / args.idle_s
+                       * 1000, 2)
             for kind, server in servers.items()}
     rows = compare(args, body, servers, (store_pid,))
     for kind, row in rows.items():
@@ -288,21 +289,18 @@ def node_loss(args: argparse.Namespace, folder: Path, uri: str, body: bytes,
 UPLOAD_THREADS = ("capture-upload", "tokio-rt-worker")
 
 
-def cpu_s(pid: int, threads: tuple[str, ...] = ()) -> float:
-    """The CPU time a process has used, in seconds: all its threads, or those named
-    THREADS."""
-    if not threads:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def threads_cpu_s(pid: int, threads: tuple[str, ...]) -> float:
+    """The CPU time the threads of process PID named THREADS have used, in seconds (the
+    whole process's: client.cpu_s)."""
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             stat = (task / "stat").read_text()
         except OSError:  # the thread ended meanwhile
             continue
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1]
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()
         if name in threads:
-            total += int(fields.split()[11]) + int(fields.split()[12])
+            total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
 
 
@@ -341,16 +339,16 @@ def compare(args: argparse.Namespace, body: bytes, servers: dict[str, Server],
             pair = list(servers.items())
             for kind, server in (pair if k % 2 == 0 else pair[::-1]):
                 pid = server.proc.pid
-                before, uploading = cpu_s(pid), cpu_s(pid, UPLOAD_THREADS)
+                before, uploading = cpu_s(pid, False), threads_cpu_s(pid, UPLOAD_THREADS)
                 seconds, latencies, errors = asyncio.run(load(
                     server.port, requests, args.concurrency, args.round_s, 10**9))
                 if errors:
                     raise RuntimeError(f"{kind}: {errors[:3]}")
                 rates[kind].append(len(latencies) / seconds)
-                used = cpu_s(pid) - before
+                used = cpu_s(pid, False) - before
                 cpu[kind].append(used / len(latencies) * 1e6)
                 total[kind] += used
-                upload[kind] += cpu_s(pid, UPLOAD_THREADS) - uploading
+                upload[kind] += threads_cpu_s(pid, UPLOAD_THREADS) - uploading
             print(f"round {k + 1}/{args.rounds}: " + ", ".join(
                 f"{kind} {v[-1]:.0f} req/s ({cpu[kind][-1]:.0f} us CPU each)"
                 for kind, v in rates.items()), flush=True)

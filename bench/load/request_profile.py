@@ -20,8 +20,6 @@ import argparse
 import asyncio
 import json
 import pstats
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from client import build_package, free_port, load, request  # noqa: E402
+from client import Server, build_package, load, request  # noqa: E402
 
 #: (stage, what a function's file path holds): the first that matches takes it (the
 #: project's modules as a checkout's service/... or an installed orthornn/service/...)
@@ -62,27 +60,19 @@ def stage_times(repo: Path, body: bytes, seconds: float, concurrency: int,
     """Each stage's own time in the profiled thread of one server's whole life, loaded for
     SECONDS (0: started, ready, stopped: what its start and its end cost), and the
     requests answered and the load's length."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cProfile", "-o", str(out), "-m", "orthornn", "serve",
-         "--repo", str(repo), "--port", str(port), "--log-level", "warning"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = Server(repo, True, [], launcher=("-m", "cProfile", "-o", str(out)))
     requests, took = 0, 0.0
     try:
-        from client import Server
-
-        waiter = Server.__new__(Server)  # its readiness wait, on this process
-        waiter.port, waiter.proc = port, proc
-        waiter.wait_ready()
+        server.wait_ready()
         if seconds:
             took, latencies, errors = asyncio.run(load(
-                port, [request("POST", "/predict", body)], concurrency, seconds, 10**9))
+                server.port, [request("POST", "/predict", body)], concurrency, seconds,
+                10**9))
             if errors:
                 raise RuntimeError(f"/predict failed: {errors[:3]}")
             requests = len(latencies)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        server.stop()  # SIGTERM: the server drains and exits, and cProfile writes OUT
     stats = pstats.Stats(str(out)).stats  # type: ignore[attr-defined]
     by_stage = dict.fromkeys([s for s, _ in STAGES] + [OTHER], 0.0)
     for (filename, _, _), (_, _, own, _, callers) in stats.items():
