@@ -1,5 +1,6 @@
 """Admission, the outermost ASGI middleware: the in-flight limit, the body limit, held
-connections (the reasoning: docs/design.md, "Admission")."""
+connections; its ``admit`` serves the lean path too (the reasoning: docs/design.md,
+"Admission")."""
 
 from __future__ import annotations
 
@@ -72,7 +73,11 @@ class Admission:
         self.min_body_rate = min_body_rate  # bytes a second, on average, after GRACE_S
         self._bodies: set[_Receiving] = set()  # the bodies of more than one message
         self.draining = draining
-        self.inflight = 0
+        self.inflight = 0  # the slots taken (max_inflight)
+        # the requests being answered, slot or not: the gauge reads it when scraped (an
+        # inc and a dec per request cost more than the rest of this bookkeeping)
+        self.active = 0
+        metrics.inflight.set_function(lambda: self.active)
         self._retries: deque[asyncio.Future[None]] = deque()  # retries waiting for a slot
         # rendered once: the same error() every other refusal uses
         self._overloaded = error(503, f"overloaded: {max_inflight} requests in flight; "
@@ -104,6 +109,27 @@ class Admission:
         start = time.perf_counter()
         if self.draining is not None and self.draining():
             send = _closing(send)
+        # health and metrics neither wait for a slot nor take one: they cost next to
+        # nothing, and a probe must not turn a request away while a slot is free
+        if scope["path"].startswith(self.EXEMPT):
+            return await self._exempt(scope, receive, send, start)
+        body, answer = await self.admit(scope, receive, start)
+        if answer is not None:
+            # fresh messages: a middleware outside this one (CORS, GZip) may edit them
+            await send({"type": "http.response.start", "status": answer.status_code,
+                        "headers": list(answer.raw_headers)})
+            await send({"type": "http.response.body", "body": answer.body})
+            return None
+        if body is None:  # the client gone
+            return None
+        try:  # a slot is held from here: release() passes it on
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.release()
+
+    async def _exempt(self, scope: Scope, receive: Receive, send: Send, start: float
+                      ) -> None:
+        """A health or metrics request: no slot; its body bounded as it is read."""
         received = 0
         max_body = self.max_body
 
@@ -116,53 +142,62 @@ class Admission:
                     raise BodyTooLarge(max_body)
             return message
 
-        # health and metrics neither wait for a slot nor take one: they cost next to
-        # nothing, and a probe must not turn a request away while a slot is free
-        limited = not scope["path"].startswith(self.EXEMPT)
         refused = self.refuse(scope, max_body)
-        if refused is not None:  # (no slot: nothing of it is read)
+        if refused is not None:
             await refused(scope, receive, send)
             return self._record(scope, refused.status_code, start)
-        if limited:
-            # the body first: a slot is taken for the work, not for a slow upload
-            body = await self._body(scope, receive, send, start, max_body)
-            if body is None:  # answered (413, 503) or the client gone
-                return
-            receive = _replay(body, receive)
-            connection: Connection | None = (scope.get("state") or _NO_STATE).get(CONNECTION)
-            if self.inflight < self.max_inflight:
-                self.inflight += 1
-                if connection is not None:
-                    connection.refused = False
-            elif connection is not None and connection.refused \
-                    and len(self._retries) < self.max_inflight:
-                connection.refused = False
-                await self._wait_for_slot()  # handed over by a finishing request
-            else:
-                # Overloaded: the cheapest answer there is (prebuilt bytes, no routing).
-                # Fresh messages: a middleware outside this one (CORS, GZip) may edit them.
-                if connection is not None:  # not read again until Retry-After
-                    connection.refused = True
-                    connection.hold(self.RETRY_AFTER_S + self.RETRY_JITTER_S * random.random())
-                    self.metrics.held.inc()
-                await send({"type": "http.response.start", "status": 503,
-                            "headers": list(self._overloaded.raw_headers)})
-                await send({"type": "http.response.body", "body": self._overloaded.body})
-                return self._record(scope, 503, start)
-        # a slot is held from here: the finally below passes it on
-        self.metrics.inflight.inc()
+        self.active += 1
         try:
-            await self.app(scope, receive if limited else limited_receive, send)
+            await self.app(scope, limited_receive, send)
         finally:
-            if limited:
-                self._free_slot()
-            self.metrics.inflight.dec()
+            self.active -= 1
 
-    async def _body(self, scope: Scope, receive: Receive, send: Send, start: float,
-                    max_body: int) -> bytes | None:
+    async def admit(self, scope: Scope, receive: Receive, start: float
+                    ) -> tuple[bytes | None, JSON | None]:
+        """Admission of a request of a limited route (every route but health and metrics),
+        for the ASGI middleware and the lean path (``service.server.lean``) alike: (its
+        whole body, None) once it holds a slot, to be given back by ``release()``; (None,
+        the answer to send) when it is refused here (413, 408, 503: counted); (None, None)
+        when the client went away first. RECEIVE: the ASGI receive of its body."""
+        max_body = self.max_body
+        refused = self.refuse(scope, max_body)
+        if refused is not None:  # (no slot: nothing of it is read)
+            self._record(scope, refused.status_code, start)
+            return None, refused
+        # the body first: a slot is taken for the work, not for a slow upload
+        body = await self._body(scope, receive, start, max_body)
+        if not isinstance(body, bytes):  # answered (413, 408, 503) or the client gone
+            return None, body
+        connection: Connection | None = (scope.get("state") or _NO_STATE).get(CONNECTION)
+        if self.inflight < self.max_inflight:
+            self.inflight += 1
+            if connection is not None:
+                connection.refused = False
+        elif connection is not None and connection.refused \
+                and len(self._retries) < self.max_inflight:
+            connection.refused = False
+            await self._wait_for_slot()  # handed over by a finishing request
+        else:  # overloaded: the cheapest answer there is (prebuilt, no routing)
+            if connection is not None:  # not read again until Retry-After
+                connection.refused = True
+                connection.hold(self.RETRY_AFTER_S + self.RETRY_JITTER_S * random.random())
+                self.metrics.held.inc()
+            self._record(scope, 503, start)
+            return None, self._overloaded
+        self.active += 1
+        return body, None
+
+    def release(self) -> None:
+        """An admitted request is answered: its slot to the longest-waiting retry, else
+        free."""
+        self.active -= 1
+        self._free_slot()
+
+    async def _body(self, scope: Scope, receive: Receive, start: float,
+                    max_body: int) -> bytes | JSON | None:
         """The request's whole body, read before it takes a slot (bounded by the body
-        limit and, over all requests, by ``max_receiving``); None when it has been answered
-        here (413, 408, 503) or the client has gone.
+        limit and, over all requests, by ``max_receiving``); the answer (413, 408, 503,
+        counted) when it is refused here, None when the client has gone.
 
         The shared budget cannot be owned: a body that came whole (one message) is never
         refused for it (a body's worth is kept free: ``max_arriving``); when a chunk of one
@@ -177,8 +212,7 @@ class Admission:
         chunk = message.get("body", b"")
         if not message.get("more_body", False):  # the common case: one message
             if len(chunk) > max_body:
-                await self._answer(scope, receive, send, start, self._too_large(max_body))
-                return None
+                return self._answer(scope, start, self._too_large(max_body))
             return chunk  # (in memory already, held across no await: the reserve's)
         body = _Receiving(0, time.monotonic(), asyncio.current_task())
         self._bodies.add(body)
@@ -200,9 +234,7 @@ class Admission:
                                             f"second (min_body_rate)",
                                        headers={"Connection": "close"})
                     if answer is not None:
-                        self._bodies.discard(body)  # (not evicted while it answers)
-                        await self._answer(scope, receive, send, start, answer)
-                        return None
+                        return self._answer(scope, start, answer)
                     chunks.append(chunk)
                 if not message.get("more_body", False):
                     return b"".join(chunks)
@@ -218,8 +250,7 @@ class Admission:
                                         f"over {self.GRACE_S:g} s; retry later",
                                    headers={"Retry-After": str(self.RETRY_AFTER_S),
                                             "Connection": "close"})
-                    await self._answer(scope, receive, send, start, answer)
-                    return None
+                    return self._answer(scope, start, answer)
                 if message["type"] != "http.request":  # http.disconnect
                     return None
                 chunk = message.get("body", b"")
@@ -260,10 +291,10 @@ class Admission:
                           "received; retry later",
                      headers={"Retry-After": str(self.RETRY_AFTER_S)})
 
-    async def _answer(self, scope: Scope, receive: Receive, send: Send, start: float,
-                      answer: JSON) -> None:
-        await answer(scope, receive, send)
+    def _answer(self, scope: Scope, start: float, answer: JSON) -> JSON:
+        """ANSWER, a refusal of admission's own, counted."""
         self._record(scope, answer.status_code, start)
+        return answer
 
     async def _wait_for_slot(self) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp
 
 from ..dataplane.dataplane import DataPlane
 from ..dataplane.metadata import server_version
@@ -33,6 +34,16 @@ from .routes import service_routes
 from .routing import Routes, RouteTable, openapi_paths
 
 log = logging.getLogger("orthornn.service")
+
+
+def installed(middleware: Any) -> Callable[[ASGIApp], Any]:
+    """What ``add_middleware`` takes for a middleware object made beforehand: a factory
+    that gives it the app it wraps when Starlette builds the stack."""
+    def install(app: ASGIApp) -> Any:
+        middleware.app = app
+        return middleware
+    install.middleware = middleware  # type: ignore[attr-defined]  # the lean path's check
+    return install
 
 
 def create_app(settings: Settings, providers: ProviderChoice | None = None) -> FastAPI:
@@ -79,16 +90,21 @@ def create_app(settings: Settings, providers: ProviderChoice | None = None) -> F
     routes = service_routes(dataplane, settings, metrics, lambda: app.state.draining)
     table = app.state.routes = RouteTable(routes)
     add_docs(app)
-    # added first: innermost, so middleware added later (by us or a user) wraps it
+    # made here, installed by add_middleware (installed() sets their app as Starlette
+    # builds its stack): the lean path (service.server.lean) answers the hot routes with
+    # the same two objects, their slots and counts shared. Added first: innermost, so
+    # middleware added later (by us or a user) wraps it (and turns the lean path off)
     counts = RequestCounts(metrics)
-    app.add_middleware(Routes, table=table, counts=counts, labels=dataplane.labels,
-                       observe=dataplane.observe)
-    app.add_middleware(Admission, table=table, metrics=metrics, counts=counts,
-                       max_body=lambda: settings.body_limit(registry.catalog.largest_body),
-                       max_inflight=settings.max_inflight_requests,
-                       max_receiving=settings.max_receiving_bytes,
-                       draining=lambda: app.state.draining,
-                       min_body_rate=settings.min_body_rate)
+    dispatch = app.state.dispatch = Routes(None, table, counts, dataplane.labels,
+                                           dataplane.observe)
+    admission = app.state.admission = Admission(
+        None, table, metrics, counts,
+        max_body=lambda: settings.body_limit(registry.catalog.largest_body),
+        max_inflight=settings.max_inflight_requests,
+        max_receiving=settings.max_receiving_bytes,
+        draining=lambda: app.state.draining, min_body_rate=settings.min_body_rate)
+    app.add_middleware(installed(dispatch))
+    app.add_middleware(installed(admission))
 
     async def _error(request: Request, exc: Exception) -> Response:
         return error_response(exc, f"{request.method} {request.url.path}")

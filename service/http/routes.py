@@ -186,17 +186,17 @@ def _inference_routes(dataplane: DataPlane, settings: Settings, tracer: Tracer |
     return [
         Route("POST", "/predict", predict, "predict from sequences or text (optionally "
               "continuing from states or a session)", PredictResponse, PredictRequest,
-              errors=INFER_ERRORS),
+              errors=INFER_ERRORS, lean=True),
         Route("POST", "/generate", generate_text, "language models: sample text, carrying "
               "the hidden state", GenerateResponse, GenerateRequest, errors=INFER_ERRORS),
         Route("POST", "/v2/models/{name}/infer", infer, "inference (the promoted version, "
               "else the newest loaded; "
               "sequence_id / sequence_start / sequence_end parameters for sequences, "
               "sequence_position to make a chunk exactly-once)",
-              InferenceResponse, InferenceRequest, errors=INFER_ERRORS),
+              InferenceResponse, InferenceRequest, errors=INFER_ERRORS, lean=True),
         Route("POST", "/v2/models/{name}/versions/{version}/infer", infer,
               "inference on one version", InferenceResponse, InferenceRequest,
-              errors=INFER_ERRORS),
+              errors=INFER_ERRORS, lean=True),
         Route("POST", "/v2/models/{name}/labels", labels, "labels of captured requests "
               "(by their X-Request-Id), all or none, checked against the version that "
               "answered; capture on only (bearer: the admin or the labels token)",

@@ -36,6 +36,9 @@ class Call:
 
 
 Handler = Callable[[Call], Awaitable[Response]]
+#: a request's body, read (None: the client went away first), and its answer, written
+Read = Callable[[], Awaitable[bytes | None]]
+Write = Callable[[Response], Awaitable[None]]
 #: the metric labels (model, version) of a request, from what it held or named
 Labeller = Callable[[request.Scope], tuple[str, str]]
 
@@ -99,6 +102,7 @@ class Route:
     admin: bool = False  # the repository API: bearer token
     media_type: str = "application/json"  # of the 200 answer (the document says it)
     tracer: Tracer | None = None  # tracing on: its requests' server spans (service.tracing)
+    lean: bool = False  # a hot route: the server's lean path answers it (service.server.lean)
 
     @property
     def pattern(self) -> re.Pattern[str]:
@@ -150,16 +154,11 @@ class Routes:
         found = self.table.match(scope)
         if found is not None:
             route, params = found
-            with request.opened() as held:
-                if route.tracer is None:  # tracing off: this check is all it costs
-                    status = await self.answer(route, params, scope, receive, send)
-                else:
-                    status = await self.traced(route.tracer, route, params, held, scope,
-                                               receive, send)
-            if status is not None:
-                self.counts.record(route.path, self.labels(held), status, start)
-                self.observe(held, status)
-            return None
+
+            async def write(response: Response) -> None:
+                await response(scope, receive, send)
+            return await self.handle(route, params, scope, lambda: read_body(receive), write,
+                                     start)
         allowed = self.table.methods(scope)
         if allowed:  # a route of the table, another method
             response = error(405, f"Method Not Allowed: {scope['method']}; this path "
@@ -181,35 +180,43 @@ class Routes:
             endpoint = getattr(scope.get("route"), "path", None) or "other"
             self.counts.record(endpoint, (UNKNOWN, ""), status, start)
 
+    async def handle(self, route: Route, params: dict[str, str], scope: Scope, read: Read,
+                     write: Write, start: float) -> None:
+        """Answer a request of ROUTE (the ASGI path's and the lean path's one way):
+        READ its body, run the handler in the request's own scope (tracing on: inside
+        its server span), WRITE the response, and count it under the version it held."""
+        with request.opened() as held:
+            tracer = route.tracer
+            if tracer is None:  # tracing off: this check is all it costs
+                status = await self.answer(route, params, scope, read, write)
+            else:
+                with tracer.request(scope, route.method, route.path) as span:
+                    async def write_traced(response: Response) -> None:
+                        # the span gets the status and the version held as the answer
+                        # starts (the server's own span ends with its body)
+                        tracer.answered(span, response.status_code, held.model,
+                                        held.version)
+                        await write(response)
+                    status = await self.answer(route, params, scope, read, write_traced)
+        if status is not None:
+            self.counts.record(route.path, self.labels(held), status, start)
+            self.observe(held, status)
+
     @staticmethod
-    async def answer(route: Route, params: dict[str, str], scope: Scope,
-                     receive: Receive, send: Send) -> int | None:
-        """Run ROUTE's handler and send its response; its status (None: the client went
+    async def answer(route: Route, params: dict[str, str], scope: Scope, read: Read,
+                     write: Write) -> int | None:
+        """Run ROUTE's handler and write its response; its status (None: the client went
         away before its body arrived)."""
         try:
-            body = await read_body(receive)
+            body = await read()
             if body is None:
                 return None
             response = await route.handler(Call(body, scope, params))
         except Exception as exc:
             response = error_response(exc, f"{scope['method']} {scope['path']}")
         request.answered(request.current())  # built: its output budget goes back
-        await response(scope, receive, send)
+        await write(response)
         return response.status_code
-
-    @staticmethod
-    async def traced(tracer: Tracer, route: Route, params: dict[str, str],
-                     held: request.Scope, scope: Scope, receive: Receive, send: Send
-                     ) -> int | None:
-        """``answer`` inside the request's server span (tracing on), which gets the
-        route's name and, as the answer starts (the server's own span ends with its
-        body), the status and the model version held."""
-        with tracer.request(scope, route.method, route.path) as span:
-            async def send_traced(message: Message) -> None:
-                if message["type"] == "http.response.start":
-                    tracer.answered(span, message["status"], held.model, held.version)
-                await send(message)
-            return await Routes.answer(route, params, scope, receive, send_traced)
 
 
 def _schema_ref(model: Any, components: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from orthornn.export.artifacts.records import atomic_write
 from ..http.app import create_app
 from ..registry.devices import select_providers
 from ..settings import Settings
+from .lean import lean_protocol
 from .listener import listen_eagerly
 from .protocol import Deadlines, head_bounded, with_deadlines
 
@@ -50,6 +51,9 @@ class DrainingServer(uvicorn.Server):
         max_head = getattr(settings, "max_header_bytes", 0)
         if max_head:  # h11's own bound of a head (a 400 past it); httptools': head_bounded
             self.config.h11_max_incomplete_event_size = max_head
+        # the hot routes off the ASGI stack (service.server.lean), whichever listener
+        self.config.http_protocol_class = lean_protocol(self.config.http_protocol_class,
+                                                        self.service_app)
         if sockets is not None and self.eager and sys.platform != "win32":
             await super().startup(sockets=[])  # lifespan and state, no server of its own
             # an EagerListener has what uvicorn's shutdown calls of a server (close,
