@@ -12,6 +12,7 @@ read, not the absolute times).
 Prints the table and writes bench/results/request_profile.json.
 
     python bench/load/request_profile.py [--seconds 10] [--concurrency 32]
+        [--route predict|oip_json|oip_binary]
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import json
 import pstats
 import sys
 import tempfile
+
+import numpy as np
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +58,7 @@ def stage_of(filename: str) -> str:
     return OTHER
 
 
-def stage_times(repo: Path, body: bytes, seconds: float, concurrency: int,
+def stage_times(repo: Path, sent: bytes, seconds: float, concurrency: int,
                 out: Path) -> tuple[dict[str, float], int, float]:
     """Each stage's own time in the profiled thread of one server's whole life, loaded for
     SECONDS (0: started, ready, stopped: what its start and its end cost), and the
@@ -66,7 +69,7 @@ def stage_times(repo: Path, body: bytes, seconds: float, concurrency: int,
         server.wait_ready()
         if seconds:
             took, latencies, errors = asyncio.run(load(
-                server.port, [request("POST", "/predict", body)], concurrency, seconds,
+                server.port, [sent], concurrency, seconds,
                 10**9))
             if errors:
                 raise RuntimeError(f"/predict failed: {errors[:3]}")
@@ -87,17 +90,37 @@ def stage_times(repo: Path, body: bytes, seconds: float, concurrency: int,
     return by_stage, requests, took
 
 
-def profile(seconds: float, concurrency: int, work: Path) -> dict:
+def route_request(route: str) -> bytes:
+    """The request ROUTE is loaded with: one sequence of 32 steps of 9 features, as
+    /predict's JSON, as the OIP infer route's JSON, or as its binary tensor."""
+    steps = [[0.1] * 9] * 32
+    if route == "predict":
+        return request("POST", "/predict", json.dumps({"model": "bench",
+                                                       "inputs": [steps]}).encode())
+    tensor = {"name": "x", "shape": [1, 32, 9], "datatype": "FP32"}
+    if route == "oip_json":
+        return request("POST", "/v2/models/bench/infer", json.dumps(
+            {"inputs": [{**tensor, "data": [v for step in steps for v in step]}]}).encode())
+    data = np.asarray(steps, np.float32).tobytes()
+    head = json.dumps({"inputs": [{**tensor, "parameters": {
+        "binary_data_size": len(data)}}]}).encode()
+    body = head + data
+    return (f"POST /v2/models/bench/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Length: {len(body)}\r\nContent-Type: application/octet-stream\r\n"
+            f"Inference-Header-Content-Length: {len(head)}\r\n\r\n").encode() + body
+
+
+def profile(seconds: float, concurrency: int, work: Path, route: str = "predict") -> dict:
     """The loaded server's stages, less an unloaded one's (the imports, the model's load,
     the end: not a request's)."""
     repo = build_package(work, 64, 32, 9)
-    body = json.dumps({"model": "bench", "inputs": [[[0.1] * 9] * 32]}).encode()
-    idle, _, _ = stage_times(repo, body, 0, concurrency, work / "idle.prof")
-    loaded, requests, took = stage_times(repo, body, seconds, concurrency,
+    sent = route_request(route)
+    idle, _, _ = stage_times(repo, sent, 0, concurrency, work / "idle.prof")
+    loaded, requests, took = stage_times(repo, sent, seconds, concurrency,
                                          work / "loaded.prof")
     by_stage = {stage: max(0.0, loaded[stage] - idle[stage]) for stage in loaded}
     total = sum(by_stage.values())
-    return {"requests": requests, "seconds": round(took, 2),
+    return {"route": route, "requests": requests, "seconds": round(took, 2),
             "req_s": round(requests / took, 1), "concurrency": concurrency,
             "stages": {stage: {"share": round(own / total, 4),
                                "us_per_request": round(own / requests * 1e6, 1)}
@@ -105,7 +128,7 @@ def profile(seconds: float, concurrency: int, work: Path) -> dict:
 
 
 def table(result: dict) -> None:
-    print(f"\n/predict under cProfile, c={result['concurrency']}: {result['requests']} "
+    print(f"\n{result['route']} under cProfile, c={result['concurrency']}: {result['requests']} "
           f"requests in {result['seconds']} s ({result['req_s']:.0f} req/s, profiled)")
     print("| stage (the event loop's thread) | share | us a request (profiled) |")
     print("| --- | ---: | ---: |")
@@ -117,13 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--route", choices=("predict", "oip_json", "oip_binary"),
+                        default="predict", help="the route loaded (default: /predict)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" /
                                              "request_profile.json"))
     args = parser.parse_args(argv)
     if args.seconds <= 0 or args.concurrency < 1:
         parser.error("--seconds must be positive and --concurrency at least 1")
     with tempfile.TemporaryDirectory(prefix="orthornn-bench-profile-") as tmp:
-        result = profile(args.seconds, args.concurrency, Path(tmp))
+        result = profile(args.seconds, args.concurrency, Path(tmp), args.route)
     table(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

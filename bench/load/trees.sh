@@ -13,7 +13,9 @@
 # orthornn/*.py and its service/, export/, models/, training/ (checked before the run:
 # PYTHONPATH wins over the editable install's finder).
 # Prints per row each round's req/s before and after, their ratio after/before and the
-# median ratio (table.md); rounds.json and the servers' logs go to OUT (default
+# median ratio, then each server's cost of a /predict request against onnxruntime's own
+# time a sequence at the batch the server formed (bench/load/model_limit.py) (table.md);
+# rounds.json, model_limit.json and the servers' logs go to OUT (default
 # bench/results/trees).
 #   BEFORE=REV_OR_DIR [ROUNDS=6] [ROUND_S=5] [PEERS_DIR=DIR] bash bench/load/trees.sh [OUT]
 # PEERS_DIR: the load harness (default: shared/peers beside this checkout).
@@ -207,4 +209,14 @@ print("median after/before: " + ", ".join(f"{name} {median[row]:.3f}"
     "first": ["before" if r % 2 else "after" for r in range(1, rounds + 1)],
     "rps": rps, "ratio": ratio, "median_ratio": median}, indent=2) + "\n")
 print(f"wrote {out / 'rounds.json'}")
+for tree in ("before", "after"):  # the median /predict req/s: model_limit.py's
+    (out / f"{tree}.rps").write_text(f"{statistics.median(rps['predict'][tree]):.1f}\n")
 EOF
+
+# the model's own limit: onnxruntime alone on CPU 1, at the mean batch each server formed
+# (over its three rows), against each server's median /predict req/s
+echo
+taskset -c 1 "$ORTHORNN_PY" "$ROOT/bench/load/model_limit.py" "$OUT/repo/bench/1" \
+  "$OUT/model_limit.json" \
+  "before=http://127.0.0.1:${PORT[before]}/metrics:$(cat "$OUT/before.rps")" \
+  "after=http://127.0.0.1:${PORT[after]}/metrics:$(cat "$OUT/after.rps")" | tee -a "$OUT/table.md"

@@ -1,8 +1,10 @@
 """The path of one stateless request through the service's modules, recorded with
 ``sys.setprofile``/``threading.setprofile`` (every Python function entered, in every thread
-of the server): at most six module hops from the route's handler to onnxruntime, and none
-upward through the layers import-linter keeps (pyproject.toml): a callback that a lower
-layer runs into a higher one's code would show as an upward hop."""
+of the server, the product's own uvicorn server on a loopback port): the lean path into
+the route's handler (``service.server.lean``, then the dispatcher), at most six module
+hops from the handler to onnxruntime, and none upward through the layers import-linter
+keeps (pyproject.toml): a callback that a lower layer runs into a higher one's code would
+show as an upward hop."""
 
 import itertools
 import sys
@@ -12,16 +14,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import orthornn.service
 import pytest
-from fastapi.testclient import TestClient
-from orthornn.service.http.app import create_app
-from orthornn.service.settings import Settings
 
-from ...service_helpers import make_repo
+from ...service_helpers import LiveServer, make_repo
 
 ROOT = Path(orthornn.service.__file__).resolve().parent.parent  # the stage folders
 HANDLER = "service.http.routes"  # where a request's own path starts (its route's handler)
+LEAN = ("service.server.lean", "service.http.routing")  # the modules that call it
 
 
 def _layers() -> dict[str, int]:
@@ -116,14 +117,16 @@ def repo(service_packages, tmp_path_factory):
 ])
 def test_a_stateless_request_takes_at_most_six_hops_and_none_upward(repo, route, body):
     with recording() as recorder:
-        app = create_app(Settings(repo=repo, poll_interval_s=0, inference_workers=1))
-        with TestClient(app) as c:
-            app.state.registry.scanned.wait(60)
+        with LiveServer(repo=repo, poll_interval_s=0, inference_workers=1) as live, \
+                httpx.Client(base_url=live.url, timeout=30) as c:
             assert c.post(route, json=body).status_code == 200  # warm: first-call caches
             recorder.on = True
             answer = c.post(route, json=body)
             recorder.on = False
     assert answer.status_code == 200, answer.text
+    # into the handler by the lean path: no other module of the project's before it
+    entries = {c[:c.index(HANDLER)] for c in recorder.chains if HANDLER in c}
+    assert entries == {LEAN}, entries
     chains = request_chains(recorder.chains)
     # the path to onnxruntime, module by module, all downward
     (path,) = {c[:c.index("service.registry.runtime") + 1] for c in chains
