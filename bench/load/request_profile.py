@@ -23,9 +23,9 @@ import json
 import pstats
 import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
-from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))

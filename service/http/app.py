@@ -36,6 +36,10 @@ from .routing import Routes, RouteTable, openapi_paths
 log = logging.getLogger("orthornn.service")
 
 
+async def _not_installed(scope: Any, receive: Any, send: Any) -> None:
+    raise RuntimeError("a middleware called before Starlette built the stack")
+
+
 def installed(middleware: Any) -> Callable[[ASGIApp], Any]:
     """What ``add_middleware`` takes for a middleware object made beforehand: a factory
     that gives it the app it wraps when Starlette builds the stack."""
@@ -95,10 +99,10 @@ def create_app(settings: Settings, providers: ProviderChoice | None = None) -> F
     # the same two objects, their slots and counts shared. Added first: innermost, so
     # middleware added later (by us or a user) wraps it (and turns the lean path off)
     counts = RequestCounts(metrics)
-    dispatch = app.state.dispatch = Routes(None, table, counts, dataplane.labels,
+    dispatch = app.state.dispatch = Routes(_not_installed, table, counts, dataplane.labels,
                                            dataplane.observe)
     admission = app.state.admission = Admission(
-        None, table, metrics, counts,
+        _not_installed, table, metrics, counts,
         max_body=lambda: settings.body_limit(registry.catalog.largest_body),
         max_inflight=settings.max_inflight_requests,
         max_receiving=settings.max_receiving_bytes,

@@ -194,7 +194,7 @@ def test_an_error_outside_the_handler_is_a_logged_500_and_the_connection_closed(
         admission.admit = broken
         c = RawConnection(live.settings.port)
         c.send(_request("/predict", REQUESTS[1][1]))
-        status, headers, answer = c.answer()
+        status, _, answer = c.answer()
         assert status == 500 and json.loads(answer) == {
             "error": "internal server error (logged)"}
         assert c.closed(5)

@@ -116,13 +116,13 @@ def repo(service_packages, tmp_path_factory):
                                               "datatype": "FP32", "data": [0.1, 0.2, 0.3]}]}),
 ])
 def test_a_stateless_request_takes_at_most_six_hops_and_none_upward(repo, route, body):
-    with recording() as recorder:
-        with LiveServer(repo=repo, poll_interval_s=0, inference_workers=1) as live, \
-                httpx.Client(base_url=live.url, timeout=30) as c:
-            assert c.post(route, json=body).status_code == 200  # warm: first-call caches
-            recorder.on = True
-            answer = c.post(route, json=body)
-            recorder.on = False
+    with recording() as recorder, \
+            LiveServer(repo=repo, poll_interval_s=0, inference_workers=1) as live, \
+            httpx.Client(base_url=live.url, timeout=30) as c:
+        assert c.post(route, json=body).status_code == 200  # warm: first-call caches
+        recorder.on = True
+        answer = c.post(route, json=body)
+        recorder.on = False
     assert answer.status_code == 200, answer.text
     # into the handler by the lean path: no other module of the project's before it
     entries = {c[:c.index(HANDLER)] for c in recorder.chains if HANDLER in c}
