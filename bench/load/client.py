@@ -14,12 +14,14 @@ import itertools
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -303,3 +305,29 @@ def round_options(parser: argparse.ArgumentParser, rounds: int, fresh: int | Non
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--features", type=int, default=9)
+
+
+def one_thread_session(model: Path) -> Any:
+    """An onnxruntime session of MODEL on the CPU with one thread (as a server's
+    ``--inference-threads 1``), its warnings quiet."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+
+
+def us_per_sequence(session: Any, batch: int, steps: int, features: int,
+                    seconds: float = 2.0) -> float:
+    """onnxruntime's own microseconds a sequence at BATCH: the median of runs for SECONDS."""
+    feeds = {"x": np.zeros((batch, steps, features), np.float32),
+             "lengths": np.full(batch, steps, np.int64)}
+    for _ in range(5):
+        session.run(None, feeds)
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        session.run(None, feeds)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / batch * 1e6

@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import json
 import re
-import statistics
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
-import onnxruntime as ort
+from client import one_thread_session, us_per_sequence
 
 BATCH = re.compile(r"^orthornn_batch_size_(sum|count)\{[^}]*\} ([0-9.e+]+)$", re.M)
 
@@ -38,21 +35,6 @@ def mean_batch(metrics_url: str) -> float:
     return totals["sum"] / totals["count"]
 
 
-def us_per_sequence(session: ort.InferenceSession, batch: int, steps: int, features: int,
-                    seconds: float = 2.0) -> float:
-    """onnxruntime's own microseconds a sequence at BATCH: the median of runs for SECONDS."""
-    feeds = {"x": np.zeros((batch, steps, features), np.float32),
-             "lengths": np.full(batch, steps, np.int64)}
-    for _ in range(5):
-        session.run(None, feeds)
-    times, end = [], time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        start = time.perf_counter()
-        session.run(None, feeds)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / batch * 1e6
-
-
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or not all("=" in a and ":" in a for a in argv[2:]):
         print(__doc__, file=sys.stderr)
@@ -61,11 +43,7 @@ def main(argv: list[str]) -> int:
     spec = json.loads((package / "manifest.json").read_text())["input_spec"]
     # the package's longest sequence: the harness's bodies are that long (T=128)
     steps, features = int(spec["max_length"]), int(spec["feature_size"])
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.intra_op_num_threads = options.inter_op_num_threads = 1
-    session = ort.InferenceSession(str(package / "model.onnx"), options,
-                                   providers=["CPUExecutionProvider"])
+    session = one_thread_session(package / "model.onnx")
     rows = []
     for given in argv[2:]:
         name, rest = given.split("=", 1)

@@ -10,6 +10,7 @@ import errno
 import gc
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -183,6 +184,24 @@ def tune_collector() -> None:
     gc.set_threshold(GEN0_THRESHOLD, *gc.get_threshold()[1:])
 
 
+def batch_scheduling() -> None:
+    """The server's threads scheduled as batch work (Linux's SCHED_BATCH, which any
+    process may choose for its own threads; the threads started later inherit it): a thread that
+    wakes (the event loop, as a request arrives) no longer preempts the one running (the
+    inference thread, inside onnxruntime), so a batch runs to its end and the requests
+    that arrived meanwhile are read in one turn and form the next batch. Elsewhere, or
+    where it is refused, the default scheduling stays. docs/design.md, "Scheduling"."""
+    try:
+        # the threads already there too (the imports' pools: OpenBLAS's), so that no
+        # thread of the server preempts another
+        threads = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir(
+            "/proc/self/task") else [0]
+        for thread in threads:
+            os.sched_setscheduler(thread, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError) as error:  # not Linux, or a sandbox that refuses it
+        log.info("default scheduling (SCHED_BATCH unavailable: %s)", error)
+
+
 def serve(settings: Settings) -> int:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -207,6 +226,7 @@ def serve(settings: Settings) -> int:
     # batch has finished needs the GIL for a moment to hand the answers over. CPython's
     # default switch interval (5 ms) would keep it waiting that long, idling the model.
     sys.setswitchinterval(0.0002)
+    batch_scheduling()  # before create_app: its inference threads inherit it
     app = create_app(settings, providers)
     tune_collector()
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
