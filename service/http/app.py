@@ -50,6 +50,26 @@ def installed(middleware: Any) -> Callable[[ASGIApp], Any]:
     return install
 
 
+def _install_middleware(app: FastAPI, table: RouteTable, settings: Settings,
+                        metrics: Metrics, registry: Registry, dataplane: DataPlane) -> None:
+    """The dispatcher and admission, made here and installed by add_middleware
+    (``installed`` sets their app as Starlette builds its stack): the lean path
+    (service.server.lean) answers the hot routes with the same two objects, their slots
+    and counts shared. Added first: innermost, so middleware added later (by us or a
+    user) wraps it (and turns the lean path off)."""
+    counts = RequestCounts(metrics)
+    dispatch = app.state.dispatch = Routes(_not_installed, table, counts, dataplane.labels,
+                                           dataplane.observe)
+    admission = app.state.admission = Admission(
+        _not_installed, table, metrics, counts,
+        max_body=lambda: settings.body_limit(registry.catalog.largest_body),
+        max_inflight=settings.max_inflight_requests,
+        max_receiving=settings.max_receiving_bytes,
+        draining=lambda: app.state.draining, min_body_rate=settings.min_body_rate)
+    app.add_middleware(installed(dispatch))
+    app.add_middleware(installed(admission))
+
+
 def create_app(settings: Settings, providers: ProviderChoice | None = None) -> FastAPI:
     """The service's app; PROVIDERS: the execution providers chosen for the settings
     (chosen here when not given; ValueError when the settings' device cannot be had)."""
@@ -94,21 +114,7 @@ def create_app(settings: Settings, providers: ProviderChoice | None = None) -> F
     routes = service_routes(dataplane, settings, metrics, lambda: app.state.draining)
     table = app.state.routes = RouteTable(routes)
     add_docs(app)
-    # made here, installed by add_middleware (installed() sets their app as Starlette
-    # builds its stack): the lean path (service.server.lean) answers the hot routes with
-    # the same two objects, their slots and counts shared. Added first: innermost, so
-    # middleware added later (by us or a user) wraps it (and turns the lean path off)
-    counts = RequestCounts(metrics)
-    dispatch = app.state.dispatch = Routes(_not_installed, table, counts, dataplane.labels,
-                                           dataplane.observe)
-    admission = app.state.admission = Admission(
-        _not_installed, table, metrics, counts,
-        max_body=lambda: settings.body_limit(registry.catalog.largest_body),
-        max_inflight=settings.max_inflight_requests,
-        max_receiving=settings.max_receiving_bytes,
-        draining=lambda: app.state.draining, min_body_rate=settings.min_body_rate)
-    app.add_middleware(installed(dispatch))
-    app.add_middleware(installed(admission))
+    _install_middleware(app, table, settings, metrics, registry, dataplane)
 
     async def _error(request: Request, exc: Exception) -> Response:
         return error_response(exc, f"{request.method} {request.url.path}")
