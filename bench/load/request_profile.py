@@ -46,7 +46,7 @@ STAGES = (
     ("ASGI stack (FastAPI, Starlette)", ("fastapi/", "starlette/", "anyio/")),
     ("HTTP read and write (uvicorn, httptools, h11)", ("uvicorn/", "httptools", "h11/")),
     ("event loop (asyncio)", ("asyncio/",)),
-    ("server (orthornn's listener)", ("service/server/",)),
+    ("the listener and the lean path (service/server/)", ("service/server/",)),
 )
 OTHER = "other"
 
