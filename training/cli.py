@@ -31,6 +31,8 @@ HELP = {
     "copy_symbols": "copy task: number of data symbols (alphabet: these, blank, marker)",
     "dataset": "UCR/UEA set bundled with sktime (task ucr)",
     "point_by_point": "feed UCR series one point per step (task ucr)",
+    "step_width": "UCR points fed per step, the series padded at its end (repeating its "
+                  "last value) to a multiple (task ucr)",
     "corpus": "a text file to model instead of the bundled corpus (task lm); repeat it to "
               "train on several (each split on its own, the splits concatenated; the "
               "vocabulary is the first file's)",
@@ -79,6 +81,7 @@ UNSET = {
     "copy_symbols": "8",
     "dataset": "none: required by --task ucr",
     "point_by_point": "false: L/n_i steps of n_i values",
+    "step_width": "n_i, the largest divisor of L not above sqrt(L)",
     "corpus": "the bundled Wikipedia + news corpus",
     "vocab_size": "10000",
     "bptt": "70",

@@ -46,6 +46,7 @@ class TrainConfig:
     copy_symbols: int | None = None
     dataset: str | None = None
     point_by_point: bool | None = None
+    step_width: int | None = None  # UCR: points a step (the series padded to a multiple)
     corpus: str | list[str] | None = None  # one text file, or several (each split on its own)
     vocab_size: int | None = None
     bptt: int | None = None
@@ -74,7 +75,8 @@ class TrainConfig:
     def task_options(self) -> dict:
         return {"seq_len": self.seq_len, "copy_loss": self.copy_loss,
                 "copy_symbols": self.copy_symbols, "dataset": self.dataset,
-                "point_by_point": self.point_by_point, "corpus": self.corpus,
+                "point_by_point": self.point_by_point, "step_width": self.step_width,
+                "corpus": self.corpus,
                 "vocab_size": self.vocab_size, "bptt": self.bptt, "data": self.data,
                 "data_mix": self.data_mix}
 

@@ -99,21 +99,23 @@ def run_config(config: TrainConfig, task: Task, model,
 
 
 def train(config: TrainConfig, *, resume: bool = False, progress: bool = True,
-          backend: str = "auto", timeout_s: float = distributed.DEFAULT_TIMEOUT_S
-          ) -> dict | None:
+          backend: str = "auto", timeout_s: float = distributed.DEFAULT_TIMEOUT_S,
+          score_test: bool = True) -> dict | None:
     """Train and return the summary (also written to RUN_DIR/summary.json; None on the
     ranks other than 0 of a distributed run). progress: a bar on a terminal, else a log
     line every few seconds (training.progress). On the CPU the same config gives the same
     bytes at any thread count (training.reproducibility); oneDNN is off meanwhile. Under
     torchrun it joins the process group (``backend``: gloo on the CPU, nccl on CUDA; none
-    joined within ``timeout_s`` is an error) and trains its share of each batch."""
+    joined within ``timeout_s`` is an error) and trains its share of each batch.
+    ``score_test`` off: the test split is never scored (a recipe search chooses on the
+    validation split only; the summary's "test" is None)."""
     return run_training(config, resume=resume, progress=progress, backend=backend,
-                        timeout_s=timeout_s)[0]
+                        timeout_s=timeout_s, score_test=score_test)[0]
 
 
 def run_training(config: TrainConfig, *, resume: bool = False, progress: bool = True,
-                 backend: str = "auto", timeout_s: float = distributed.DEFAULT_TIMEOUT_S
-                 ) -> tuple[dict | None, torch.nn.Module]:
+                 backend: str = "auto", timeout_s: float = distributed.DEFAULT_TIMEOUT_S,
+                 score_test: bool = True) -> tuple[dict | None, torch.nn.Module]:
     """``train``, returning this process's trained model beside the summary (every rank
     holds the same weights)."""
     validate(config)
@@ -133,7 +135,9 @@ def run_training(config: TrainConfig, *, resume: bool = False, progress: bool = 
             torch.cuda.set_device(device)
         if own_group:
             distributed.join(backend, ctx, timeout_s)
-        done = TrainingRun(config, resume, progress, threads, ctx, device, backend).run()
+        run = TrainingRun(config, resume, progress, threads, ctx, device, backend)
+        run.score_test = score_test
+        done = run.run()
         if own_group:  # leave together, once rank 0 has written the run: a rank whose
             # group is torn down while a peer still works can abort at exit (SIGABRT, seen
             # in CI: "terminate called without an active exception")
@@ -189,6 +193,7 @@ class TrainingRun:
         self.config, self.resume, self.progress, self.threads = config, resume, progress, threads
         self.ctx, self.device, self.backend = ctx, device, backend
         self.run_dir = Path(config.out)
+        self.score_test = True  # off: the test split is never read (``train``)
 
     def setup(self) -> None:
         config, ctx, run_dir = self.config, self.ctx, self.run_dir
@@ -334,7 +339,8 @@ class TrainingRun:
         config, task, model, run_dir = self.config, self.task, self.model, self.run_dir
         best_model, _ = checkpoint.load_model(run_dir)
         best_model.to(self.device)
-        test = evaluate(best_model, task, task.test, config.eval_batch_size, self.device)
+        test = evaluate(best_model, task, task.test, config.eval_batch_size, self.device) \
+            if self.score_test else None
         summary = {
             "arch": model.arch, "task": task.name, "metric": task.metric,
             "test": test, "best_val": self.best[0], "best_step": self.best_step,

@@ -41,6 +41,8 @@ ROWS = {
     "rms1e-2": ("RMSprop 1e-2", {"optimizer": "rmsprop", "lr": 1e-2}, None),
     "rms3e-3": ("RMSprop 3e-3", {"optimizer": "rmsprop", "lr": 3e-3}, None),
     "rms1e-4": ("RMSprop 1e-4", {"optimizer": "rmsprop", "lr": 1e-4}, None),
+    "rms5e-4": ("RMSprop 5e-4", {"optimizer": "rmsprop", "lr": 5e-4}, None),
+    "noclip": ("no gradient clipping (the preset clips at norm 1)", {"clip": 0.0}, None),
     "adam1e-3": ("Adam 1e-3", {"optimizer": "adam", "lr": 1e-3}, None),
     "adam1e-2": ("Adam 1e-2", {"optimizer": "adam", "lr": 1e-2}, None),
     "angles1e-2": ("angles at lr 1e-2 (rest at the preset's)", {"orthogonal_lr": 1e-2}, None),

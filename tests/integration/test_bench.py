@@ -114,6 +114,43 @@ def test_request_profile_benchmark_runs(tmp_path):
     assert result["stages"]["dataplane"]["share"] > 0
 
 
+def test_floors_benchmark_runs(tmp_path):
+    """bench/load/floors.py at a toy size: the four servers loaded, the parts of a request
+    adding up to the shipped server's cost."""
+    out = tmp_path / "floors.json"
+    module = _load("floors")
+    assert module.main(["--rounds", "1", "--round-s", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["rps"]) == {module.SHIPPED, module.NO_MODEL, module.NO_DATAPLANE,
+                                  module.DEFAULT_SCHEDULING}
+    assert all(v[0] > 0 for v in result["rps"].values())
+    assert sum(result["parts_us"].values()) == pytest.approx(
+        result["us_per_request"][module.SHIPPED], abs=0.3)
+    assert result["mean_batch"] >= 1 and result["onnxruntime_alone_us_per_sequence"] > 0
+
+
+def test_ucr_search_chooses_on_validation_scores(tmp_path, monkeypatch):
+    """bench/experiments/ucr_search.py's search with its training replaced by a score of
+    the step width alone: every trial is tabulated, and the best is the trial of the best
+    validation score (the tie broken by the loss)."""
+    module = _load("ucr_search")
+    seen = []
+
+    def score(dataset, params, seed):
+        seen.append((dataset, seed))
+        return 1 - abs(params["step_width"] - 4) / 10, 0.5 + seed, 0.1
+    monkeypatch.setattr(module, "validation_score", score)
+    out = tmp_path / "search.json"
+    assert module.main(["--trials", "6", "--seeds", "2", "--jobs", "1", "--step-widths", "2,4,6",
+                        "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["trials"]) == 6 and len(seen) == 12
+    assert {seed for _, seed in seen} == {0, 1}
+    best = max(result["trials"], key=lambda t: t["val_accuracy"])
+    assert result["best"] == best
+    assert best["val_accuracy"] == pytest.approx(1 - abs(best["step_width"] - 4) / 10)
+
+
 def test_object_storage_benchmark_runs(tmp_path):
     """bench/load/object_storage.py against a SeaweedFS of its own: every row measured,
     the swap seen (the new version answered), no request failed."""

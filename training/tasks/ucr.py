@@ -44,17 +44,26 @@ def step_width(length: int) -> int:
     return max(d for d in range(1, math.isqrt(length) + 1) if length % d == 0)
 
 
-def fold_series(x: np.ndarray, point_by_point: bool) -> np.ndarray:
-    """[N, channels, L] -> [N, L / n_i, channels n_i] (or [N, L, channels])."""
+def fold_series(x: np.ndarray, point_by_point: bool, width: int | None = None) -> np.ndarray:
+    """[N, channels, L] -> [N, L / n_i, channels n_i] (or [N, L, channels]); with WIDTH,
+    [N, ceil(L / WIDTH), channels WIDTH], the series first padded at its end by repeating
+    its last value up to a multiple of WIDTH (a prime L, such as ArrowHead's 251, has only
+    n_i = 1; 252 allows 2, 3, 4, 6, 7, ...)."""
     n, channels, length = x.shape
-    width = 1 if point_by_point else step_width(length)
-    x = x.reshape(n, channels, length // width, width).transpose(0, 2, 1, 3)
-    return x.reshape(n, length // width, channels * width)
+    if width is None:
+        width = 1 if point_by_point else step_width(length)
+    steps = -(-length // width)
+    if steps * width != length:
+        x = np.pad(x, ((0, 0), (0, 0), (0, steps * width - length)), mode="edge")
+    x = x.reshape(n, channels, steps, width).transpose(0, 2, 1, 3)
+    return x.reshape(n, steps, channels * width)
 
 
-def ucr_task(dataset: str | None = None, point_by_point: bool = False) -> Task:
+def ucr_task(dataset: str | None = None, point_by_point: bool = False,
+             step_width: int | None = None) -> Task:
     """A bundled UCR/UEA set with its official train/test split; 20% of train (fixed,
-    seeded) is held out for validation, as in the Spectral-RNN appendix."""
+    seeded) is held out for validation, as in the Spectral-RNN appendix. STEP_WIDTH: the
+    points fed per step (``fold_series``; default the appendix's n_i)."""
     from sktime.datasets import load_from_tsfile
 
     available = ucr_datasets()
@@ -64,6 +73,11 @@ def ucr_task(dataset: str | None = None, point_by_point: bool = False) -> Task:
     if dataset not in available:
         raise ValueError(f"dataset must be one of the UCR/UEA sets bundled with sktime: "
                          f"{', '.join(available)}; got {dataset!r}")
+    if step_width is not None and (point_by_point or isinstance(step_width, bool)
+                                   or not isinstance(step_width, int) or step_width < 1):
+        raise ValueError(f"step_width must be a positive integer, and not with point_by_point "
+                         f"(which is step_width 1); got {step_width!r}"
+                         + (" with point_by_point" if point_by_point else ""))
     root = sktime_data() / dataset
     arrays = {}
     for part in ("TRAIN", "TEST"):
@@ -74,12 +88,16 @@ def ucr_task(dataset: str | None = None, point_by_point: bool = False) -> Task:
 
     def split(part):
         x, y = arrays[part]
-        return Split(torch.tensor(fold_series(x, point_by_point)),
+        if step_width is not None and step_width > x.shape[-1]:
+            raise ValueError(f"step_width must be at most the series' length "
+                             f"{x.shape[-1]}; got {step_width}")
+        return Split(torch.tensor(fold_series(x, point_by_point, step_width)),
                      torch.tensor([index[v] for v in y]))
     train_all, test = split("TRAIN"), split("TEST")
     train, val = ucr_holdout(len(train_all))
     return classification("ucr", train_all.take(train), train_all.take(val),
-                           test, labels, {"dataset": dataset, "point_by_point": point_by_point})
+                           test, labels, {"dataset": dataset, "point_by_point": point_by_point,
+                            "step_width": step_width})
 
 
 def series_count(path: Path) -> int:

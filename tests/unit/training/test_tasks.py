@@ -207,6 +207,29 @@ def test_step_width_and_multivariate_folding():
     assert folded[0, 1].tolist() == [2, 3, 8, 9, 14, 15]
 
 
+def test_a_chosen_step_width_pads_the_series_with_its_last_value():
+    """ArrowHead's 251 points (prime) in steps of 4: 63 steps, the last one's values the
+    series' 249..251th points then the 251th again; the points themselves unchanged."""
+    x = np.random.default_rng(0).normal(size=(3, 2, 251)).astype(np.float32)
+    folded = fold_series(x, point_by_point=False, width=4)
+    assert folded.shape == (3, 63, 8)
+    padded = np.concatenate([x, x[:, :, -1:]], axis=2)  # the reference: one point repeated
+    for step in (0, 30, 62):
+        expected = padded[:, :, 4 * step:4 * step + 4].reshape(3, 8)  # channel-major
+        np.testing.assert_array_equal(folded[:, step], expected)
+    task = make_task("ucr", dataset="ArrowHead", step_width=4)
+    default = make_task("ucr", dataset="ArrowHead", point_by_point=True)
+    assert task.train.x.shape[1:] == (63, 4) and default.train.x.shape[1:] == (251, 1)
+    torch.testing.assert_close(task.test.x.reshape(len(task.test), -1)[:, :251],
+                               default.test.x.reshape(len(default.test), -1))
+    for bad, message in ((0, "got 0"), (True, "got True"), (252, "at most the series' "
+                                                                  "length 251")):
+        with pytest.raises(ValueError, match=message):
+            make_task("ucr", dataset="ArrowHead", step_width=bad)
+    with pytest.raises(ValueError, match="not with point_by_point"):
+        make_task("ucr", dataset="ArrowHead", step_width=2, point_by_point=True)
+
+
 def test_ucr_unknown_dataset_lists_bundled():
     with pytest.raises(ValueError, match=r"bundled with sktime: .*GunPoint"):
         make_task("ucr", dataset="Wafer")

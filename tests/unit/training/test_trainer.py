@@ -279,3 +279,22 @@ def test_resume_budget_is_the_runs_total_in_either_unit(tmp_path, capsys):
     assert "is at step 6 of 5: give a larger total budget" in capsys.readouterr().err
     assert cli(["train", *common, "--resume", "--epochs", "0.4"]) == 0  # 8 steps in all
     assert json.loads((run / "summary.json").read_text())["steps"] == 8
+
+
+def test_a_run_for_a_search_never_scores_the_test_split(tmp_path, monkeypatch):
+    """train(score_test=False) (bench/experiments/ucr_search.py): the summary has no test
+    score, and the test split's data is never evaluated; by default it is, once."""
+    import orthornn.training.trainer as trainer
+
+    scored = []
+    real = trainer.evaluate
+
+    def spy(model, task, data, *args, **kwargs):
+        scored.append(data is task.test)
+        return real(model, task, data, *args, **kwargs)
+    monkeypatch.setattr(trainer, "evaluate", spy)
+    summary = train(small(tmp_path / "search", steps=4), progress=False, score_test=False)
+    assert summary["test"] is None and scored and not any(scored)
+    scored.clear()
+    summary = train(small(tmp_path / "final", steps=4), progress=False)
+    assert set(summary["test"]) >= {"loss"} and scored.count(True) == 1
