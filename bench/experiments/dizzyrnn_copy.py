@@ -98,7 +98,9 @@ def run(args: tuple) -> dict:
     from orthornn.training.trainer import train
 
     _, overrides, change = ROWS[name]
-    given = {"arch": "dizzyrnn", "task": "copy", "seed": seed, "out": out,
+    # one thread a job: train() would otherwise take the cores idle at its start, every
+    # job all of them at once (the same numbers at any thread count, only slower)
+    given = {"arch": "dizzyrnn", "task": "copy", "seed": seed, "out": out, "threads": 1,
              "log_every": 100, "eval_batch_size": 500, **overrides}
     if steps is not None:
         given["steps"] = steps

@@ -122,8 +122,11 @@ def _train_one(args: tuple) -> dict:
     from orthornn.training.presets import resolve
     from orthornn.training.trainer import train
 
+    # one thread a job: train() would otherwise take the cores idle at its start, every
+    # job all of them at once (the same numbers at any thread count, only slower: an
+    # ArrowHead seed took 267 s instead of 34)
     given = {"arch": row["arch"], **row["given"], "seed": seed, "out": run_dir,
-             "device": device}
+             "device": device, "threads": 1}
     preset, _ = resolve(dict(given))
     paper_budget = (f"{preset.steps} steps" if preset.steps is not None
                     else f"{preset.epochs:g} epochs")

@@ -112,6 +112,11 @@ def test_preset_values_and_sources_are_the_papers():
                         **config.arch_options)
     recurrent = sum(p.numel() for p in model.layer.transition.parameters())
     assert recurrent == 1011 - 587 + 392
+    # and the whole model's: Table 4's 1,011 at the preset's two points a step
+    assert config.step_width == 2 and "Table 4" in str(sources["step_width"])
+    model = build_model("svdrnn", "classify", input_size=config.step_width, hidden_size=32,
+                        num_outputs=3, **config.arch_options)
+    assert sum(p.numel() for p in model.parameters()) == 1011
     config, _ = resolve({"arch": "scornn", "task": "adding", "seq_len": 750})
     assert config.hidden_size == 170 and config.arch_options["rho"] == 119  # 7n/10
     config, _ = resolve({"arch": "scornn", "task": "adding"})
