@@ -129,7 +129,7 @@ def _args(fn, align: str, size: int, pointers: dict[str, str]) -> tuple:
             out.append((name, pointers[name]))
         elif name == "slope":
             out.append((name, "fp32"))
-        elif name in ("B", "T", "N", "M", "C", "K"):
+        elif name in ("B", "T", "N", "M", "C", "K", "P0", "P1"):
             out.append((name, _int_value(name, align, size)))
     return tuple(out)
 
@@ -158,40 +158,60 @@ def _merge(configs: Iterable[Config]) -> list[Config]:
     return list(merged.values())
 
 
+#: Column programs per group the split scan variants are compiled for: each gives its own
+#: column tile at a padded size (``triton_scan._config``: 2 keeps 64 columns a program, 4
+#: gives 32 from n = 128, 8 gives 16).
+SPLIT_COLUMNS = (2, 4, 8)
+
+
 def scan_configurations(full: bool = False, targets=tuple(TARGETS), aligns=ALIGNS):
     """The scan kernels (forward and backward) for every padded hidden size up to
     ``scan.MAX_TRITON_HIDDEN``. Flags: all of KIND x GATED x HAS_LEN x (STORE_PRE or
     HAS_D_STATES) x PRECISION with ``full``; otherwise, per precision, every
     activation with every flag on (the most live values) and relu with every flag off,
-    and in the unaligned specialization only the every-flag-on tanh and modrelu."""
+    and in the unaligned specialization only the every-flag-on tanh and modrelu. The
+    column-split variants (``SPLIT_COLUMNS`` programs a group, a grid barrier a step):
+    every flag combination with ``full``, else the every-flag-on modrelu, aligned."""
     from orthornn.models.activations import KINDS
     from orthornn.models.ops import scan, triton_scan
 
     out = []
-    for (low, padded), kernel, target, align, precision in itertools.product(
+    for (low, padded), kernel, target, align, precision, columns in itertools.product(
             _padded_sizes(scan.MAX_TRITON_HIDDEN), ("scan_fwd", "scan_bwd"), targets, aligns,
-            ("ieee", "tf32")):
+            ("ieee", "tf32"), (1, *SPLIT_COLUMNS)):
         high = min(padded, scan.MAX_TRITON_HIDDEN)
         extra = "STORE_PRE" if kernel == "scan_fwd" else "HAS_D_STATES"
         if full:
             flags = list(itertools.product(KINDS, (False, True), (False, True), (False, True)))
+        elif columns > 1:
+            flags = [("modrelu", True, True, True)] if align == "aligned" else []
         elif align == "aligned":
             flags = [(k, True, True, True) for k in KINDS] + [("relu", False, False, False)]
         else:
             flags = [("tanh", True, True, True), ("modrelu", True, True, True)]
         fn = triton_scan.KERNELS[kernel]
         for kind, gated, has_len, more in flags:
-            options, meta = triton_scan.launch_meta(high, kind, gated, has_len, precision)
+            options, meta, used = triton_scan.launch_meta(high, kind, gated, has_len, precision,
+                                                          columns)
+            if used != columns:
+                continue  # too few tiles at this size: the launch uses fewer programs
             meta[extra] = more
             pointers = {a: "*fp32" for a in fn.arg_names if a.endswith("_ptr")}
+            pointers["counter_ptr"] = "*i32"
             if has_len:
                 pointers["len_ptr"] = "*i64"
             words = [kind, "gated" if gated else "plain", "len" if has_len else "nolen",
                      ("pre" if more else "nopre") if kernel == "scan_fwd"
                      else ("dstates" if more else "nodstates"), precision]
+            if columns > 1:
+                words.append(f"split{columns}")
+            # C and P0 as the launch passes them (C = 1 specializes to a constant; a
+            # persistent launch starts at phase 0)
+            args = tuple((name, columns if name == "C" else 0 if name == "P0" else value)
+                         for name, value in _args(fn, align, high, pointers))
             out.append(Config(kernel, "triton_scan", fn.__name__, f"n {low}-{high}",
                               " ".join(words), align, target, tuple(sorted(options.items())),
-                              tuple(sorted(meta.items())), _args(fn, align, high, pointers)))
+                              tuple(sorted(meta.items())), args))
     return _merge(out)
 
 

@@ -63,20 +63,22 @@ ARJOVSKY = {"copy_loss": "all", "copy_symbols": 8}
 def experiments() -> list[dict]:
     rows = []
     for t, steps in ((200, 800), (750, 500)):
-        for arch in ("svdrnn", "scornn", "sgornn", "lstm"):
+        for arch in ("svdrnn", "scornn", "sgornn", "vprnn", "lstm"):
             rows.append(_row("adding", f"adding T={t}", arch, {"task": "adding", "seq_len": t},
                              {"steps": steps, "log_every": 100, "eval_batch_size": 500},
                              claim=(0.05, "MSE <= 0.05 (to ~0: scoRNN Fig. 2, SGORNN Fig. 1)"),
-                             full_only=t == 750 and arch in ("svdrnn", "lstm")))
+                             full_only=arch == "vprnn" or (
+                                 t == 750 and arch in ("svdrnn", "lstm"))))
     for t, steps in ((1000, 20000), (5000, 20000)):  # SGORNN sec. 3.1, Figs. 2-3
-        for arch in ("sgornn", "vprnn"):
+        for arch in ("sgornn", "vprnn", *(("scornn", "svdrnn") if t == 1000 else ())):
             rows.append(_row("adding", f"adding T={t}", arch, {"task": "adding", "seq_len": t},
                              {"steps": steps, "log_every": 100, "eval_batch_size": 500},
                              claim=(0.05, "MSE <= 0.05 (SGORNN sec. 3.1, Figs. 2-3: "
                                           "SGORNN converges, VPRNN at most partly)"),
                              full_only=True))
     for t, steps in ((100, 2000), (200, 1500)):
-        for arch in ("svdrnn", "scornn", "dizzyrnn", "lstm"):
+        for arch in ("svdrnn", "scornn", "dizzyrnn", "lstm",
+                     *(("sgornn", "vprnn") if t == 200 else ())):
             rows.append(_row("copy", f"copy T={t}, every step, 8 symbols", arch,
                              {"task": "copy", "seq_len": t, **ARJOVSKY},
                              # dizzyrnn: its preset's budget (DizzyRNN sec. 6: 1,000 steps
@@ -85,7 +87,8 @@ def experiments() -> list[dict]:
                               "log_every": 250, "eval_batch_size": 500},
                              claim=("half", "CE < baseline / 2 (Spectral-RNN Fig. 2: svdRNN "
                                             "beats every model)"),
-                             full_only=t == 200 and arch in ("dizzyrnn", "lstm")))
+                             full_only=t == 200 and arch in ("dizzyrnn", "lstm", "sgornn",
+                                                             "vprnn")))
     rows.append(_row("copy", "copy T=90, copied portion, 10 symbols (DizzyRNN sec. 6)",
                      "dizzyrnn", {"task": "copy"}, {"log_every": 100, "eval_batch_size": 500},
                      claim=(0.95, "copy accuracy >= 0.95 in 1,000 steps (DizzyRNN sec. 6: "

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One GPU check of the Triton kernels on a lent H100 / H200 (docs/gpu.md), in under
 # 8 minutes, each step bounded so the later ones still run. In order of priority:
-#   1. bench/perf/ops.py at the issue's point (T=784, n=128, B=64): the fused scan against the
-#      Python loop and cuDNN's nn.RNN(relu), the compact-WY matrix against householder_product
+#   1. bench/perf/ops.py at the issue's point (T=784, n=128, B=64): the fused scan (one program
+#      a group of sequences, and split over 2, 4, 8 column programs with a grid barrier a
+#      step) against the Python loop and cuDNN's nn.RNN(relu), the compact-WY matrix against
+#      householder_product
 #   2. the chains: householder_apply and rotation_chain (Triton kernels, the Python-loop
 #      reference) against the dense product (U built once, then one matmul)
 #   3. training throughput: steps/s of svdrnn, scornn, dizzyrnn, sgornn at T=784, n=128,
@@ -10,14 +12,14 @@
 #   4. the Triton op tests with compiled kernels (no TRITON_INTERPRET), gpu-marked included,
 #      in pytest-xdist workers (compilation in parallel; a worker a device fault kills is
 #      replaced, the others go on)
-#   5. bench/perf/ops.py over the docs' grid
-#   6. the long rows of bench/experiments/reproduce.py --full in the time left: DizzyRNN's copy rows
-#      (its preset's 1,000 steps, the Givens kernels inside), one seed each; when time runs
-#      out, the seeds that finished are tabulated (--collect)
+#   5. bench/perf/ops.py over the docs' grid, the splits at T=784 (scan.COLUMN_TABLE's numbers)
+#   6. the papers' long rows side by side on the card in the time left
+#      (bench/experiments/long_rows.py: adding T=750 / 1000 and copy T=200 for scornn,
+#      sgornn, vprnn, svdrnn, 3 seeds each, one process each); what finished is tabulated
 # Run from the checkout: OUT=/some/dir bash bench/perf/gpu_check.sh. Writes 8 files to $OUT
 # (the most a lent machine returns): summary.json (every step's exit code and seconds),
-# env.txt, log.txt (every step's output), ops.json (the point), ops-grid.json, chains.json,
-# throughput.json, reproduce.json. The compile check (tests/integration/test_triton_compile.py) needs
+# log.txt (the card, driver and versions, then every step's output), ops.json (the point),
+# ops-grid.json, ops-splits.json, chains.json, throughput.json, long-rows.json. The compile check (tests/integration/test_triton_compile.py) needs
 # no GPU and is not rerun here.
 # Environment: BUDGET (seconds, default 470), PYTHON (default python), SMOKE=1 (a tiny run
 # of every step on the CPU through the Triton interpreter: checks the script, not the GPU).
@@ -109,18 +111,21 @@ except Exception as e:
 import orthornn.models
 print("orthornn.models from", orthornn.models.__file__)
 EOF
-} >"$OUT/env.txt" 2>&1
+} >>"$LOG" 2>&1
 
 if [ "$SMOKE" = 1 ]; then
-    OPS_POINT=(--smoke --reps 1)
+    OPS_POINT=(--smoke --reps 1 --columns 1 2)
     OPS_GRID=(--smoke --reps 1)
-    TESTS=(-k "householder_apply or scan_every_activation")
-    REPRODUCE=(--quick --device cpu --jobs 1)
+    OPS_SPLITS=(--smoke --reps 1 --columns 1 2 --methods fused)
+    TESTS=(-k "householder_apply or scan_every_activation or column_programs")
+    LONG_ROWS=(--quick --device cpu --jobs 2 --seeds 1 --only copy --arch svdrnn)
 else
-    OPS_POINT=(--steps 784 --hidden 128 --batch 64 --reps 5)
+    OPS_POINT=(--steps 784 --hidden 128 --batch 64 --reps 5 --columns 1 2 4 8)
     OPS_GRID=(--reps 3)
+    OPS_SPLITS=(--steps 784 --hidden 128 256 512 --batch 16 64 256 --reps 3 --columns 1 2 4 8
+                --methods fused loop)
     TESTS=(-n 6)
-    REPRODUCE=(--full --device cuda --jobs 3)
+    LONG_ROWS=(--device cuda --jobs 16)
 fi
 
 # 1. the op benchmark at the issue's point
@@ -293,40 +298,40 @@ for name in ("rnn", "lstm"):
                  "steps_per_s": rate(baseline(name))})
     print(rows[-1], flush=True)
     save()
+# the kernels as dispatched, the scan split over 8 column programs a group (tiles of 16 at
+# n = 128, a grid barrier a step), and the PyTorch reference
 for arch in ("svdrnn", "scornn", "dizzyrnn", "sgornn"):
-    for mode in ("auto", "reference"):
-        os.environ["ORTHORNN_KERNELS"] = mode
+    for mode, columns in (("auto", "auto"), ("auto", "8"), ("reference", "auto")):
+        os.environ["ORTHORNN_KERNELS"], os.environ["ORTHORNN_SCAN_COLUMNS"] = mode, columns
+        label = ("triton" if mode == "auto" else mode) + ("" if columns == "auto" else
+                                                          f" split {columns}")
         try:
-            rows.append({"model": arch, "kernels": "triton" if mode == "auto" else mode,
+            rows.append({"model": arch, "kernels": label,
                          "steps_per_s": rate(model_step(arch))})
         except Exception as e:  # one failure does not hide the other rows
-            rows.append({"model": arch, "kernels": mode, "error": repr(e)[:500]})
+            rows.append({"model": arch, "kernels": label, "error": repr(e)[:500]})
         print(rows[-1], flush=True)
         save()
 EOF
-step throughput 110 "$PYTHON" "$SCRATCH/throughput.py" "$OUT/throughput.json"
+step throughput 140 "$PYTHON" "$SCRATCH/throughput.py" "$OUT/throughput.json"
 
 # 4. compiled kernels against the reference (the tests pick CUDA when it is there)
 step tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider "${TESTS[@]}" \
     tests/integration/test_triton_ops.py tests/unit/models/test_scan.py
 
-# 5. the op benchmark over the docs' grid
+# 5. the op benchmark over the docs' grid, then the splits at T=784 over n and B
 step ops_grid 120 "$PYTHON" bench/perf/ops.py "${OPS_GRID[@]}" --out "$OUT/ops-grid.json"
+step ops_splits 90 "$PYTHON" bench/perf/ops.py "${OPS_SPLITS[@]}" --out "$OUT/ops-splits.json"
 
-# 6. long rows of reproduce.py --full (copy T=200 is --full only), as far as time allows,
-#    keeping 25 s to tabulate the seeds that finished if it is cut short
-RESERVE=25
-step reproduce_copy $(($(left) - RESERVE)) "$PYTHON" bench/experiments/reproduce.py "${REPRODUCE[@]}" \
-    --only copy --arch dizzyrnn --seeds 1 --out "$SCRATCH/reproduce" \
-    --runs "$SCRATCH/reproduce-runs"
-if ! ls "$SCRATCH"/reproduce/reproduce*.json >/dev/null 2>&1 && [ -d "$SCRATCH/reproduce-runs" ]
-then
-    BUDGET=$((BUDGET + RESERVE)) step reproduce_collect 20 "$PYTHON" bench/experiments/reproduce.py \
-        "${REPRODUCE[@]}" --only copy --arch dizzyrnn --seeds 1 --out "$SCRATCH/reproduce" \
-        --runs "$SCRATCH/reproduce-runs" --collect
+# 6. the long rows side by side in the time left, keeping 20 s to write the summary
+LONG_BUDGET=$(($(left) - 40))
+if [ "$LONG_BUDGET" -ge 30 ]; then
+    step long_rows $((LONG_BUDGET + 20)) "$PYTHON" bench/experiments/long_rows.py \
+        "${LONG_ROWS[@]}" --budget "$LONG_BUDGET" --out "$SCRATCH/long" \
+        --runs "$SCRATCH/long-runs"
 fi
-for f in "$SCRATCH"/reproduce/reproduce*.json; do
-    if [ -f "$f" ]; then cp "$f" "$OUT/reproduce.json"; fi
+for f in "$SCRATCH"/long/long-rows*.json; do
+    if [ -f "$f" ]; then cp "$f" "$OUT/long-rows.json"; fi
 done
 
 {

@@ -15,6 +15,9 @@ synchronised wall times after a warm-up (which also compiles the kernels).
     python bench/perf/ops.py                       # the full grid, on a CUDA device
     python bench/perf/ops.py --steps 784 --hidden 128 --batch 64   # one point
     python bench/perf/ops.py --tf32                # TF32 tensor cores for fp32 products
+    python bench/perf/ops.py --columns 1 2 4 8     # the fused scan split over 1, 2, 4, 8
+                                              # column programs a group (fused_c2, ...):
+                                              # the measurements scan.COLUMN_TABLE takes
     python bench/perf/ops.py --smoke               # tiny grid on the CPU through the Triton
                                               # interpreter: checks the script, times are
                                               # meaningless
@@ -62,16 +65,17 @@ def median_time(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
-def scan_methods(steps, n, batch, device):
+def scan_methods(steps, n, batch, device, columns=()):
     gen = torch.Generator(device="cpu").manual_seed(0)
     u = (torch.randn(batch, steps, n, generator=gen) * 0.1).to(device).requires_grad_()
     q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen))
     w = q.to(device).requires_grad_()  # orthogonal: states stay bounded over 2000 steps
     rnn = torch.nn.RNN(n, n, nonlinearity="relu", batch_first=True).to(device)
 
-    def op(mode):
+    def op(mode, split="auto"):
         def run():
             os.environ["ORTHORNN_KERNELS"] = mode
+            os.environ["ORTHORNN_SCAN_COLUMNS"] = str(split)  # auto: scan.COLUMN_TABLE
             return rnn_scan(u, w, activation="relu")
         return run
 
@@ -82,13 +86,18 @@ def scan_methods(steps, n, batch, device):
         states, h = rnn(u)
         return states, h[0]
     return {"fused": op("triton"), "loop": op("reference"), "autograd": autograd_loop,
-            "cudnn": cudnn}
+            "cudnn": cudnn, **{f"fused_c{c}": op("triton", c) for c in columns}}
 
 
-def time_scan(steps, n, batch, device, reps, methods):
-    fns = scan_methods(steps, n, batch, device)
+def time_scan(steps, n, batch, device, reps, methods, columns=()):
+    fns = scan_methods(steps, n, batch, device, columns)
     row = {"T": steps, "n": n, "B": batch}
-    for name in methods:
+    if columns:  # what each requested split launches (capped by tiles and residency)
+        from orthornn.models.ops import triton_scan
+
+        row["columns_used"] = {c: triton_scan.column_programs(n, batch, c, device)
+                               for c in columns}
+    for name in [*methods, *(f"fused_c{c}" for c in columns)]:
         fn = fns[name]
 
         def forward(fn=fn):
@@ -120,6 +129,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--columns", type=int, nargs="*", default=[],
+                        help="also time the fused scan split over these column programs")
     parser.add_argument("--tf32", action="store_true",
                         help="allow TF32 tensor cores in fp32 matmuls (cuBLAS and tl.dot)")
     parser.add_argument("--smoke", action="store_true",
@@ -127,13 +138,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).resolve().parents[1] / "results" / "ops.json")
     args = parser.parse_args(argv)
-    if min(*args.steps, *args.hidden, *args.batch, args.reps) < 1:
-        parser.error("--steps, --hidden, --batch and --reps must be positive")
+    if min(*args.steps, *args.hidden, *args.batch, *args.columns, args.reps) < 1:
+        parser.error("--steps, --hidden, --batch, --columns and --reps must be positive")
     if args.tf32:
         torch.set_float32_matmul_precision("high")
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
-        args.steps, args.hidden, args.batch, args.reps = [5], [16], [2], 1
+        # n = 40 streams W in tiles, so a split (--columns) has columns to split
+        hidden = 40 if args.columns else 16
+        args.steps, args.hidden, args.batch, args.reps = [5], [hidden], [2], 1
         device = torch.device("cpu")
     elif torch.cuda.is_available():
         device = torch.device("cuda")
@@ -150,11 +163,13 @@ def main(argv=None) -> int:
     for steps in args.steps:
         for n in args.hidden:
             for batch in args.batch:
-                rows.append(time_scan(steps, n, batch, device, args.reps, args.methods))
+                rows.append(time_scan(steps, n, batch, device, args.reps, args.methods,
+                                      args.columns))
                 print(f"done T={steps} n={n} B={batch}", file=sys.stderr)
     wy_rows = [time_householder(n, device, args.reps) for n in args.hidden]
 
-    cols = [f"{m}_{k}_ms" for k in ("fwd", "fwdbwd") for m in args.methods]
+    names = [*args.methods, *(f"fused_c{c}" for c in args.columns)]
+    cols = [f"{m}_{k}_ms" for k in ("fwd", "fwdbwd") for m in names]
     print("\n| T | n | B | " + " | ".join(c.removesuffix("_ms") + " (ms)" for c in cols) + " |")
     print("|" + " --- |" * (3 + len(cols)))
     for row in rows:
@@ -163,6 +178,16 @@ def main(argv=None) -> int:
     print("\n| n = m | compact WY (ms) | householder_product (ms) |\n| --- | --- | --- |")
     for row in wy_rows:
         print(f"| {row['n']} | {row['compact_wy_ms']:.3f} | {row['householder_product_ms']:.3f} |")
+
+    if args.columns:  # the fastest split forward + backward: COLUMN_TABLE's candidates
+        print("\n| T | n | B | fastest split (fwd+bwd) | its ms | one program's ms |\n"
+              "| --- | --- | --- | --- | --- | --- |")
+        for row in rows:
+            best = min(args.columns, key=lambda c: row[f"fused_c{c}_fwdbwd_ms"])
+            row["fastest_columns"] = row["columns_used"][best]
+            one = row.get("fused_c1_fwdbwd_ms", float("nan"))
+            print(f"| {row['T']} | {row['n']} | {row['B']} | {row['fastest_columns']} | "
+                  f"{row[f'fused_c{best}_fwdbwd_ms']:.2f} | {one:.2f} |")
 
     targets = {}
     point = [r for r in rows if (r["T"], r["n"], r["B"]) == (784, 128, 64)]

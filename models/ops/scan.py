@@ -10,6 +10,8 @@ The op returns (states, last, pre, carried); ``rnn_scan`` below hands back the f
 two. pre and carried are residuals for the backward, not differentiable outputs.
 """
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -29,6 +31,18 @@ MAX_TRITON_HIDDEN = 1024
 #: ``ORTHORNN_KERNELS=triton`` still runs the kernel up to ``MAX_TRITON_HIDDEN``.
 MAX_AUTO_HIDDEN = 256
 
+#: Column programs per group of 16 sequences of the Triton scan, by shape: ((largest n,
+#: largest B), programs), the first entry that covers (n, B) applies, 1 (one program per
+#: group, the kernel measured in docs/gpu.md) elsewhere. With more than one, the programs
+#: of a group split each step's output columns and meet at a grid-wide barrier per step
+#: (``triton_scan``). Filled in from ``bench/perf/ops.py --columns``'s table on a GPU:
+#: empty until that has run, since a split pays a barrier per step that only a
+#: measurement can weigh against the columns it spreads.
+COLUMN_TABLE: tuple[tuple[tuple[int, int], int], ...] = ()
+#: Overrides the table (a positive integer, or ``auto`` for the table): how
+#: ``bench/perf/ops.py`` measures each split, and how the tests force one.
+COLUMNS_ENV = "ORTHORNN_SCAN_COLUMNS"
+
 
 def _unsupported(u: Tensor, weight: Tensor) -> str | None:
     if u.dtype != torch.float32 or weight.dtype != torch.float32:
@@ -45,6 +59,28 @@ def _slower(u: Tensor) -> str | None:
     return None
 
 
+def columns_for(n: int, batch: int) -> int:
+    """Column programs per group requested for hidden size n and batch B: the
+    ``ORTHORNN_SCAN_COLUMNS`` override, else ``COLUMN_TABLE`` (the launcher then caps it
+    at the tiles of n and, on a GPU, at what stays resident)."""
+    value = os.environ.get(COLUMNS_ENV, "auto").strip().lower() or "auto"
+    if value != "auto":
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{COLUMNS_ENV} must be a positive integer or auto; got {value!r}")
+        return int(value)
+    for (max_n, max_b), columns in COLUMN_TABLE:
+        if n <= max_n and batch <= max_b:
+            return columns
+    return 1
+
+
+def _columns(u: Tensor) -> int:
+    from . import triton_scan
+
+    batch, _, n = u.shape
+    return triton_scan.column_programs(n, batch, columns_for(n, batch), u.device)
+
+
 def _triton(u: Tensor, weight: Tensor, *others) -> bool:
     return use_triton("rnn_scan", (u, weight, *others), _unsupported(u, weight), _slower(u))
 
@@ -58,7 +94,7 @@ def _scan(u: Tensor, weight: Tensor, h0: Tensor, lengths: Tensor | None, a: Tens
         from . import triton_scan
 
         states, last, pre, carried = triton_scan.scan_forward(
-            u, weight, h0, lengths, a, b2, bias, activation, slope, keep)
+            u, weight, h0, lengths, a, b2, bias, activation, slope, keep, _columns(u))
     else:
         states, last, pre, carried = reference.scan_forward(
             u, weight, h0, lengths, a, b2, bias, activation, slope, keep)
@@ -87,7 +123,8 @@ def _scan_backward(d_states: Tensor | None, d_last: Tensor | None, weight: Tenso
         from . import triton_scan
 
         d_pre, d_out, d_h0 = triton_scan.scan_backward(
-            d_states, d_last, weight, pre, lengths, a, b2, bias, activation, slope)
+            d_states, d_last, weight, pre, lengths, a, b2, bias, activation, slope,
+            _columns(pre))
     else:
         d_pre, d_out, d_h0 = reference.scan_backward(
             d_states, d_last, weight, pre, carried, lengths, a, b2, bias, activation, slope)

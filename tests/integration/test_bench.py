@@ -66,6 +66,51 @@ def test_reproduce_benchmark_runs(tmp_path):
         assert {(f"adding T={t}", "sgornn"), (f"adding T={t}", "vprnn")} <= long
 
 
+def _finish(task):  # a child of run_concurrently: exits 0 at once
+    pass
+
+
+def _fail(task):
+    raise SystemExit(3)
+
+
+def _sleep(task):  # outlives any budget the test gives
+    import time
+
+    time.sleep(600)
+
+
+def test_long_rows_run_side_by_side_within_a_budget(tmp_path):
+    """The long rows (issue 63): every seed a process, at most --jobs at once; at the
+    budget the ones still running are stopped and what finished is tabulated."""
+    module = _load("long_rows")
+    rows = module.long_rows()
+    assert {(r["experiment"], r["arch"]) for r in rows} == set(module.LONG)
+    assert len(rows) == 12  # 3 lengths x 4 architectures
+    # the scheduler: a budget passed with a process still running stops it; a job that
+    # never got a slot is listed as not started
+    state = module.run_concurrently([0, 1, 2, 3], _finish, 2, 3600.0, log=str)
+    assert state == dict.fromkeys(range(4), "finished")
+    lines = []
+    state = module.run_concurrently(["a", "b", "c"], _sleep, 1, 3.0, log=lines.append)
+    assert state == {0: "stopped", 1: "not started", 2: "not started"}
+    assert any("budget of 3 s reached" in line for line in lines)
+    assert module.run_concurrently(["x"], _fail, 1, 3600.0, log=str) == {0: "failed"}
+    # a real run: two seeds of one row side by side (a few steps each), tabulated
+    assert module.main(["--budget", "600", "--quick", "--only", "copy", "--arch", "svdrnn",
+                        "--seeds", "2", "--jobs", "2", "--device", "cpu", "--out",
+                        str(tmp_path), "--runs", str(tmp_path / "runs")]) == 0
+    result = json.loads((tmp_path / "long-rows-quick.json").read_text())
+    (row,) = result["rows"]
+    assert (row["experiment"], row["arch"], row["seeds_finished"]) == (
+        "copy T=200, every step, 8 symbols", "svdrnn", 2)
+    assert row["steps"] == 3 and len(row["values"]) == 2 and result["unfinished"] == []
+    assert "| copy T=200, every step, 8 symbols | svdrnn |" in (
+        tmp_path / "long-rows-quick.md").read_text()
+    with pytest.raises(SystemExit):
+        module.main(["--budget", "60", "--arch", "lstm"])  # not a long row's architecture
+
+
 def test_service_benchmark_runs(tmp_path):
     out = tmp_path / "service.json"
     assert _load("service").main(["--duration", "0.2", "--concurrency", "1", "2", "--hidden",

@@ -78,10 +78,13 @@ def test_enumeration_covers_every_dispatched_size():
 
     for n in range(1, scan.MAX_TRITON_HIDDEN + 1):
         for precision in ("ieee", "tf32"):
-            options, meta = triton_scan.launch_meta(n, "modrelu", True, True, precision)
-            assert covered(triton_scan._scan_fwd_kernel, options, dict(meta, STORE_PRE=True)), n
-            assert covered(triton_scan._scan_bwd_kernel, options,
-                           dict(meta, HAS_D_STATES=True)), n
+            for columns in (1, *compile_check.SPLIT_COLUMNS):
+                options, meta, _ = triton_scan.launch_meta(n, "modrelu", True, True, precision,
+                                                           columns)
+                assert covered(triton_scan._scan_fwd_kernel, options,
+                               dict(meta, STORE_PRE=True)), (n, columns)
+                assert covered(triton_scan._scan_bwd_kernel, options,
+                               dict(meta, HAS_D_STATES=True)), (n, columns)
     for n in range(1, householder.MAX_TRITON_SIZE + 1):
         options, meta = triton_chains.householder_launch_meta(n, True)
         assert covered(triton_chains._householder_fwd_kernel, options, meta), n

@@ -3,6 +3,7 @@
 (conftest sets TRITON_INTERPRET=1); the tests marked gpu rerun them on CUDA."""
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,108 @@ def test_scan_streamed_weight_path(monkeypatch, kind, gated, n):
     assert triton_scan._config(n)[1] is False
     run, leaves = scan_case(5, 4, n, kind, gated, padded=True)
     both_paths(monkeypatch, run, leaves)
+
+
+def record_phases(monkeypatch):
+    """Wraps triton_scan._phases: [(kernel name, column programs, phases, counters after)]."""
+    from orthornn.models.ops import triton_scan
+
+    calls, original = [], triton_scan._phases
+
+    def recording(kernel, grid, args, phases, columns, device, meta):
+        original(kernel, grid, args, phases, columns, device, meta)
+        counter = next(a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.int32)
+        calls.append((kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), columns,
+                      phases, counter.tolist()))
+    monkeypatch.setattr(triton_scan, "_phases", recording)
+    return calls
+
+
+@pytest.mark.parametrize(("columns", "kind", "gated"), [(2, "modrelu", True), (4, "tanh", False),
+                                                        (3, "abs", True)])
+def test_scan_split_over_column_programs(monkeypatch, columns, kind, gated):
+    """Several programs per group of sequences, each its own column tiles of every step,
+    meeting at a barrier per step (under the interpreter one launch per phase, a step
+    of the forward, a pass of the backward): the reference's states and gradients.
+    n = 40 streams W (padded 64): 2 programs take 32 columns each, 3 and 4 take three
+    tiles of 16 (40 = 16 + 16 + 8); 17 sequences make two groups."""
+    monkeypatch.setenv("ORTHORNN_SCAN_COLUMNS", str(columns))
+    calls = record_phases(monkeypatch)
+    steps = 4
+    run, leaves = scan_case(17, steps, 40, kind, gated, padded=True)
+    both_paths(monkeypatch, run, leaves)
+    used = min(columns, 3)
+    # each program arrives once a step: after the forward's T steps and the backward's T
+    # first passes, every group's counter holds T x (its programs)
+    assert [(c, p, counts) for _, c, p, counts in calls] == [
+        (used, steps, [steps * used] * 2), (used, 2 * steps, [steps * used] * 2)]
+
+
+def test_program_ahead_of_its_group_waits(tmp_path):
+    """The barrier holds a program back: one launch of every phase with 2 column programs
+    under the interpreter (which runs the first program alone to its end) never passes
+    step 1's barrier, since the second program has not written its half of h_0; one
+    program a group finishes the same launch (its barrier is its own arrival)."""
+    script = tmp_path / "ahead.py"
+    script.write_text(
+        "import os, sys, torch\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from orthornn.models.ops import triton_scan\n"
+        "triton_scan._phases = lambda k, grid, args, phases, columns, device, meta: "
+        "k[grid](*args, 0, phases, **meta)\n"
+        "u, w = torch.randn(2, 3, 40), torch.randn(40, 40) / 7\n"
+        "columns = int(sys.argv[1])\n"
+        "print('launching', flush=True)\n"
+        "states, *_ = triton_scan.scan_forward(u, w, torch.zeros(2, 40), None, None, None, "
+        "None, 'tanh', 0.0, False, columns)\n"
+        "print('done', float(states.abs().sum()), flush=True)\n")
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    one = subprocess.run([sys.executable, str(script), "1"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert one.returncode == 0 and "done" in one.stdout, one.stderr[-2000:]
+    two = subprocess.Popen([sys.executable, str(script), "2"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert two.stdout.readline().strip() == "launching"
+        time.sleep(5)  # one program's three steps take well under a second (the run above)
+        assert two.poll() is None, two.communicate()
+    finally:
+        two.kill()
+        out, _ = two.communicate()
+    assert "done" not in out
+
+
+def test_column_programs_chosen_and_capped(monkeypatch):
+    """The override, the table, then the caps: the tiles of n, and on a GPU the grid
+    never larger than the programs resident at once (a spinning program must not wait
+    for one that cannot start)."""
+    from orthornn.models.ops import scan, triton_scan
+
+    cpu = torch.device("cpu")
+    assert scan.columns_for(128, 64) == 1  # no measured split yet: one program a group
+    monkeypatch.setattr(scan, "COLUMN_TABLE", (((256, 128), 8), ((1024, 4096), 2)))
+    assert [scan.columns_for(n, b) for n, b in ((128, 64), (256, 200), (512, 64))] == [8, 2, 2]
+    assert scan.columns_for(2048, 64) == 1
+    monkeypatch.setenv("ORTHORNN_SCAN_COLUMNS", "4")
+    assert scan.columns_for(128, 64) == 4
+    for bad in ("0", "two", "-3"):
+        monkeypatch.setenv("ORTHORNN_SCAN_COLUMNS", bad)
+        with pytest.raises(ValueError, match="ORTHORNN_SCAN_COLUMNS must be a positive"):
+            scan.columns_for(128, 64)
+    # tiles: n = 20 is one resident tile; n = 40 three of 16; n = 128 eight of 16
+    assert [triton_scan.column_programs(n, 64, 8, cpu) for n in (20, 40, 128)] == [1, 3, 8]
+    monkeypatch.setattr(triton_scan, "resident_programs", lambda device: 20)
+    # B = 64: 4 groups, 20 resident programs: 5 a group at most, which n = 128 cuts in
+    # 4 tiles of 32; B = 512: 32 groups, more than are resident: one program each
+    assert triton_scan.column_programs(128, 64, 8, cpu) == 4
+    assert triton_scan.column_programs(128, 512, 8, cpu) == 1
+    _, meta, used = triton_scan.launch_meta(128, "relu", False, False, "ieee", 5)
+    assert (used, meta["BN"], meta["GRID_SYNC"]) == (4, 32, True)
+    assert triton_scan.launch_meta(128, "relu", False, False, "ieee", 1)[1]["GRID_SYNC"] is False
 
 
 @pytest.mark.parametrize(("shape", "m", "transpose"), [
