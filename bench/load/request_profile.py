@@ -12,7 +12,7 @@ read, not the absolute times).
 Prints the table and writes bench/results/request_profile.json.
 
     python bench/load/request_profile.py [--seconds 10] [--concurrency 32]
-        [--route predict|oip_json|oip_binary]
+        [--route predict|oip_json|oip_binary] [--top N]
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ def stage_of(filename: str) -> str:
 
 
 def stage_times(repo: Path, sent: bytes, seconds: float, concurrency: int,
-                out: Path) -> tuple[dict[str, float], int, float]:
+                out: Path) -> tuple[dict[str, float], int, float, dict[str, float]]:
     """Each stage's own time in the profiled thread of one server's whole life, loaded for
-    SECONDS (0: started, ready, stopped: what its start and its end cost), and the
-    requests answered and the load's length."""
+    SECONDS (0: started, ready, stopped: what its start and its end cost), the requests
+    answered, the load's length, and each function's own time (a builtin's: its name)."""
     server = Server(repo, True, [], launcher=("-m", "cProfile", "-o", str(out)))
     requests, took = 0, 0.0
     try:
@@ -78,7 +78,10 @@ def stage_times(repo: Path, sent: bytes, seconds: float, concurrency: int,
         server.stop()  # SIGTERM: the server drains and exits, and cProfile writes OUT
     stats = pstats.Stats(str(out)).stats  # type: ignore[attr-defined]
     by_stage = dict.fromkeys([s for s, _ in STAGES] + [OTHER], 0.0)
-    for (filename, _, _), (_, _, own, _, callers) in stats.items():
+    functions: dict[str, float] = {}
+    for (filename, line, name), (_, _, own, _, callers) in stats.items():
+        where = f"{'/'.join(Path(filename).parts[-2:])}:{line} {name}" if filename != "~" else name
+        functions[where] = functions.get(where, 0.0) + own
         if filename != "~" or not callers:
             by_stage[stage_of(filename)] += own
             continue
@@ -87,7 +90,7 @@ def stage_times(repo: Path, sent: bytes, seconds: float, concurrency: int,
         spent = sum(c[2] for c in callers.values()) or 1.0
         for (caller_file, _, _), c in callers.items():
             by_stage[stage_of(caller_file)] += own * c[2] / spent
-    return by_stage, requests, took
+    return by_stage, requests, took, functions
 
 
 def route_request(route: str) -> bytes:
@@ -110,21 +113,25 @@ def route_request(route: str) -> bytes:
             f"Inference-Header-Content-Length: {len(head)}\r\n\r\n").encode() + body
 
 
-def profile(seconds: float, concurrency: int, work: Path, route: str = "predict") -> dict:
+def profile(seconds: float, concurrency: int, work: Path, route: str = "predict",
+            top: int = 0) -> dict:
     """The loaded server's stages, less an unloaded one's (the imports, the model's load,
-    the end: not a request's)."""
+    the end: not a request's), and its TOP functions by own time (less the unloaded's)."""
     repo = build_package(work, 64, 32, 9)
     sent = route_request(route)
-    idle, _, _ = stage_times(repo, sent, 0, concurrency, work / "idle.prof")
-    loaded, requests, took = stage_times(repo, sent, seconds, concurrency,
-                                         work / "loaded.prof")
+    idle, _, _, idle_functions = stage_times(repo, sent, 0, concurrency, work / "idle.prof")
+    loaded, requests, took, functions = stage_times(repo, sent, seconds, concurrency,
+                                                    work / "loaded.prof")
+    own = {f: t - idle_functions.get(f, 0.0) for f, t in functions.items()}
     by_stage = {stage: max(0.0, loaded[stage] - idle[stage]) for stage in loaded}
     total = sum(by_stage.values())
     return {"route": route, "requests": requests, "seconds": round(took, 2),
             "req_s": round(requests / took, 1), "concurrency": concurrency,
-            "stages": {stage: {"share": round(own / total, 4),
-                               "us_per_request": round(own / requests * 1e6, 1)}
-                       for stage, own in sorted(by_stage.items(), key=lambda kv: -kv[1])}}
+            "stages": {stage: {"share": round(spent / total, 4),
+                               "us_per_request": round(spent / requests * 1e6, 1)}
+                       for stage, spent in sorted(by_stage.items(), key=lambda kv: -kv[1])},
+            "functions": {f: round(t / requests * 1e6, 2)
+                          for f, t in sorted(own.items(), key=lambda kv: -kv[1])[:top]}}
 
 
 def table(result: dict) -> None:
@@ -134,6 +141,10 @@ def table(result: dict) -> None:
     print("| --- | ---: | ---: |")
     for stage, row in result["stages"].items():
         print(f"| {stage} | {100 * row['share']:.1f}% | {row['us_per_request']:.1f} |")
+    if result["functions"]:
+        print("\n| function (own time) | us a request (profiled) |\n| --- | ---: |")
+        for name, us in result["functions"].items():
+            print(f"| {name} | {us:.2f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,13 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--route", choices=("predict", "oip_json", "oip_binary"),
                         default="predict", help="the route loaded (default: /predict)")
+    parser.add_argument("--top", type=int, default=0,
+                        help="also list the N functions with the most own time")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" /
                                              "request_profile.json"))
     args = parser.parse_args(argv)
-    if args.seconds <= 0 or args.concurrency < 1:
-        parser.error("--seconds must be positive and --concurrency at least 1")
+    if args.seconds <= 0 or args.concurrency < 1 or args.top < 0:
+        parser.error("--seconds must be positive, --concurrency at least 1, --top at least 0")
     with tempfile.TemporaryDirectory(prefix="orthornn-bench-profile-") as tmp:
-        result = profile(args.seconds, args.concurrency, Path(tmp), args.route)
+        result = profile(args.seconds, args.concurrency, Path(tmp), args.route, args.top)
     table(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -228,6 +228,52 @@ def test_infer_fast_path_takes_only_what_pydantic_takes_and_agrees(datatype, dat
         pytest.fail(f"the fast path took a body pydantic refuses: {body!r}: {e}")
 
 
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(inputs=st.lists(st.fixed_dictionaries(
+           {"name": st.sampled_from(["x", "", "lengths"]),
+            "shape": st.lists(st.integers(-1, 4), max_size=3) | st.just("3"),
+            "datatype": st.sampled_from(["FP32", "INT64", "BYTES", 5])},
+           optional={"parameters": st.dictionaries(
+               st.sampled_from(["binary_data_size", "k"]),
+               st.integers(-2, 10**21) | st.floats(allow_nan=False) | st.text(max_size=3)
+               | st.none() | st.lists(st.integers(), max_size=2), max_size=2)}),
+           max_size=3),
+       extra=st.dictionaries(st.sampled_from(["id", "parameters", "outputs", "model_name"]),
+                             st.none() | st.sampled_from(["7", {"sequence_id": 3}, 12,
+                                                          {"n": 10**30}, [{"name": "y"}]]),
+                             max_size=2))
+def test_a_small_header_is_read_as_pydantic_reads_it(inputs, extra):
+    """The binary extension's header (no JSON data) through orjson: taken only where
+    pydantic's own parser takes the body too, and read the same (integers beyond 64 bits
+    included, which orjson would make floats)."""
+    from orthornn.service.dataplane.schemas import InferenceRequest
+    from orthornn.service.http.codecs.oip_json import small_request
+
+    body = json.dumps({"inputs": inputs, **extra}).encode()
+    found = small_request(body)
+    try:
+        slow = InferenceRequest.model_validate_json(body)
+    except ValidationError:
+        assert found is None, body
+        return
+    if found is not None:
+        assert found[0] == slow and found[1] == []
+
+
+def test_a_binary_header_takes_the_small_path():
+    from orthornn.service.http.codecs import oip_json
+
+    head = json.dumps({"id": "a", "inputs": [{"name": "x", "shape": [1, 2, 1],
+                                              "datatype": "FP32",
+                                              "parameters": {"binary_data_size": 8}}]}).encode()
+    req, arrays = oip_json.small_request(head)
+    assert arrays == [] and req.inputs[0].parameters == {"binary_data_size": 8}
+    assert oip_json.small_request(head + b" " * oip_json.SMALL_BODY) is None  # too large
+    assert oip_json.small_request(head.replace(b'"a"', b'"data"')) is None  # JSON data
+    assert oip_json.small_request(head.replace(b"8}", b"8000000000000000000}")) is None
+
+
 def test_infer_fast_path_takes_well_formed_bodies():
     body = json.dumps({"id": "1", "parameters": {"sequence_id": 9, "sequence_start": True},
                        "inputs": [{"name": "x", "shape": [1, 2, 1], "datatype": "FP32",
