@@ -33,6 +33,8 @@ HELP = {
     "point_by_point": "feed UCR series one point per step (task ucr)",
     "step_width": "UCR points fed per step, the series padded at its end (repeating its "
                   "last value) to a multiple (task ucr)",
+    "val_fold": "which of the training split's disjoint fifths is the validation "
+                "split (task ucr; cross-validation of a recipe)",
     "corpus": "a text file to model instead of the bundled corpus (task lm); repeat it to "
               "train on several (each split on its own, the splits concatenated; the "
               "vocabulary is the first file's)",
@@ -82,6 +84,7 @@ UNSET = {
     "dataset": "none: required by --task ucr",
     "point_by_point": "false: L/n_i steps of n_i values",
     "step_width": "n_i, the largest divisor of L not above sqrt(L)",
+    "val_fold": "0: the Spectral-RNN appendix's one split",
     "corpus": "the bundled Wikipedia + news corpus",
     "vocab_size": "10000",
     "bptt": "70",

@@ -47,6 +47,7 @@ class TrainConfig:
     dataset: str | None = None
     point_by_point: bool | None = None
     step_width: int | None = None  # UCR: points a step (the series padded to a multiple)
+    val_fold: int | None = None  # UCR: which 20% block of the training split validates
     corpus: str | list[str] | None = None  # one text file, or several (each split on its own)
     vocab_size: int | None = None
     bptt: int | None = None
@@ -76,6 +77,7 @@ class TrainConfig:
         return {"seq_len": self.seq_len, "copy_loss": self.copy_loss,
                 "copy_symbols": self.copy_symbols, "dataset": self.dataset,
                 "point_by_point": self.point_by_point, "step_width": self.step_width,
+                "val_fold": self.val_fold,
                 "corpus": self.corpus,
                 "vocab_size": self.vocab_size, "bptt": self.bptt, "data": self.data,
                 "data_mix": self.data_mix}

@@ -8,18 +8,23 @@ levers the paper leaves open changed:
   parameter count allows 2);
 - the learning rate and its schedule;
 - gradient clipping;
+- the batch size (the preset's is the whole training split, 29 series: full-batch steps);
 - the budget (steps).
 
 A trial trains --seeds seeds (in --jobs processes) and scores the mean of their last
 validation accuracy, the validation loss breaking ties (``--select auto`` keeps the last
-model on such small splits). The test split is never read: ``train(score_test=False)``.
+model on such small splits). ArrowHead's validation split is 7 series, so one split
+scores a recipe in steps of 0.14; ``--folds 5`` cross-validates instead: each trial
+trains one run per fold of the training split (``--val-fold``, the fold's index its
+seed), and every one of the 35 series that a fold holds out is scored once. The test
+split is never read: ``train(score_test=False)``.
 Optuna's TPE sampler is seeded, so a search gives the same trials again on one machine.
 Prints every trial and the best one as a table and writes
 bench/results/ucr_search-NAME.json; the best's flags are what the preset takes
 (training/presets/table.py).
 
     python bench/experiments/ucr_search.py [--dataset ArrowHead] [--trials 30] [--seeds 3]
-        [--jobs 2] [--step-widths 2]
+        [--jobs 2] [--step-widths 2] [--folds 5]
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ LR = (3e-4, 3e-2)
 SCHEDULES = ("constant", "cosine")
 CLIPS = (0.5, 1.0, 5.0)
 STEPS = (1000, 2000, 4000, 8000)
+BATCHES = (4, 8, 16, 29)  # 29: ArrowHead's whole training split, the preset's
 
 
 def validation_score(dataset: str, params: dict, seed: int) -> tuple[float, float, float]:
@@ -73,10 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--step-widths", default="2",
                         help="the points a step tried, comma-separated (default 2)")
+    parser.add_argument("--folds", type=int, default=1,
+                        help="cross-validate each trial over this many folds of the training "
+                        "split, one run each (default 1: the fixed split, --seeds runs)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    if args.trials < 1 or args.seeds < 1 or args.jobs < 1:
-        parser.error("--trials, --seeds and --jobs must be at least 1")
+    if args.trials < 1 or args.seeds < 1 or args.jobs < 1 or not 1 <= args.folds <= 5:
+        parser.error("--trials, --seeds and --jobs must be at least 1, --folds 1 to 5")
     try:
         widths = tuple(int(w) for w in args.step_widths.split(","))
     except ValueError:
@@ -93,12 +102,17 @@ def main(argv: list[str] | None = None) -> int:
                   "lr": trial.suggest_float("lr", *LR, log=True),
                   "schedule": trial.suggest_categorical("schedule", SCHEDULES),
                   "clip": trial.suggest_categorical("clip", CLIPS),
+                  "batch_size": trial.suggest_categorical("batch_size", BATCHES),
                   "steps": trial.suggest_categorical("steps", STEPS)}
-        seeds = ([args.dataset] * args.seeds, [params] * args.seeds, range(args.seeds))
+        if args.folds > 1:  # one run a fold, its seed the fold's index
+            runs = [{**params, "val_fold": fold} for fold in range(args.folds)]
+        else:
+            runs = [params] * args.seeds
+        seeds = ([args.dataset] * len(runs), runs, range(len(runs)))
         if args.jobs == 1:
             got = list(map(validation_score, *seeds))
         else:
-            with ProcessPoolExecutor(min(args.jobs, args.seeds)) as pool:
+            with ProcessPoolExecutor(min(args.jobs, len(runs))) as pool:
                 got = list(pool.map(validation_score, *seeds))
         accuracy = statistics.mean(a for a, _, _ in got)
         loss = statistics.mean(loss for _, loss, _ in got)
@@ -116,16 +130,17 @@ def main(argv: list[str] | None = None) -> int:
                                 sampler=optuna.samplers.TPESampler(seed=0))
     study.optimize(objective, n_trials=args.trials)
     best = max(trials, key=lambda t: t["val_accuracy"] - 0.01 * t["val_loss"])
-    print("\n| trial | step_width | lr | schedule | clip | steps | validation accuracy "
+    print("\n| trial | step_width | lr | schedule | clip | batch | steps | validation accuracy "
           "| validation loss | s a seed |")
-    print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for t in sorted(trials, key=lambda t: -(t["val_accuracy"] - 0.01 * t["val_loss"])):
         mark = " (best)" if t is best else ""
         print(f"| {t['trial']}{mark} | {t['step_width']} | {t['lr']:.2e} | {t['schedule']} | "
-              f"{t['clip']} | {t['steps']} | {t['val_accuracy']:.3f} | {t['val_loss']:.3f} "
-              f"| {t['seconds_per_seed']} |")
+              f"{t['clip']} | {t['batch_size']} | {t['steps']} | {t['val_accuracy']:.3f} | "
+              f"{t['val_loss']:.3f} | {t['seconds_per_seed']} |")
     write_result(args.out or ROOT / "bench" / "results" / f"ucr_search-{args.dataset}.json",
-                 {"dataset": args.dataset, "seeds": args.seeds, "trials": trials,
+                 {"dataset": args.dataset, "seeds": args.seeds, "folds": args.folds,
+                  "trials": trials,
                   "best": best, "sampler": "TPE, seed 0"})
     return 0
 

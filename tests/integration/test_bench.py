@@ -195,6 +195,21 @@ def test_ucr_search_chooses_on_validation_scores(tmp_path, monkeypatch):
     best = max(result["trials"], key=lambda t: t["val_accuracy"])
     assert result["best"] == best
     assert best["val_accuracy"] == pytest.approx(1 - abs(best["step_width"] - 4) / 10)
+    # --folds: one run a fold of the training split, its seed the fold's index, the score
+    # their mean
+    folds = []
+
+    def by_fold(dataset, params, seed):
+        folds.append((params["val_fold"], seed))
+        return params["val_fold"] / 10, 0.5, 0.1
+    monkeypatch.setattr(module, "validation_score", by_fold)
+    assert module.main(["--trials", "2", "--folds", "5", "--jobs", "1", "--out", str(out)]) == 0
+    assert folds == [(f, f) for f in range(5)] * 2
+    result = json.loads(out.read_text())
+    assert result["folds"] == 5 and result["best"]["val_accuracy"] == pytest.approx(0.2)
+    assert all(t["batch_size"] in module.BATCHES for t in result["trials"])
+    with pytest.raises(SystemExit):
+        module.main(["--folds", "6"])
 
 
 def test_object_storage_benchmark_runs(tmp_path):

@@ -82,7 +82,7 @@ _BUILDERS = {
     "digits": (lambda: digits_task(False), ()),
     "permuted-digits": (lambda: digits_task(True), ()),
     "mnist1d": (mnist1d_task, ()),
-    "ucr": (ucr_task, ("dataset", "point_by_point", "step_width")),
+    "ucr": (ucr_task, ("dataset", "point_by_point", "step_width", "val_fold")),
     "lm": (lm_task, ("corpus", "vocab_size", "bptt")),
     "classify": (user_task, ("data", "data_mix")),
 }

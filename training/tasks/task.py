@@ -65,11 +65,12 @@ def three_way(n: int, fractions: tuple[float, float]
     return order[:n_train], order[n_train:n_train + n_val], order[n_train + n_val:]
 
 
-def holdout(n: int, n_val: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices of (train, validation) of n examples: a fixed seeded permutation's first
-    n_val validate."""
+def holdout(n: int, n_val: int, fold: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of (train, validation) of n examples: block FOLD of n_val of a fixed seeded
+    permutation validates (the first by default), the rest trains."""
     order = split_order(n)
-    return order[n_val:], order[:n_val]
+    start = fold * n_val
+    return torch.cat([order[:start], order[start + n_val:]]), order[start:start + n_val]
 
 
 def split_fixed(x: torch.Tensor, y: torch.Tensor, fractions: tuple[float, float],

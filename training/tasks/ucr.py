@@ -15,8 +15,19 @@ from .task import Task, classification, holdout
 UCR_VAL = 0.2  # of the official training set held out (Spectral-RNN appendix)
 
 
-def ucr_holdout(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return holdout(n, max(1, round(UCR_VAL * n)))  # one series at least, however small
+def ucr_holdout(n: int, fold: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation) indices of a training split of n series: fold FOLD of the
+    ``ucr_folds(n)`` disjoint validation blocks (fold 0: the appendix's one split)."""
+    return holdout(n, _val_count(n), fold)
+
+
+def _val_count(n: int) -> int:
+    return max(1, round(UCR_VAL * n))  # one series at least, however small
+
+
+def ucr_folds(n: int) -> int:
+    """Disjoint validation blocks a training split of n series holds (5 at 20%)."""
+    return n // _val_count(n)
 
 
 def sktime_data() -> Path:
@@ -60,10 +71,12 @@ def fold_series(x: np.ndarray, point_by_point: bool, width: int | None = None) -
 
 
 def ucr_task(dataset: str | None = None, point_by_point: bool = False,
-             step_width: int | None = None) -> Task:
+             step_width: int | None = None, val_fold: int | None = None) -> Task:
     """A bundled UCR/UEA set with its official train/test split; 20% of train (fixed,
     seeded) is held out for validation, as in the Spectral-RNN appendix. STEP_WIDTH: the
-    points fed per step (``fold_series``; default the appendix's n_i)."""
+    points fed per step (``fold_series``; default the appendix's n_i). VAL_FOLD: which of
+    the training split's disjoint 20% blocks validates (default 0, the appendix's split;
+    a recipe search scores every fold: cross-validation on the training split)."""
     from sktime.datasets import load_from_tsfile
 
     available = ucr_datasets()
@@ -94,10 +107,15 @@ def ucr_task(dataset: str | None = None, point_by_point: bool = False,
         return Split(torch.tensor(fold_series(x, point_by_point, step_width)),
                      torch.tensor([index[v] for v in y]))
     train_all, test = split("TRAIN"), split("TEST")
-    train, val = ucr_holdout(len(train_all))
+    folds = ucr_folds(len(train_all))
+    if val_fold is not None and (isinstance(val_fold, bool) or not isinstance(val_fold, int)
+                                 or not 0 <= val_fold < folds):
+        raise ValueError(f"val_fold must be an integer from 0 to {folds - 1} ({dataset}'s "
+                         f"training split holds {folds} validation blocks); got {val_fold!r}")
+    train, val = ucr_holdout(len(train_all), val_fold or 0)
     return classification("ucr", train_all.take(train), train_all.take(val),
                            test, labels, {"dataset": dataset, "point_by_point": point_by_point,
-                            "step_width": step_width})
+                            "step_width": step_width, "val_fold": val_fold})
 
 
 def series_count(path: Path) -> int:

@@ -230,6 +230,32 @@ def test_a_chosen_step_width_pads_the_series_with_its_last_value():
         make_task("ucr", dataset="ArrowHead", step_width=2, point_by_point=True)
 
 
+def test_ucr_validation_folds_are_disjoint_blocks_of_the_training_split():
+    """--val-fold K: the K-th of the training split's disjoint 20% blocks validates, the
+    rest trains; fold 0 (the default) is the appendix's one split."""
+    from orthornn.training.tasks.ucr import ucr_folds
+
+    default = make_task("ucr", dataset="ArrowHead", step_width=2)
+    n = len(default.train) + len(default.val)  # 36 series: 29 train, 7 validate
+    assert (n, len(default.val), ucr_folds(n)) == (36, 7, 5)
+    rows = {tuple(r.tolist()) for r in make_task("ucr", dataset="ArrowHead",
+                                                 step_width=2).train.x.reshape(29, -1)}
+    seen = []
+    for fold in range(5):
+        task = make_task("ucr", dataset="ArrowHead", step_width=2, val_fold=fold)
+        train = {tuple(r.tolist()) for r in task.train.x.reshape(len(task.train), -1)}
+        val = [tuple(r.tolist()) for r in task.val.x.reshape(len(task.val), -1)]
+        assert len(val) == 7 and len(train) == 29 and not train & set(val)
+        torch.testing.assert_close(task.test.x, default.test.x)  # the test split never moves
+        seen += val
+        if fold == 0:
+            assert train == rows
+    assert len(set(seen)) == 35  # disjoint blocks: 35 of the 36 series validate once
+    for bad in (5, -1, True, 1.0):
+        with pytest.raises(ValueError, match="val_fold must be an integer from 0 to 4"):
+            make_task("ucr", dataset="ArrowHead", val_fold=bad)
+
+
 def test_ucr_unknown_dataset_lists_bundled():
     with pytest.raises(ValueError, match=r"bundled with sktime: .*GunPoint"):
         make_task("ucr", dataset="Wafer")
