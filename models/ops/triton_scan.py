@@ -32,7 +32,7 @@ and the modReLU bias gradient are then ordinary PyTorch products
 (``reference.scan_parameter_grads``), dW as one [n, B T] x [B T, n] matmul.
 
 The activation formulas are those of ``models.activations``, re-expressed in Triton,
-one helper per kind below.
+one helper per kind in ``triton_activations``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ import triton
 import triton.language as tl
 
 from ..activations import KINDS, check_kind
-from .dispatch import check_launch, launch_options
+from .dispatch import check_launch, interpreter_requested, launch_options
+from .triton_activations import _activation, _activation_grad, _bias_tile
 
 #: Largest padded hidden size whose W^T is loaded once and stays on chip for the whole
 #: scan, as one dot operand (a single K block of RESIDENT_MAX); at 64 that fp32 FMA dot
@@ -58,107 +59,6 @@ BK_TILE = 16
 TILE_PER_THREAD = 4
 #: Sequences per program: tl.dot needs at least 16 rows.
 BLOCK_B = 16
-
-TANH, RELU, LEAKY_RELU, MODRELU, ABS = (KINDS.index(k) for k in
-                                         ("tanh", "relu", "leaky_relu", "modrelu", "abs"))
-
-
-# -- activations: one helper per kind (forward, derivative), as models.activations --
-@triton.jit
-def _sign(z):
-    return tl.where(z > 0, 1.0, 0.0) - tl.where(z < 0, 1.0, 0.0)
-
-
-@triton.jit
-def _tanh(z):  # via exp(-2|z|): no overflow, no cancellation near 0
-    e = tl.exp(-2.0 * tl.abs(z))
-    return _sign(z) * (1.0 - e) / (1.0 + e)
-
-
-@triton.jit
-def _tanh_grad(z):
-    t = _tanh(z)
-    return 1.0 - t * t
-
-
-@triton.jit
-def _relu(z):
-    return tl.maximum(z, 0.0)
-
-
-@triton.jit
-def _relu_grad(z):
-    return tl.where(z > 0, 1.0, 0.0)
-
-
-@triton.jit
-def _leaky_relu(z, slope):
-    return tl.where(z > 0, z, z * slope)
-
-
-@triton.jit
-def _leaky_relu_grad(z, slope):
-    return tl.where(z > 0, 1.0, 0.0) * (1.0 - slope) + slope
-
-
-@triton.jit
-def _modrelu(z, bias):  # scoRNN eq. 3: sign(z) relu(|z| + b)
-    return _sign(z) * tl.maximum(tl.abs(z) + bias, 0.0)
-
-
-@triton.jit
-def _modrelu_grad(z, bias):
-    return tl.where(((tl.abs(z) + bias) > 0) & (z != 0), 1.0, 0.0)
-
-
-@triton.jit
-def _abs(z):
-    return tl.abs(z)
-
-
-@triton.jit
-def _abs_grad(z):
-    return _sign(z)
-
-
-@triton.jit
-def _activation(z, bias, slope, KIND: tl.constexpr):
-    if KIND == 0:
-        out = _tanh(z)
-    elif KIND == 1:
-        out = _relu(z)
-    elif KIND == 2:
-        out = _leaky_relu(z, slope)
-    elif KIND == 3:
-        out = _modrelu(z, bias)
-    else:  # KIND == 4 (the launcher passes KINDS.index of a checked kind)
-        out = _abs(z)
-    return out
-
-
-@triton.jit
-def _activation_grad(z, bias, slope, KIND: tl.constexpr):
-    if KIND == 0:
-        out = _tanh_grad(z)
-    elif KIND == 1:
-        out = _relu_grad(z)
-    elif KIND == 2:
-        out = _leaky_relu_grad(z, slope)
-    elif KIND == 3:
-        out = _modrelu_grad(z, bias)
-    else:  # KIND == 4
-        out = _abs_grad(z)
-    return out
-
-
-@triton.jit
-def _bias_tile(bias_ptr, cols, col_ok, KIND: tl.constexpr, BN: tl.constexpr):
-    if KIND == 3:
-        b = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
-    else:
-        b = tl.zeros([BN], dtype=tl.float32)
-    return b[None, :]
-
 
 @triton.jit
 def _load_exchanged(ptr, mask, GRID_SYNC: tl.constexpr):
@@ -193,6 +93,40 @@ def _wait(counter_ptr, target, GRID_SYNC: tl.constexpr):
 
 
 @triton.jit
+def _resident_matrix(m_ptr, k_lane, lane, N, RESIDENT: tl.constexpr):
+    """M [N, N], row-major, loaded once for all T steps when it fits one tile (RESIDENT:
+    BK = BN >= N, C = 1); otherwise a placeholder that ``_times_matrix`` never reads."""
+    if RESIDENT:
+        m = tl.load(m_ptr + k_lane[:, None] * N + lane[None, :],
+                    mask=(k_lane[:, None] < N) & (lane[None, :] < N), other=0.0)
+    else:
+        m = 0.0
+    return m
+
+
+@triton.jit
+def _times_matrix(acc, x_row, m_ptr, m_res, row_ok, cols, col_ok, k_lane, N,
+                  BK: tl.constexpr, RESIDENT: tl.constexpr, PRECISION: tl.constexpr,
+                  GRID_SYNC: tl.constexpr):
+    """acc + X[rows, :N] M[:N, cols] for X at ``x_row`` (one row a sequence) and M
+    row-major at ``m_ptr``: M is ``m_res`` (on chip, one K block) if RESIDENT, else
+    streamed in [BK, BN] blocks (from L1 / L2), which keeps the registers bounded."""
+    if RESIDENT:
+        x = tl.load(x_row + k_lane[None, :], mask=row_ok[:, None] & (k_lane[None, :] < N),
+                    other=0.0)
+        acc = tl.dot(x, m_res, acc, input_precision=PRECISION)
+    else:
+        for k0 in range(0, N, BK):
+            ks = k0 + k_lane
+            k_ok = ks < N
+            x = _load_exchanged(x_row + ks[None, :], row_ok[:, None] & k_ok[None, :], GRID_SYNC)
+            m = tl.load(m_ptr + ks[:, None] * N + cols[None, :],
+                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(x, m, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _scan_fwd_kernel(u_ptr, wt_ptr, len_ptr, a_ptr, b2_ptr, bias_ptr,
                      states_ptr, pre_ptr, carried_ptr, counter_ptr, B, T, N, C, P0, P1, slope,
                      KIND: tl.constexpr, GATED: tl.constexpr, HAS_LEN: tl.constexpr,
@@ -216,9 +150,7 @@ def _scan_fwd_kernel(u_ptr, wt_ptr, len_ptr, a_ptr, b2_ptr, bias_ptr,
     if GATED:
         a = tl.load(a_ptr)
         b2 = tl.load(b2_ptr)
-    if RESIDENT:  # one tile (BK = BN >= N, C = 1): W^T loaded once for all T steps
-        w_res = tl.load(wt_ptr + k_lane[:, None] * N + lane[None, :],
-                        mask=(k_lane[:, None] < N) & (lane[None, :] < N), other=0.0)
+    w_res = _resident_matrix(wt_ptr, k_lane, lane, N, RESIDENT)  # W^T
     for t in range(P0, P1):
         _wait(counter, t * C, GRID_SYNC)  # every column of h_{t-1} written
         prev_row = carried_ptr + (carried_rows + t * N)[:, None]  # h_{t-1}
@@ -229,19 +161,8 @@ def _scan_fwd_kernel(u_ptr, wt_ptr, len_ptr, a_ptr, b2_ptr, bias_ptr,
             tile = row_ok[:, None] & col_ok[None, :]
             seq = seq_row + cols[None, :]
             z = tl.load(u_ptr + seq, mask=tile, other=0.0)
-            if RESIDENT:
-                h = tl.load(prev_row + k_lane[None, :],
-                            mask=row_ok[:, None] & (k_lane[None, :] < N), other=0.0)
-                z = tl.dot(h, w_res, z, input_precision=PRECISION)
-            else:  # W^T streamed in [BK, BN] blocks (from L1 / L2): bounded registers
-                for k0 in range(0, N, BK):
-                    ks = k0 + k_lane
-                    k_ok = ks < N
-                    h = _load_exchanged(prev_row + ks[None, :],
-                                        row_ok[:, None] & k_ok[None, :], GRID_SYNC)
-                    w = tl.load(wt_ptr + ks[:, None] * N + cols[None, :],
-                                mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                    z = tl.dot(h, w, z, input_precision=PRECISION)
+            z = _times_matrix(z, prev_row, wt_ptr, w_res, row_ok, cols, col_ok, k_lane, N,
+                              BK, RESIDENT, PRECISION, GRID_SYNC)  # Z_t = U_t + H_{t-1} W^T
             if STORE_PRE:
                 tl.store(pre_ptr + seq, z, mask=tile)
             new = _activation(z, _bias_tile(bias_ptr, cols, col_ok, KIND, BN), slope, KIND)
@@ -283,9 +204,7 @@ def _scan_bwd_kernel(d_states_ptr, w_ptr, pre_ptr, len_ptr, a_ptr, b2_ptr, bias_
     if GATED:
         a = tl.load(a_ptr)
         b2 = tl.load(b2_ptr)
-    if RESIDENT:  # W[k, j], loaded once (BK = BN >= N, C = 1)
-        w_res = tl.load(w_ptr + k_lane[:, None] * N + lane[None, :],
-                        mask=(k_lane[:, None] < N) & (lane[None, :] < N), other=0.0)
+    w_res = _resident_matrix(w_ptr, k_lane, lane, N, RESIDENT)  # W[k, j]
     for p in range(P0, P1):
         s = p // 2
         t = T - 1 - s
@@ -330,19 +249,8 @@ def _scan_bwd_kernel(d_states_ptr, w_ptr, pre_ptr, len_ptr, a_ptr, b2_ptr, bias_
                 col_ok = cols < N
                 tile = row_ok[:, None] & col_ok[None, :]
                 g = tl.load(g_row + cols[None, :], mask=tile, other=0.0)
-                if RESIDENT:
-                    dz = tl.load(dz_row + k_lane[None, :],
-                                 mask=row_ok[:, None] & (k_lane[None, :] < N), other=0.0)
-                    g = tl.dot(dz, w_res, g, input_precision=PRECISION)
-                else:  # W streamed in [BK, BN] blocks
-                    for k0 in range(0, N, BK):
-                        ks = k0 + k_lane
-                        k_ok = ks < N
-                        dz = _load_exchanged(dz_row + ks[None, :],
-                                             row_ok[:, None] & k_ok[None, :], GRID_SYNC)
-                        w = tl.load(w_ptr + ks[:, None] * N + cols[None, :],
-                                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                        g = tl.dot(dz, w, g, input_precision=PRECISION)
+                g = _times_matrix(g, dz_row, w_ptr, w_res, row_ok, cols, col_ok, k_lane, N,
+                                  BK, RESIDENT, PRECISION, GRID_SYNC)
                 tl.store(g_row + cols[None, :], g, mask=tile)
             tl.debug_barrier()  # g of this program's columns whole before pass 1 reads it
 
@@ -385,7 +293,7 @@ def resident_programs(device: torch.device) -> int | None:
     """How many programs of the scan are certain to run at once: one per SM on a GPU (a
     program's registers fill most of an SM). None under the interpreter, which runs the
     programs one after another."""
-    if device.type != "cuda":
+    if device.type != "cuda" or interpreter_requested():
         return None
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -405,14 +313,15 @@ def _phases(kernel, grid, args, phases: int, columns: int, device, meta) -> None
     """Run ``phases`` phases: one launch on a GPU (the programs meet at their barriers);
     under the interpreter with several column programs, one launch per phase (it runs a
     grid's programs in turn, so a barrier inside a launch would wait forever)."""
-    if columns == 1 or device.type == "cuda":
+    if columns == 1 or resident_programs(device) is not None:
         kernel[grid](*args, 0, phases, **meta)
         return
     for p in range(phases):
         kernel[grid](*args, p, p + 1, **meta)
 
 
-def _common(u, weight, lengths, a, b2, bias, kind, columns):
+def _common(u, weight, lengths, a, b2, bias, kind, columns=1):
+    columns = column_programs(u.shape[-1], u.shape[0], columns, u.device)
     options, meta, columns = launch_meta(u.shape[-1], kind, a is not None, lengths is not None,
                                          _precision(), columns)
     dummy = u  # never read: the matching constexpr switch is off
