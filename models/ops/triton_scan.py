@@ -284,7 +284,10 @@ def launch_meta(n: int, kind: str, gated: bool, has_len: bool, precision: str,
     n and ``columns`` programs per group requested: what the launchers below pass, and
     what ``scripts/compile_check.py`` compiles."""
     block, resident, warps, k_block, columns = _config(n, columns)
-    return launch_options(warps), dict(
+    options = launch_options(warps)
+    if columns > 1:  # a grid larger than can be resident: a CUDA error, not a spin forever
+        options["launch_cooperative_grid"] = True
+    return options, dict(
         KIND=KINDS.index(check_kind(kind)), GATED=gated, HAS_LEN=has_len, BB=BLOCK_B, BN=block,
         BK=k_block, RESIDENT=resident, PRECISION=precision, GRID_SYNC=columns > 1), columns
 

@@ -130,10 +130,11 @@ def test_scan_split_over_column_programs(monkeypatch, columns, kind, gated):
 
 
 def test_program_ahead_of_its_group_waits(tmp_path):
-    """The barrier holds a program back: one launch of every phase with 2 column programs
-    under the interpreter (which runs the first program alone to its end) never passes
-    step 1's barrier, since the second program has not written its half of h_0; one
-    program a group finishes the same launch (its barrier is its own arrival)."""
+    """The barrier holds a program back, forward and backward: one launch of every phase
+    with 2 column programs under the interpreter (which runs the first program alone to
+    its end) never passes the first barrier (the forward's step 1 needs the other half of
+    h_0, the backward's pass 2 the other half of dz_{T-1}); one program a group finishes
+    the same launch (its barrier is its own arrival)."""
     script = tmp_path / "ahead.py"
     script.write_text(
         "import os, sys, torch\n"
@@ -142,29 +143,37 @@ def test_program_ahead_of_its_group_waits(tmp_path):
         "triton_scan._phases = lambda k, grid, args, phases, columns, device, meta: "
         "k[grid](*args, 0, phases, **meta)\n"
         "u, w = torch.randn(2, 3, 40), torch.randn(40, 40) / 7\n"
-        "columns = int(sys.argv[1])\n"
+        "columns, which = int(sys.argv[1]), sys.argv[2]\n"
         "print('launching', flush=True)\n"
-        "states, *_ = triton_scan.scan_forward(u, w, torch.zeros(2, 40), None, None, None, "
+        "if which == 'forward':\n"
+        "    out, *_ = triton_scan.scan_forward(u, w, torch.zeros(2, 40), None, None, None, "
         "None, 'tanh', 0.0, False, columns)\n"
-        "print('done', float(states.abs().sum()), flush=True)\n")
+        "else:\n"
+        "    out, *_ = triton_scan.scan_backward(u, None, w, u, None, None, None, None, "
+        "'tanh', 0.0, columns)\n"
+        "print('done', float(out.abs().sum()), flush=True)\n")
     import subprocess
     import sys
     import time
 
     env = dict(os.environ, TRITON_INTERPRET="1")
-    one = subprocess.run([sys.executable, str(script), "1"], capture_output=True, text=True,
-                         timeout=300, env=env)
-    assert one.returncode == 0 and "done" in one.stdout, one.stderr[-2000:]
-    two = subprocess.Popen([sys.executable, str(script), "2"], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=env)
+    runs = {(columns, which): subprocess.Popen(
+        [sys.executable, str(script), str(columns), which], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=env)
+        for columns in (1, 2) for which in ("forward", "backward")}
     try:
-        assert two.stdout.readline().strip() == "launching"
-        time.sleep(5)  # one program's three steps take well under a second (the run above)
-        assert two.poll() is None, two.communicate()
+        for which in ("forward", "backward"):
+            out, err = runs[1, which].communicate(timeout=300)
+            assert runs[1, which].returncode == 0 and "done" in out, err[-2000:]
+            assert runs[2, which].stdout.readline().strip() == "launching"
+        time.sleep(5)  # one program's three steps take well under a second (the runs above)
+        for which in ("forward", "backward"):
+            assert runs[2, which].poll() is None, runs[2, which].communicate()
     finally:
-        two.kill()
-        out, _ = two.communicate()
-    assert "done" not in out
+        for run in runs.values():
+            run.kill()
+    for which in ("forward", "backward"):
+        assert "done" not in runs[2, which].communicate()[0]
 
 
 def test_column_programs_chosen_and_capped(monkeypatch):
