@@ -296,11 +296,14 @@ def test_factored_training_steps_match(monkeypatch, arch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("n", "kind", "gated"), [(128, "relu", False), (256, "modrelu", True),
-                                                  (100, "tanh", True)])
-def test_scan_on_gpu_larger_shapes(monkeypatch, n, kind, gated):
+@pytest.mark.parametrize(("n", "kind", "gated", "columns"), [
+    (128, "relu", False, 1), (256, "modrelu", True, 1), (100, "tanh", True, 1),
+    (128, "relu", False, 2), (128, "modrelu", True, 4), (256, "tanh", True, 8)])
+def test_scan_on_gpu_larger_shapes(monkeypatch, n, kind, gated, columns):
     """On the device: auto picks Triton for CUDA tensors, and the kernels (resident W for
-    n <= 32, streamed above) are as accurate as the float32 reference at realistic sizes.
+    n <= 32, streamed above; split over COLUMNS programs a group, which meet at a grid
+    barrier a step in one launch) are as accurate as the float32 reference at realistic
+    sizes, and every program of every group arrives once a step.
 
     Both float32 paths are measured against the reference in float64 on the same values:
     the kernels' error may be at most 4 times the float32 reference's, plus 1e-6 of the
@@ -313,6 +316,8 @@ def test_scan_on_gpu_larger_shapes(monkeypatch, n, kind, gated):
     monkeypatch.setenv("ORTHORNN_KERNELS", "auto")
     assert dispatch.use_triton("rnn_scan", (torch.zeros(1, device="cuda"),))
     assert torch.get_float32_matmul_precision() == "highest"  # full fp32 on both paths
+    monkeypatch.setenv("ORTHORNN_SCAN_COLUMNS", str(columns))
+    calls = record_phases(monkeypatch)
     results = {}
     for mode, dtype in (("triton", torch.float32), ("reference", torch.float32),
                         ("exact", torch.float64)):
@@ -332,6 +337,10 @@ def test_scan_on_gpu_larger_shapes(monkeypatch, n, kind, gated):
         print(f"{name}: kernels {error:.2e}, float32 reference {ref_error:.2e}, "
               f"largest {scale:.2e}")
         assert error <= 4 * ref_error + 1e-6 * scale, (name, error, ref_error, scale)
+    # B = 64: 4 groups, far fewer programs than SMs, so the split is never capped here;
+    # one program a group needs no counter (its barrier is its own)
+    arrivals = 50 * columns if columns > 1 else 0
+    assert [(c, counts) for _, c, _, counts in calls] == [(columns, [arrivals] * 4)] * 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error path")
