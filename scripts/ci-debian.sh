@@ -7,6 +7,7 @@
 #   Prometheus and promtool    prometheus                 tests/integration/test_monitoring.py (the chart's
 #                                                         rules and dashboard)
 #   podman and a Debian base   podman, runc, mmdebstrap   make images, tests/system/test_images.py
+#   wrk (the load generator)   wrk                        tests/integration/test_bench.py (bench/load/)
 # Only what is missing is installed (a no-op when every program is on PATH). The tests
 # start their own processes on free loopback ports; the packages' system services are
 # neither needed nor started. The versions are not pinned: Debian's archive keeps only the
@@ -45,6 +46,7 @@ need prometheus prometheus  # promtool comes with it
 need podman podman
 need runc runc
 need mmdebstrap mmdebstrap
+need wrk wrk
 
 [ "${#packages[@]}" = 0 ] && exit 0
 command -v apt-get >/dev/null 2>&1 || give_up "no apt-get (not a Debian-based system)"

@@ -10,6 +10,8 @@ import pytest
 
 from orthornn.cli import benchmarks
 
+from ..cluster import require
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -163,6 +165,7 @@ def test_request_profile_benchmark_runs(tmp_path):
 def test_floors_benchmark_runs(tmp_path):
     """bench/load/floors.py at a toy size: the four servers loaded, the parts of a request
     adding up to the shipped server's cost."""
+    require("wrk")  # the load (scripts/ci-debian.sh installs it)
     out = tmp_path / "floors.json"
     module = _load("floors")
     assert module.main(["--rounds", "1", "--round-s", "1", "--out", str(out)]) == 0

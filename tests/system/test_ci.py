@@ -119,7 +119,7 @@ def test_the_tools_step_fails_under_strict_when_a_tool_cannot_be_installed(tmp_p
                             capture_output=True, text=True, timeout=60)
     # the script also looks in /usr/sbin, which this PATH cannot hide
     named = [p for p in ("chromium", "redis-server", "haproxy", "prometheus", "podman", "runc",
-                         "mmdebstrap") if not Path("/usr/sbin", p).exists()]
+                         "mmdebstrap", "wrk") if not Path("/usr/sbin", p).exists()]
     assert named
     assert strict.returncode == 1, strict.stderr
     assert strict.stderr.startswith("ci-debian: no apt-get (not a Debian-based system); "
